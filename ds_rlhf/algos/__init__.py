@@ -1,0 +1,45 @@
+"""RL algorithm core: advantage estimators, KL estimators and controllers, losses, rollout/trainer mismatch
+correction, memory-lean log-probs. Pure functions on tensors: no I/O, no torch.distributed."""
+
+from ds_rlhf.algos.advantages import (
+    ALGOS,
+    GROUP_MODES,
+    broadcast_to_tokens,
+    broadcast_to_tokens_packed,
+    compute_advantages,
+    gae,
+    gae_packed,
+    group_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    reinforce_pp_returns,
+    token_rewards_from_scores,
+)
+from ds_rlhf.algos.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
+from ds_rlhf.algos.logprobs import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    naive_token_logprobs,
+    token_logprobs_from_hidden,
+)
+from ds_rlhf.algos.losses import (
+    AGG_MODES,
+    aggregate,
+    entropy_bonus,
+    kl_loss,
+    masked_token_mean,
+    policy_loss,
+    value_loss,
+)
+from ds_rlhf.algos.mismatch import IS_MODES, mismatch_metrics, truncated_is_weights
+from ds_rlhf.algos.packing import packed_to_padded, padded_to_packed
+
+__all__ = [
+    "AGG_MODES", "ALGOS", "GROUP_MODES", "IS_MODES", "KL_KINDS",
+    "AdaptiveKLController", "FixedKLController",
+    "aggregate", "broadcast_to_tokens", "broadcast_to_tokens_packed", "compute_advantages", "entropy_bonus",
+    "entropy_from_logits", "gae", "gae_packed", "group_advantages", "kl_loss", "kl_penalty", "logprobs_from_logits",
+    "masked_token_mean", "masked_whiten", "mismatch_metrics", "naive_token_logprobs", "packed_to_padded",
+    "padded_to_packed", "policy_loss", "reinforce_pp_advantages", "reinforce_pp_returns",
+    "token_logprobs_from_hidden", "token_rewards_from_scores", "truncated_is_weights", "value_loss",
+]
