@@ -1,0 +1,28 @@
+"""The command-line front of every entry point: --help, config parsing, clear one-line errors."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from ds_rlhf.config import Config, ConfigError, apply_mapping, help_text, parse_config
+
+USAGE = """
+Settings: --config file.yaml|json, then --section.key value (or --key value when the key is unique).
+Launch with `python`, `deepspeed` (e.g. deepspeed --num_gpus 8 launch/train_ppo.py --ds_config ...) or
+`accelerate launch` (its DeepSpeed plugin settings fill in what you leave at defaults).
+"""
+
+
+def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        shown = Config()
+        apply_mapping(shown, defaults)
+        print(doc.strip() + "\n" + USAGE + "\nAll settings with this entry point's defaults:\n" + help_text(shown))
+        return None
+    try:
+        cfg = parse_config(argv, defaults)
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    return run(cfg)

@@ -1,0 +1,100 @@
+"""Set-up shared by the SFT, RM and RL entry points: process group, run directory, tokenizer, ds_config."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ds_rlhf.config import Config
+from ds_rlhf.trainer.distributed import DistInfo, init_distributed
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_model_path(spec: str) -> str:
+    """A local HF directory, or `tiny` / `tiny:<preset>` for the offline tiny model (built on first use)."""
+    if spec == "tiny" or spec.startswith("tiny:"):
+        from ds_rlhf.testing.tiny import build_tiny_model
+
+        return str(build_tiny_model(spec=spec.partition(":")[2] or "tiny"))
+    if not Path(spec).is_dir():
+        raise FileNotFoundError(f"model path '{spec}' is not a local directory (ds_rlhf never downloads "
+                                "weights at run time; pass a directory with config.json and weights)")
+    return spec
+
+
+def find_ds_config(path: str) -> Path:
+    """The ds_config as given, or relative to the checkout (so `ds_configs/zero2.json` works from anywhere)."""
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class RunContext:
+    cfg: Config
+    dist: DistInfo
+    run_dir: Path
+    model_path: str
+    tokenizer: object
+    precision: str
+
+    def print(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+    def ds_config(self, *, role: str, micro_batch_size: int, lr: float, total_steps: int,
+                  frozen: bool = False) -> dict:
+        """Resolve the run's ds_config for one role, save it beside the run, and return it."""
+        from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+
+        cfg = self.cfg
+        raw = load_ds_config(find_ds_config(cfg.ds_config))
+        resolved = resolve_ds_config(
+            raw, micro_batch_size=micro_batch_size, grad_accum=1, world_size=self.dist.world_size,
+            precision=self.precision, grad_clip=cfg.optim.grad_clip, lr=lr, weight_decay=cfg.optim.weight_decay,
+            betas=cfg.optim.betas, eps=cfg.optim.eps, warmup_steps=cfg.optim.warmup_steps, total_steps=total_steps,
+            zero_stage=None if cfg.zero_stage < 0 else cfg.zero_stage, offload=cfg.offload or None)
+        if not frozen:
+            # RL and packed SFT have a variable number of micro-batches per optimizer step: we scale each
+            # micro-batch's loss ourselves and call step() at the boundary (DeepSpeed's unmanaged mode).
+            resolved["managed_gradient_accumulation"] = False
+        if self.dist.is_main:
+            (self.run_dir / f"ds_config.{role}.json").write_text(json.dumps(resolved, indent=2, sort_keys=True))
+        return resolved
+
+
+def setup_run(cfg: Config, kind: str) -> RunContext:
+    from transformers import AutoTokenizer
+
+    from ds_rlhf.engines.ds_config import pick_precision
+
+    dist = init_distributed(cfg)
+    seed_everything(cfg.run.seed)
+    run_dir = Path(cfg.run.output_dir)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    precision = pick_precision(cfg.model.dtype)
+    ctx = RunContext(cfg=cfg, dist=dist, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
+                     precision=precision)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(run_dir / "config.json")
+        ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
+                  f"precision {precision} | model {model_path}")
+        ctx.print(f"[{kind}] resolved config:\n{json.dumps(cfg.to_dict(), indent=1, sort_keys=True)}")
+    return ctx

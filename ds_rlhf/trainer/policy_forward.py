@@ -1,0 +1,51 @@
+"""Per-token log-probs (and entropy) of a causal LM without materialising fp32 [B, T, V] logits.
+
+The backbone runs as usual; the output head is swapped, for the duration of one call, for the chunked log-prob
+function of `ds_rlhf.algos.logprobs`. Calling it *through the head module* keeps DeepSpeed's ZeRO-3 hooks in
+charge of gathering the (possibly tied) head weight for forward and backward, exactly as for a normal Linear.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ds_rlhf.algos.logprobs import token_logprobs_from_hidden
+
+
+def unwrap(model):
+    """The HF model inside a DeepSpeed engine and/or a PEFT wrapper."""
+    model = getattr(model, "module", model)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+@contextmanager
+def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bool, chunk_size: int):
+    def forward(hidden, targets):
+        return token_logprobs_from_hidden(hidden, head.weight, targets, chunk_size=chunk_size,
+                                          temperature=temperature, with_entropy=with_entropy,
+                                          lm_head_bias=getattr(head, "bias", None))
+
+    head.forward = forward
+    try:
+        yield head
+    finally:
+        del head.forward  # back to the class's own forward
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+                      with_entropy: bool = False, chunk_size: int = 2048):
+    """Log-prob of tokens[:, 1:] given their prefix: ([B, L-1], entropy [B, L-1] or None)."""
+    hf = unwrap(model)
+    backbone = hf.get_decoder()
+    head = hf.get_output_embeddings()
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = hidden[:, :-1]
+    targets = input_ids[:, 1:]
+    with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:
+        logp, entropy = h(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
+    shape = targets.shape
+    return logp.view(shape), (entropy.view(shape) if entropy is not None else None)

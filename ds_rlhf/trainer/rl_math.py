@@ -1,0 +1,71 @@
+"""From scored experience to per-token advantages: KL-shaped token rewards, then the chosen estimator.
+
+Thin glue over `ds_rlhf.algos` (which holds the formulas and their tests); what lives here is the mapping from
+our Experience layout and the run's settings to those functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_rlhf.algos.advantages import (
+    broadcast_to_tokens,
+    gae,
+    group_advantages,
+    reinforce_pp_advantages,
+)
+from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.config import RLConfig
+from ds_rlhf.trainer.experience import Experience
+
+ALGOS = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_MODE = {"grpo": "grpo", "dr_grpo": "grpo_no_std", "rloo": "rloo"}
+
+
+def token_rewards(exp: Experience, rl: RLConfig, kl_coef: float) -> torch.Tensor:
+    """Sequence score on the last response token, minus the per-token KL penalty when KL is in the reward."""
+    mask = exp.action_mask
+    rewards = torch.zeros_like(mask)
+    last = (exp.prompt_lens + exp.response_lens - 2).clamp(min=0)
+    rows = torch.arange(len(exp), device=mask.device)
+    has_response = exp.response_lens > 0
+    rewards[rows[has_response], last[has_response]] = exp.scores[has_response].to(rewards.dtype)
+    if rl.kl_in == "reward" and kl_coef > 0 and exp.ref_logp is not None:
+        rewards = rewards - kl_coef * kl_penalty(exp.old_logp_or_rollout(), exp.ref_logp, rl.kl_estimator) * mask
+    return rewards
+
+
+def _ragged_group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mode: str) -> torch.Tensor:
+    """Group-relative advantages when groups may have lost samples (bad rewards dropped)."""
+    out = torch.zeros_like(scores)
+    for gid in torch.unique(group_ids):
+        idx = (group_ids == gid).nonzero(as_tuple=True)[0]
+        if len(idx) < 2:  # a lone sample has no baseline to compare with: no learning signal
+            continue
+        out[idx] = group_advantages(scores[idx], group_size=len(idx), mode=mode)
+    return out
+
+
+def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float) -> None:
+    """Fill exp.token_rewards, exp.advantages (and exp.returns for PPO) in place."""
+    if rl.algo not in ALGOS:
+        raise ValueError(f"unknown rl.algo '{rl.algo}': choose one of {', '.join(ALGOS)}")
+    mask = exp.action_mask
+    exp.token_rewards = token_rewards(exp, rl, kl_coef)
+    if rl.algo == "ppo":
+        if exp.values is None:
+            raise ValueError("ppo needs critic values")
+        exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, gamma=rl.gamma, lam=rl.lam)
+        from ds_rlhf.algos.advantages import masked_whiten
+
+        exp.advantages = masked_whiten(exp.advantages, mask) * mask
+    elif rl.algo in GROUP_MODE:
+        # KL-in-reward for group methods: fold the summed token penalty into the sequence score first.
+        scores = (exp.token_rewards * mask).sum(dim=1)
+        seq_adv = _ragged_group_advantages(scores, exp.group_ids, GROUP_MODE[rl.algo])
+        exp.advantages = broadcast_to_tokens(seq_adv, mask)
+    else:
+        baseline = rl.algo == "reinforce_pp_baseline"
+        exp.advantages = reinforce_pp_advantages(
+            exp.token_rewards, mask, gamma=rl.gamma,
+            group_ids=exp.group_ids if baseline else None)

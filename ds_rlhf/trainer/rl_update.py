@@ -1,0 +1,154 @@
+"""The optimisation half of an RL step: PPO epochs over mini-batches of token-budget micro-batches.
+
+Each micro-batch's loss is aggregated within the micro-batch and then weighted by its share of the mini-batch
+(tokens for token-mean, sequences otherwise), so accumulating any number of micro-batches gives exactly the
+mini-batch's loss. DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
+micro-batch, `step()` once per mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.algos.losses import aggregate, policy_loss, value_loss
+from ds_rlhf.algos.mismatch import truncated_is_weights
+from ds_rlhf.config import Config
+from ds_rlhf.trainer.experience import Experience, micro_batches
+from ds_rlhf.trainer.policy_forward import sequence_logprobs
+
+
+class _Mean:
+    """Weighted running means of scalar metrics."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: dict, weight: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v) * weight
+            self.weights[k] += weight
+
+    def result(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+def _agg_mode(cfg: Config) -> tuple[str, float | None]:
+    if cfg.rl.loss_agg == "const-norm":  # Dr.GRPO: divide by a constant, the generation budget
+        return "const-norm", float(cfg.rollout.max_new_tokens)
+    return cfg.rl.loss_agg, None
+
+
+def _share(mb: Experience, mode: str, total_tokens: float, total_seqs: int) -> float:
+    if mode == "token-mean":
+        return float(mb.action_mask.sum()) / max(total_tokens, 1.0)
+    return len(mb) / max(total_seqs, 1)
+
+
+def actor_micro_step(actor, mb: Experience, cfg: Config, kl_coef: float, share: float):
+    """Forward, loss and backward for one micro-batch; returns (metrics, detached log-probs)."""
+    mode, const = _agg_mode(cfg)
+    rl = cfg.rl
+    mask = mb.action_mask
+    logp, entropy = sequence_logprobs(actor, mb.input_ids, mb.attention_mask,
+                                      temperature=cfg.rollout.temperature, with_entropy=True)
+    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    is_weights = None
+    if rl.mismatch != "off":
+        is_weights = truncated_is_weights(old, mb.rollout_logp, mask, cap=rl.tis_cap,
+                                          mode="token" if rl.mismatch == "tis" else "sequence_mask")
+    loss, metrics = policy_loss(logp, old, mb.advantages, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
+                                dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights)
+    metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    if rl.kl_in == "loss" and kl_coef > 0:
+        kl = aggregate(kl_penalty(logp, mb.ref_logp, rl.kl_estimator), mask, mode, const)
+        loss = loss + kl_coef * kl
+        metrics["actor/kl_loss"] = kl.detach()
+    entropy_mean = aggregate(entropy, mask, "token-mean")
+    if rl.entropy_coef > 0:
+        loss = loss - rl.entropy_coef * aggregate(entropy, mask, mode, const)
+    metrics["actor/entropy"] = entropy_mean.detach()
+    metrics["actor/loss"] = loss.detach()
+    actor.backward(loss * share, scale_wrt_gas=False)
+    return metrics, logp.detach()
+
+
+def critic_micro_step(critic, mb: Experience, cfg: Config, share: float) -> dict:
+    mode, const = _agg_mode(cfg)
+    values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+    loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
+                               clip=cfg.rl.value_clip or None, agg=mode if mode != "const-norm" else "token-mean")
+    critic.backward(loss * share, scale_wrt_gas=False)
+    return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
+
+
+def ppo_update(actor, critic, exp: Experience, cfg: Config, *, kl_coef: float,
+               generator: torch.Generator) -> dict[str, float]:
+    """Run the configured PPO epochs; returns averaged actor/critic metrics and the optimizer-step count.
+
+    When no separate old-policy pass was made (on-policy: one epoch, one mini-batch), the log-probs of that single
+    pass are the pre-update policy's; they are kept in `exp.extras["trainer_logp"]` for the mismatch metrics.
+    """
+    n = len(exp)
+    record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
+    mini = cfg.rl.mini_batch_size or n
+    mode, _ = _agg_mode(cfg)
+    stats, steps = _Mean(), 0
+    actor.train()
+    if critic is not None:
+        critic.train()
+    for _ in range(cfg.rl.ppo_epochs):
+        order = torch.randperm(n, generator=generator).tolist() if (cfg.rl.ppo_epochs > 1 or mini < n) \
+            else list(range(n))
+        for start in range(0, n, mini):
+            rows = order[start : start + mini]
+            total_tokens = float(exp.action_mask[rows].sum())
+            for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
+                                       max_rows=cfg.optim.micro_batch_size):
+                mb = exp.select(micro)
+                share = _share(mb, mode, total_tokens, len(rows))
+                metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share)
+                stats.add(metrics, share)
+                if record is not None:
+                    record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
+                if critic is not None:
+                    stats.add(critic_micro_step(critic, mb, cfg, share), share)
+            actor.step()
+            if critic is not None:
+                critic.step()
+            steps += 1
+    if record is not None:
+        exp.extras["trainer_logp"] = record
+    out = stats.result()
+    out["actor/optimizer_steps"] = steps
+    out["actor/lr"] = actor.get_lr()[0] if hasattr(actor, "get_lr") else cfg.optim.lr
+    return out
+
+
+@torch.no_grad()
+def score_logprobs(model, exp: Experience, cfg: Config) -> torch.Tensor:
+    """Log-probs of every row under `model` (old policy or reference), micro-batched like training."""
+    model.eval()
+    out = torch.zeros_like(exp.action_mask)
+    rows = list(range(len(exp)))
+    for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
+                               max_rows=cfg.optim.micro_batch_size):
+        mb = exp.select(micro)
+        logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=cfg.rollout.temperature)
+        out[torch.as_tensor(micro, device=out.device), : logp.shape[1]] = logp.to(out.dtype) * mb.action_mask
+    return out
+
+
+@torch.no_grad()
+def score_values(critic, exp: Experience, cfg: Config) -> torch.Tensor:
+    critic.eval()
+    out = torch.zeros_like(exp.action_mask)
+    for micro in micro_batches(exp, list(range(len(exp))), max_tokens=cfg.data.micro_batch_tokens,
+                               max_rows=cfg.optim.micro_batch_size):
+        mb = exp.select(micro)
+        values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+        out[torch.as_tensor(micro, device=out.device), : values.shape[1]] = values.to(out.dtype) * mb.action_mask
+    return out
