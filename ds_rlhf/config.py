@@ -56,6 +56,8 @@ class OptimConfig:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     micro_batch_size: int = 4  # sequences per micro-batch (per rank) when no token budget is set
+    batch_size: int = 32  # SFT/RM: sequences (pairs) per optimizer step per rank
+    rm_margin: float = 0.0  # RM: margin in the Bradley-Terry loss -log sigmoid(r_c - r_r - margin)
 
 
 @dataclass

@@ -36,13 +36,19 @@ def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bo
         del head.forward  # back to the class's own forward
 
 
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                      position_ids: torch.Tensor | None = None, temperature: float = 1.0,
                       with_entropy: bool = False, chunk_size: int = 2048):
-    """Log-prob of tokens[:, 1:] given their prefix: ([B, L-1], entropy [B, L-1] or None)."""
+    """Log-prob of tokens[:, 1:] given their prefix: ([B, L-1], entropy [B, L-1] or None).
+
+    Packed padding-free input: one row, `attention_mask=None` and `position_ids` restarting at 0 for each
+    sequence; transformers then builds a block-diagonal causal mask, so sequences never attend to each other.
+    """
     hf = unwrap(model)
     backbone = hf.get_decoder()
     head = hf.get_output_embeddings()
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
     hidden = hidden[:, :-1]
     targets = input_ids[:, 1:]
     with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:

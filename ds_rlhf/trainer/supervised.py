@@ -1,0 +1,140 @@
+"""The loop SFT and reward-model training share: batches from a store, micro-batches, eval, checkpoints, export.
+
+A task (`SFTTask`, `RewardModelTask`) says how to build its engine and what a micro-batch's loss is; everything
+else — launch, config, resume, telemetry, progress bar — is this one implementation.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ds_rlhf.config import Config
+from ds_rlhf.telemetry import MetricsLogger, PhaseTimer, system_stats
+from ds_rlhf.trainer import rl_setup
+from ds_rlhf.trainer.checkpointing import CheckpointManager
+from ds_rlhf.trainer.common import RunContext, setup_run
+from ds_rlhf.trainer.distributed import all_reduce_mean
+
+
+class SupervisedTask(Protocol):
+    name: str  # "sft" | "rm"
+    store_kind: str  # the data store kind it reads
+    progress_keys: tuple[str, ...]
+
+    def build(self, ctx: RunContext, ds_config: dict): ...
+    def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]: ...
+    def count(self, rows: list[dict]) -> float: ...
+    def loss_terms(self, engine, ctx: RunContext, rows: list[dict]) -> tuple[torch.Tensor, dict]: ...
+    def evaluate(self, engine, ctx: RunContext, rows: list[dict]) -> dict: ...
+    def export(self, engine, ctx: RunContext, out_dir: Path) -> None: ...
+
+
+def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train/eval split of row indices (same seed -> same split on every rank and resume)."""
+    if eval_fraction <= 0:
+        return list(range(n)), []
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 17)).tolist()
+    n_eval = max(1, int(round(n * eval_fraction)))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+class SupervisedTrainer:
+    def __init__(self, cfg: Config, task: SupervisedTask):
+        from ds_rlhf.data.loader import StoreLoader
+        from ds_rlhf.data.store import open_store
+
+        self.cfg, self.task = cfg, task
+        self.ctx = ctx = setup_run(cfg, task.name)
+        store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
+        train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
+                                            cfg.run.seed)
+        if cfg.data.eval:
+            eval_store = open_store(cfg.data.eval, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
+            self.eval_rows = [eval_store.row(i) for i in range(len(eval_store))]
+        else:
+            self.eval_rows = [store.row(i) for i in eval_idx]
+        self.eval_rows = self.eval_rows[ctx.dist.rank :: ctx.dist.world_size]
+        batch = cfg.optim.batch_size
+        self.loader = StoreLoader(store, batch_size=batch, rank=ctx.dist.rank, world_size=ctx.dist.world_size,
+                                  seed=cfg.run.seed, shuffle=cfg.data.shuffle, reader=cfg.data.reader,
+                                  indices=train_idx)
+        per_epoch = max(1, len(train_idx) // (batch * ctx.dist.world_size))
+        self.total_steps = cfg.run.steps or per_epoch * cfg.run.epochs
+        ds_config = ctx.ds_config(role=task.name, micro_batch_size=max(1, cfg.optim.micro_batch_size),
+                                  lr=cfg.optim.lr, total_steps=self.total_steps)
+        self.engine = task.build(ctx, ds_config)
+        self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last)
+        self.step = 0
+        self.timer = PhaseTimer(sync_cuda=ctx.dist.device.type == "cuda")
+        resume_from = self.ckpt.resolve(cfg.run.resume)
+        if resume_from is not None:
+            state = self.ckpt.load(resume_from, {task.name: self.engine})
+            self.step = int(state["step"])
+            self.loader.load_state_dict(state["loader"])
+            rl_setup.truncate_metrics(ctx, self.step)
+            ctx.print(f"[{task.name}] resumed from {resume_from} at step {self.step}")
+        self.loader_iter = iter(self.loader)
+
+    def train_step(self) -> dict:
+        """One optimizer step: each micro-batch's summed loss divided by the step's total count (tokens or
+        pairs), so any micro-batching gives the same gradient as one big batch."""
+        rows = next(self.loader_iter)
+        micro = self.task.micro_batches(self.ctx, rows)
+        total = sum(self.task.count(mb) for mb in micro) or 1.0
+        self.engine.train()
+        metrics: dict[str, float] = {}
+        with self.timer.phase("train"):
+            for mb in micro:
+                loss_sum, m = self.task.loss_terms(self.engine, self.ctx, mb)
+                self.engine.backward(loss_sum / total, scale_wrt_gas=False)
+                share = self.task.count(mb) / total
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v) * share
+            self.engine.step()
+        metrics["train/lr"] = self.engine.get_lr()[0]
+        return metrics
+
+    def evaluate(self) -> dict:
+        if not self.eval_rows:
+            return {}
+        self.engine.eval()
+        with torch.no_grad():
+            metrics = self.task.evaluate(self.engine, self.ctx, self.eval_rows)
+        return all_reduce_mean(metrics, self.ctx.dist.device)
+
+    def train(self) -> dict:
+        cfg, ctx, task = self.cfg, self.ctx, self.task
+        logger = MetricsLogger(ctx.run_dir, rank=ctx.dist.rank, total_steps=self.total_steps, start_step=self.step,
+                               tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                               wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
+                               progress=cfg.run.progress, desc=task.name, postfix_keys=task.progress_keys)
+        summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                metrics = self.train_step()
+                self.step += 1
+                metrics.update(self.timer.pop())
+                metrics["time/wall"] = time.perf_counter() - t0
+                metrics = all_reduce_mean(metrics, ctx.dist.device)
+                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+                    metrics.update(self.evaluate())
+                metrics.update(system_stats(ctx.dist.local_rank))
+                logger.log(self.step, metrics)
+                if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
+                    self.ckpt.save(self.step, {task.name: self.engine}, {"loader": self.loader.state_dict()})
+            summary["eval_after"] = self.evaluate()
+            logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
+            self.ckpt.save(self.step, {task.name: self.engine}, {"loader": self.loader.state_dict()})
+            if cfg.run.export_hf:
+                out = Path(ctx.run_dir) / "export"
+                task.export(self.engine, ctx, out)
+                summary["export"] = str(out)
+                ctx.print(f"[{task.name}] exported to {out}")
+        finally:
+            logger.close()
+        return summary
