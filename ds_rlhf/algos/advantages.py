@@ -70,8 +70,30 @@ def gae_packed(rewards, values, cu_seqlens, gamma: float, lam: float, mask: torc
     return padded_to_packed(adv, cu_seqlens), padded_to_packed(ret, cu_seqlens)
 
 
+def _group_index(batch: int, group_size: int | None, group_ids: torch.Tensor | None, device) -> torch.Tensor:
+    """Group id per row: ``group_ids`` as given (any order, ragged sizes) or contiguous blocks of ``group_size``."""
+    if group_ids is not None:
+        if group_ids.shape != (batch,):
+            raise ValueError(f"group_ids must have shape ({batch},), got {tuple(group_ids.shape)}")
+        return group_ids.to(device)
+    if group_size is None or group_size < 1 or batch % group_size:
+        raise ValueError(f"need group_ids, or {batch} rows to be a multiple of group_size={group_size}")
+    return torch.arange(batch, device=device) // group_size
+
+
+def _group_moments(x: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group mean, unbiased group std and group size, by scatter-add over the group ids."""
+    _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+    n = counts.to(x.dtype)
+    mean = torch.zeros_like(n).index_add_(0, inverse, x) / n
+    sq_dev = torch.zeros_like(n).index_add_(0, inverse, (x - mean[inverse]).square())
+    std = (sq_dev / (n - 1).clamp(min=1)).sqrt()
+    return mean[inverse], std[inverse], n[inverse]
+
+
 @torch.no_grad()
-def group_advantages(scores: torch.Tensor, group_size: int, mode: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, group_size: int | None = None, mode: str = "grpo", eps: float = 1e-6,
+                     group_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages ``[B]`` from scalar scores ``[B]`` with a per-prompt group baseline.
 
     - ``grpo``: ``(s_i - mean_g) / (std_g + eps)`` (unbiased std); Shao et al. 2024, DeepSeekMath, sec. 4.1.2.
@@ -80,21 +102,24 @@ def group_advantages(scores: torch.Tensor, group_size: int, mode: str = "grpo", 
       ``seq-mean-token-sum-norm`` in ``losses.aggregate``.
     - ``rloo``: ``s_i - mean_{j != i} s_j = G / (G - 1) * (s_i - mean_g)``; Ahmadian et al. 2024, "Back to
       Basics", eq. 4 (after Kool et al. 2019).
-    A group of one has no baseline and gets advantage 0.
+    Groups are contiguous blocks of ``group_size`` rows, or given by ``group_ids[B]`` (ragged, any order; for
+    groups that lost samples). A group of one has no baseline and gets advantage 0.
     """
     if mode not in GROUP_MODES:
         raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
-    if scores.dim() != 1 or group_size < 1 or scores.numel() % group_size:
-        raise ValueError(f"scores must be 1-D with a multiple of group_size={group_size} entries")
-    if group_size == 1:
-        return torch.zeros_like(_float(scores))
-    grouped = _float(scores).view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
+    x = _float(scores)
+    groups = _group_index(x.numel(), group_size, group_ids, x.device)
+    if x.numel() == 0:
+        return x.clone()
+    mean, std, n = _group_moments(x, groups)
+    centred = x - mean
     if mode == "grpo":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+        centred = centred / (std + eps)
     elif mode == "rloo":
-        centred = centred * (group_size / (group_size - 1))
-    return centred.reshape(-1)
+        centred = centred * n / (n - 1).clamp(min=1)
+    return torch.where(n > 1, centred, 0.0)
 
 
 def broadcast_to_tokens(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -158,21 +183,23 @@ def reinforce_pp_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma:
 @torch.no_grad()
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
                             baseline_scores: torch.Tensor | None = None, group_size: int | None = None,
-                            eps: float = 1e-8) -> torch.Tensor:
+                            eps: float = 1e-8, group_ids: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE++ advantages: reward-to-go, then global batch normalisation over all valid tokens.
 
     Plain (``group_size=None``): ``A_t = whiten(G_t)``. Hu 2025, "REINFORCE++", arXiv:2501.03262, eqs. 7-8.
-    ``-baseline`` (``group_size`` given): ``A_t = whiten(G_t - mean_g(b))`` where ``b_i`` is ``baseline_scores[i]``
+    ``-baseline`` (``group_size`` or ragged ``group_ids`` given): ``A_t = whiten(G_t - mean_g(b))``, ``b_i`` is
+    ``baseline_scores[i]``
     (default: the sequence's full return ``G`` at its first valid token, i.e. its score when ``gamma = 1``);
     same paper, REINFORCE++-baseline (group mean baseline, then global-batch normalisation).
     """
     returns = reinforce_pp_returns(token_rewards, mask, gamma)
-    if group_size is not None:
+    if group_size is not None or group_ids is not None:
         valid = mask.bool()
         if baseline_scores is None:
             first = torch.where(valid, torch.arange(valid.shape[1], device=valid.device), valid.shape[1]).min(1).values
             baseline_scores = returns.gather(1, first.clamp(max=valid.shape[1] - 1)[:, None]).squeeze(1)
-        group_mean = _float(baseline_scores).view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
+        b = _float(baseline_scores)
+        group_mean, _, _ = _group_moments(b, _group_index(b.numel(), group_size, group_ids, b.device))
         returns = torch.where(valid, returns - group_mean[:, None].to(returns.dtype), 0.0)
     return masked_whiten(returns, mask, shift_mean=True, eps=eps)
 
@@ -201,8 +228,9 @@ def compute_advantages(algo: str, **inputs) -> tuple[torch.Tensor, torch.Tensor 
 
     Inputs by algo (padded ``[B, T]`` with ``mask``; or packed 1-D with ``cu_seqlens`` and optional 1-D ``mask``):
     - ``ppo``: ``rewards, values, gamma=1.0, lam=0.95, whiten_advantages=True`` -> GAE advantages, returns.
-    - ``grpo`` / ``dr_grpo`` / ``rloo``: ``scores[B], group_size, eps`` -> token-broadcast group advantages.
-    - ``reinforce_pp``: ``token_rewards, gamma=1.0``; ``reinforce_pp_baseline``: also ``group_size,
+    - ``grpo`` / ``dr_grpo`` / ``rloo``: ``scores[B], group_size or group_ids, eps`` -> token-broadcast group
+      advantages.
+    - ``reinforce_pp``: ``token_rewards, gamma=1.0``; ``reinforce_pp_baseline``: also ``group_size or group_ids,
       baseline_scores=None``.
     """
     if algo not in ALGOS:
@@ -219,12 +247,16 @@ def compute_advantages(algo: str, **inputs) -> tuple[torch.Tensor, torch.Tensor 
             adv = masked_whiten(adv, mask)
     elif algo in ("grpo", "dr_grpo", "rloo"):
         mode = {"grpo": "grpo", "dr_grpo": "grpo_no_std", "rloo": "rloo"}[algo]
-        seq_adv = group_advantages(inputs.pop("scores"), inputs.pop("group_size"), mode, inputs.pop("eps", 1e-6))
+        seq_adv = group_advantages(inputs.pop("scores"), inputs.pop("group_size", None), mode, inputs.pop("eps", 1e-6),
+                                   group_ids=inputs.pop("group_ids", None))
         adv = broadcast_to_tokens(seq_adv, mask)
     else:
         kwargs = dict(gamma=inputs.pop("gamma", 1.0))
         if algo == "reinforce_pp_baseline":
-            kwargs.update(group_size=inputs.pop("group_size"), baseline_scores=inputs.pop("baseline_scores", None))
+            kwargs.update(group_size=inputs.pop("group_size", None), group_ids=inputs.pop("group_ids", None),
+                          baseline_scores=inputs.pop("baseline_scores", None))
+            if kwargs["group_size"] is None and kwargs["group_ids"] is None:
+                raise TypeError("reinforce_pp_baseline needs group_size or group_ids")
         adv = reinforce_pp_advantages(inputs.pop("token_rewards"), mask, **kwargs)
     if inputs:
         raise TypeError(f"compute_advantages({algo!r}) got unexpected inputs {sorted(inputs)}")

@@ -193,6 +193,23 @@ def test_group_advantages_match_reference_and_have_zero_group_mean(mode, group_s
                                    atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["grpo", "grpo_no_std", "rloo"])
+def test_group_advantages_with_ragged_group_ids(mode):
+    """Groups that lost samples: ids in any order, sizes 3, 1, 4, 2; the lone sample gets 0."""
+    ids = torch.tensor([7, 2, 7, 5, 2, 2, 9, 7, 2, 9])
+    scores = _rand(10, seed=34)
+    adv = group_advantages(scores, mode=mode, group_ids=ids)
+    expected = [0.0] * 10
+    for gid in set(ids.tolist()):
+        idx = [i for i, g in enumerate(ids.tolist()) if g == gid]
+        if len(idx) > 1:
+            for i, a in zip(idx, ref_group([scores[i].item() for i in idx], len(idx), mode)):
+                expected[i] = a
+    _close(adv, expected, atol=1e-9)
+    contiguous = group_advantages(scores[:8], 4, mode)
+    torch.testing.assert_close(group_advantages(scores[:8], mode=mode, group_ids=torch.arange(8) // 4), contiguous)
+
+
 def test_group_advantages_edge_cases():
     flat = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
     adv = group_advantages(flat, 3, "grpo")
@@ -271,6 +288,20 @@ def test_reinforce_pp_baseline_matches_reference(explicit_baseline):
     shifted = [[rets[i][t] - sum(base[i // group_size * group_size:][:group_size]) / group_size for t in range(T)]
                for i in range(batch)]
     _close(adv, ref_whiten(shifted, mask.tolist()), atol=1e-9)
+
+
+def test_reinforce_pp_baseline_with_ragged_group_ids():
+    mask = torch.arange(T) < torch.tensor([9, 4, 6, 2, 9])[:, None]
+    rewards, scores, ids = _rand(5, T, seed=48), _rand(5, seed=49), torch.tensor([1, 0, 1, 1, 0])
+    adv = reinforce_pp_advantages(rewards, mask, 1.0, baseline_scores=scores, group_ids=ids)
+    rets = ref_returns(rewards.tolist(), mask.tolist(), 1.0)
+    s = scores.tolist()
+    base = {g: sum(s[i] for i in range(5) if ids[i] == g) / int((ids == g).sum()) for g in (0, 1)}
+    shifted = [[rets[i][t] - base[int(ids[i])] for t in range(T)] for i in range(5)]
+    _close(adv, ref_whiten(shifted, mask.tolist()), atol=1e-9)
+    via_dispatch, _ = compute_advantages("reinforce_pp_baseline", token_rewards=rewards, mask=mask, gamma=1.0,
+                                         baseline_scores=scores, group_ids=ids)
+    torch.testing.assert_close(via_dispatch, adv)
 
 
 def _algo_inputs(algo, batch, length, mask, seed):
