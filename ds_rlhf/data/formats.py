@@ -1,0 +1,294 @@
+"""Read the input formats people already have, row by row, without hiding bad rows.
+
+Sources: JSONL (optionally gzipped), a JSON array file, Parquet, and a `datasets.save_to_disk` directory (a
+Dataset or a DatasetDict + split). A directory that is not a saved dataset is expanded to the data files inside.
+Every row carries where it came from (file and line/row number), and a row that cannot be parsed is yielded as an
+error row instead of being skipped, so the caller counts and reports it.
+
+Conversation shapes: chat `messages` ({role, content}), ShareGPT ({from, value}), and HH-RLHF transcripts
+("\n\nHuman: ...\n\nAssistant: ...") are all turned into [{role, content}] for the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+MISSING = object()
+
+
+class DataPrepError(RuntimeError):
+    """A bad input row under --on-error fail, or an input that cannot be read at all."""
+
+
+class RowError(Exception):
+    """Why one row cannot be used; `reason` is a short counter key (e.g. "missing_field")."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class SourceRow:
+    source_idx: int
+    row_id: int         # JSONL: 1-based line number; tables: 0-based row index
+    where: str          # "file.jsonl:12" or "file.parquet row 11", for messages
+    data: dict | None   # None when `error` is set
+    error: RowError | None = None
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+            return "hf_dir"
+        raise DataPrepError(f"{path} is a directory but not a datasets.save_to_disk directory")
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        return "jsonl"
+    if name.endswith((".json", ".json.gz")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    raise DataPrepError(f"{path}: unknown input format (expected one of {DATA_SUFFIXES} or a saved dataset dir)")
+
+
+def expand_inputs(inputs) -> list[Path]:
+    """Files and dataset dirs to read, in a stable order; plain directories expand to their data files."""
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    out: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if not p.exists():
+            raise DataPrepError(f"input {p} does not exist")
+        if p.is_dir() and not ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(DATA_SUFFIXES))
+            if not found:
+                raise DataPrepError(f"{p}: no data files ({', '.join(DATA_SUFFIXES)}) inside")
+            out += found
+        else:
+            out.append(p)
+    if not out:
+        raise DataPrepError("no input given")
+    return out
+
+
+def _open_text(path: Path):
+    with open(path, "rb") as fh:
+        gz = fh.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8")
+
+
+def count_rows(path: Path, fmt: str, split: str | None = None) -> int | None:
+    """Row count for the progress bar when it is cheap to get; None otherwise (gzipped or JSON files)."""
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        if fmt == "jsonl" and not path.name.endswith(".gz"):
+            with open(path, "rb") as fh:
+                return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+    except OSError:
+        return None
+    return None
+
+
+def _load_hf(path: Path, split: str | None):
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(path))
+    if isinstance(ds, DatasetDict):
+        splits = list(ds.keys())
+        if split is None:
+            if len(splits) != 1:
+                raise DataPrepError(f"{path} holds splits {splits}; choose one with --split")
+            split = splits[0]
+        if split not in ds:
+            raise DataPrepError(f"{path}: split {split!r} not found (have {splits})")
+        ds = ds[split]
+    return ds
+
+
+def iter_rows(path: Path, source_idx: int = 0, split: str | None = None) -> Iterator[SourceRow]:
+    """Yield every row of one source; unparsable rows come out with `error` set (never silently skipped)."""
+    fmt = detect_format(path)
+    name = path.name
+    if fmt == "jsonl" or (fmt == "json" and not _is_json_array(path)):
+        with _open_text(path) as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue  # blank lines (often a trailing newline) are not rows
+                where = f"{name}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield SourceRow(source_idx, lineno, where, None, RowError("malformed_json", str(exc)))
+                    continue
+                if not isinstance(obj, dict):
+                    err = RowError("malformed_json", f"expected a JSON object, got {type(obj).__name__}")
+                    yield SourceRow(source_idx, lineno, where, None, err)
+                    continue
+                yield SourceRow(source_idx, lineno, where, obj)
+    elif fmt == "json":
+        with _open_text(path) as fh:
+            try:
+                items = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise DataPrepError(f"{path}: not valid JSON ({exc})") from exc
+        for i, obj in enumerate(items):
+            where = f"{name} item {i}"
+            if isinstance(obj, dict):
+                yield SourceRow(source_idx, i, where, obj)
+            else:
+                yield SourceRow(source_idx, i, where, None,
+                                RowError("malformed_json", f"expected a JSON object, got {type(obj).__name__}"))
+    elif fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        i = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for obj in batch.to_pylist():
+                yield SourceRow(source_idx, i, f"{name} row {i}", obj)
+                i += 1
+    else:
+        ds = _load_hf(path, split)
+        i = 0
+        for batch in ds.iter(batch_size=1024):
+            keys = list(batch)
+            for values in zip(*(batch[k] for k in keys)):
+                yield SourceRow(source_idx, i, f"{name} row {i}", dict(zip(keys, values)))
+                i += 1
+
+
+def _is_json_array(path: Path) -> bool:
+    with _open_text(path) as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith("[")
+
+
+def _sha256_file(path: Path) -> tuple[str, int]:
+    h, total = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+            total += len(chunk)
+    return h.hexdigest(), total
+
+
+def source_info(path: Path, fmt: str) -> dict:
+    """Path, format, size and sha256 of a source; a dataset dir hashes (relative name, file hash) in name order."""
+    if path.is_dir():
+        digest, total = hashlib.sha256(), 0
+        for f in sorted(f for f in path.rglob("*") if f.is_file()):
+            fh, n = _sha256_file(f)
+            digest.update(f"{f.relative_to(path)}\0{fh}\n".encode())
+            total += n
+        sha = digest.hexdigest()
+    else:
+        sha, total = _sha256_file(path)
+    return {"path": str(path.resolve()), "format": fmt, "bytes": total, "sha256": sha}
+
+
+# -- fields -------------------------------------------------------------------------------------------------
+def get_field(row: dict, key: str):
+    """row[key], following dots into nested dicts ("reward_model.ground_truth"); MISSING when absent or None."""
+    if key in row:
+        value = row[key]
+    else:
+        value = row
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return MISSING
+            value = value[part]
+    return MISSING if value is None else value
+
+
+def first_field(row: dict, keys, what: str):
+    """(key, value) of the first present key; RowError("missing_field") naming all tried keys otherwise."""
+    for key in keys:
+        value = get_field(row, key)
+        if value is not MISSING:
+            return key, value
+    raise RowError("missing_field", f"no {what} field (tried {', '.join(keys)}; row has {', '.join(sorted(row))})")
+
+
+_ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+                 "model": "assistant", "system": "system", "tool": "tool"}
+
+
+def normalize_messages(value) -> list[dict]:
+    """[{role, content}] from chat messages or ShareGPT turns; RowError("bad_messages") when malformed.
+
+    Parquet/Arrow sources turn message lists into lists of structs (dicts), so both paths land here.
+    """
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RowError("bad_messages", f"expected a non-empty list of messages, got {type(value).__name__}")
+    out = []
+    for n, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise RowError("bad_messages", f"message {n} is a {type(msg).__name__}, not an object")
+        role = msg.get("role", msg.get("from"))
+        content = msg.get("content", msg.get("value"))
+        if not isinstance(role, str) or role.lower() not in _ROLE_ALIASES:
+            raise RowError("bad_messages", f"message {n} has no known role ({role!r})")
+        if not isinstance(content, str):
+            raise RowError("bad_messages", f"message {n} content is {type(content).__name__}, not text")
+        out.append({"role": _ROLE_ALIASES[role.lower()], "content": content})
+    return out
+
+
+_HH_SPLIT = re.compile(r"\n\n(Human|Assistant): ?")
+
+
+def parse_hh_transcript(text: str) -> list[dict]:
+    """HH-RLHF "\n\nHuman: ...\n\nAssistant: ..." -> messages; consecutive turns of one speaker are merged."""
+    if not isinstance(text, str):
+        raise RowError("bad_messages", f"expected a transcript string, got {type(text).__name__}")
+    body = text if text.startswith("\n\n") else "\n\n" + text.lstrip()
+    parts = _HH_SPLIT.split(body)
+    if parts[0].strip() or len(parts) < 3:
+        raise RowError("bad_messages", "transcript does not start with a Human:/Assistant: turn")
+    messages: list[dict] = []
+    for speaker, content in zip(parts[1::2], parts[2::2]):
+        role = "user" if speaker == "Human" else "assistant"
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content.strip()
+        else:
+            messages.append({"role": role, "content": content.strip()})
+    return messages
+
+
+def looks_like_hh(text) -> bool:
+    return isinstance(text, str) and bool(re.match(r"\s*(Human|Assistant):", text))
+
+
+def as_text(value) -> str:
+    """Ground truths come as strings, numbers or lists; store them as a string (JSON for non-scalars)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float, bool)):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+def gsm8k_answer(answer: str) -> str:
+    """The final number after '####' in a GSM8K solution, without thousands separators ("1,000" -> "1000")."""
+    m = _GSM8K_ANSWER.search(answer or "")
+    if not m:
+        raise RowError("no_ground_truth", "answer has no '#### <number>' line")
+    value = m.group(1).strip().replace(",", "").replace("$", "").rstrip(".")
+    if not re.fullmatch(r"-?\d+(\.\d+)?", value):
+        raise RowError("no_ground_truth", f"text after '####' is not a number: {m.group(1)!r}")
+    return value

@@ -1,0 +1,182 @@
+"""Turn user datasets into a pre-tokenized store once, so a training run never tokenizes at start-up.
+
+`run_prep` drives any converter over every input row, counts and reports every row it does not write (file,
+line/row number, reason), honours ``on_error`` ("skip" counts and goes on, "fail" stops at the first bad row;
+over-long rows follow ``overlong`` instead), and writes the store atomically (temp dir, then rename) with a
+manifest: sources and their hashes, tokenizer name and fingerprint, max lengths, row counts, drops by reason.
+
+The public entry points built on it (`prep_prompts`, `prep_gsm8k`, `prep_sft`, `prep_preferences`) live in
+`ds_rlhf.data.prep`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .convert import Encoder
+from .formats import DataPrepError, RowError, count_rows, detect_format, expand_inputs, iter_rows, source_info
+from .layout import DROPPED, MANIFEST
+from .store import load_tokenizer, tokenizer_fingerprint
+from .writer import StoreWriter, write_manifest
+
+NEVER_FATAL = {"too_long"}  # over-length rows follow --truncate/--drop, not --on-error
+
+
+@dataclass
+class PrepResult:
+    """Where the store went and what happened; os.PathLike, so `open_store(result)` works."""
+
+    path: Path
+    manifest: dict
+    elapsed_s: float = 0.0
+    examples: dict = field(default_factory=dict)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return self.manifest["dropped_by_reason"]
+
+    def summary(self) -> str:
+        m, rows = self.manifest, self.manifest["row_counts"]
+        files = m["files"]
+        mb = sum(f["bytes"] for f in files) / 1e6
+        rate = rows["read"] / self.elapsed_s if self.elapsed_s else 0.0
+        lines = [f"{m['created_by']}: wrote {rows['written']} {m['kind']} rows to {self.path} "
+                 f"({len(files)} file(s), {mb:.2f} MB) in {self.elapsed_s:.1f}s ({rate:.0f} rows/s)",
+                 f"  read {rows['read']} rows from {len(m['sources'])} source(s); tokenizer {m['tokenizer']['name']} "
+                 f"(fingerprint {m['tokenizer']['fingerprint'][:12]})"]
+        if self.dropped:
+            lines.append(f"  dropped {rows['dropped']}:")
+            for reason, n in sorted(self.dropped.items(), key=lambda kv: -kv[1]):
+                where = ", ".join(self.examples.get(reason, []))
+                lines.append(f"    {reason}: {n}" + (f" (e.g. {where})" if where else ""))
+            lines.append(f"  every dropped row: {self.path / DROPPED}")
+        else:
+            lines.append("  dropped 0")
+        for key, n in sorted(m["notes"].items()):
+            lines.append(f"  {key}: {n}")
+        for col, st in m["token_stats"].items():
+            if st["rows"]:
+                lines.append(f"  {col}: min {st['min']} / mean {st['mean']:.1f} / p99 {st['p99']} / max {st['max']} "
+                             f"tokens (limit {m['max_lengths']})")
+        return "\n".join(lines)
+
+
+class _Report:
+    def __init__(self, on_error: str, drop_file):
+        if on_error not in ("skip", "fail"):
+            raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+        self.on_error = on_error
+        self.read = self.written = 0
+        self.dropped: Counter = Counter()
+        self.notes: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self._drop_file = drop_file
+
+    def note(self, key: str) -> None:
+        self.notes[key] += 1
+
+    def drop(self, src, err: RowError, source_path: str) -> None:
+        if self.on_error == "fail" and err.reason not in NEVER_FATAL:
+            raise DataPrepError(f"{src.where}: {err.reason}: {err.detail} "
+                                f"(pass --on-error skip to drop such rows and continue)")
+        self.dropped[err.reason] += 1
+        ex = self.examples.setdefault(err.reason, [])
+        if len(ex) < 3:
+            ex.append(src.where)
+        self._drop_file.write(json.dumps({"source": source_path, "row_id": src.row_id, "where": src.where,
+                                          "reason": err.reason, "detail": err.detail}, ensure_ascii=False) + "\n")
+
+
+def _token_stats(lengths: np.ndarray, names: list[str]) -> dict:
+    out = {}
+    for j, name in enumerate(names):
+        col = lengths[:, j] if len(lengths) else np.zeros(0, np.int32)
+        out[name] = {"rows": int(len(col))}
+        if len(col):
+            out[name].update(min=int(col.min()), mean=float(col.mean()), p50=int(np.percentile(col, 50)),
+                             p99=int(np.percentile(col, 99)), max=int(col.max()), total=int(col.sum()))
+    return out
+
+
+def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by: str, options: dict,
+             max_lengths: dict, on_error: str = "skip", split: str | None = None, overwrite: bool = False,
+             progress: bool = True, block_rows: int = 2048) -> PrepResult:
+    """Read `inputs`, convert each row with `make_converter(encoder)`, write a `kind` store at `output`."""
+    t0 = time.time()
+    tok, tok_name = load_tokenizer(tokenizer)
+    paths = expand_inputs(inputs)
+    fmts = [detect_format(p) for p in paths]
+    out = Path(output)
+    if out.is_file():
+        raise DataPrepError(f"{out} is a file; --output must be a directory")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise DataPrepError(f"{out} exists and is not empty; pass --overwrite to replace it")
+        if out.is_dir() and not (out / MANIFEST).exists():
+            raise DataPrepError(f"{out} exists and is not a store; refusing to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        enc = Encoder(tok, system_prompt=options.get("system_prompt"))
+        convert = make_converter(enc)
+        writer = StoreWriter(tmp, kind, block_rows=block_rows)
+        counts = [count_rows(p, f) for p, f in zip(paths, fmts)]
+        total = sum(counts) if all(c is not None for c in counts) else None
+        with open(tmp / DROPPED, "w", encoding="utf-8") as drop_file, \
+                tqdm(total=total, unit="row", desc=created_by, disable=not progress, dynamic_ncols=True) as bar:
+            report = _Report(on_error, drop_file)
+            for si, path in enumerate(paths):
+                for src in iter_rows(path, si, split):
+                    bar.update(1)
+                    report.read += 1
+                    try:
+                        if src.error is not None:
+                            raise src.error
+                        row = convert(src.data, report.note)
+                    except RowError as err:
+                        report.drop(src, err, str(path))
+                        continue
+                    row["row_id"], row["source_idx"] = src.row_id, si
+                    writer.add(row)
+                    report.written += 1
+                    if report.written % 256 == 0:
+                        bar.set_postfix(written=report.written, dropped=sum(report.dropped.values()))
+        layout = writer.close()
+        lengths = np.load(tmp / layout["lengths_file"])
+        manifest = {
+            "format_version": layout["format_version"], "kind": kind, "created_by": created_by,
+            "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "sources": [source_info(p, f) for p, f in zip(paths, fmts)],
+            "tokenizer": {"name": tok_name, "fingerprint": tokenizer_fingerprint(tok),
+                          "chat_template_applied": bool(options.get("apply_chat_template", True))},
+            "max_lengths": max_lengths, "options": options,
+            "rows": layout["rows"],
+            "row_counts": {"read": report.read, "written": layout["rows"], "dropped": sum(report.dropped.values())},
+            "dropped_by_reason": dict(report.dropped), "drop_report": DROPPED, "notes": dict(report.notes),
+            "fields_used": getattr(convert, "fields_used", {}),
+            "token_stats": _token_stats(lengths, layout["length_columns"]),
+            **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
+        }
+        write_manifest(tmp, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepResult(out, manifest, time.time() - t0, report.examples)
