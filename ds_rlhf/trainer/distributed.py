@@ -97,3 +97,15 @@ def all_reduce_mean(values: dict[str, float], device) -> dict[str, float]:
     dist.all_reduce(t)
     t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))
+
+
+def agree_max(value: int, device) -> int:
+    """The largest `value` over ranks. ZeRO reduces gradients (and ZeRO-3 gathers weights) inside every
+    forward/backward, so all ranks must run the same number of micro-batches or the collectives deadlock."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ds_rlhf.data.packing import token_budget_microbatches
+from ds_rlhf.trainer.distributed import agree_max
 
 
 @dataclass
@@ -91,9 +92,28 @@ def build_experience(samples, scores: list[float], pad_id: int, device="cpu") ->
     ).to(device)
 
 
-def micro_batches(exp: Experience, rows: list[int], *, max_tokens: int, max_rows: int) -> list[list[int]]:
-    """Split `rows` into micro-batches: by token budget when `max_tokens` > 0, else `max_rows` rows each."""
+def split_micro(lengths: list[int], *, max_tokens: int, max_rows: int, padded: bool = False,
+                device=None) -> list[list[int]]:
+    """Index groups: by token budget when `max_tokens` > 0, else `max_rows` each; the same count on every rank
+    (see `agree_max`), so a rank with less data gets smaller or empty micro-batches rather than fewer."""
+    n = len(lengths)
     if max_tokens > 0:
-        lengths = exp.seq_lens[rows].tolist()
-        return [[rows[i] for i in group] for group in token_budget_microbatches(lengths, max_tokens)]
-    return [rows[i : i + max_rows] for i in range(0, len(rows), max_rows)]
+        groups = token_budget_microbatches(lengths, max_tokens, padded=padded) if n else []
+    else:
+        groups = [list(range(i, min(i + max_rows, n))) for i in range(0, n, max_rows)]
+    count = agree_max(len(groups), device or "cpu")
+    if count > len(groups):
+        if max_tokens > 0 and n:
+            groups = token_budget_microbatches(lengths, max_tokens, padded=padded, min_microbatches=count)
+        else:
+            per = -(-n // count) if n else 0
+            groups = [list(range(i * per, min((i + 1) * per, n))) for i in range(count)]
+    return groups
+
+
+def micro_batches(exp: Experience, rows: list[int], *, max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Split experience rows `rows` into padded micro-batches (lists of row indices; possibly empty, see
+    split_micro: the caller then runs its first row with zero weight to keep the collectives in step)."""
+    groups = split_micro(exp.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows, padded=True,
+                         device=exp.input_ids.device)
+    return [[rows[i] for i in group] for group in groups]

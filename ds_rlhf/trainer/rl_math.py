@@ -12,6 +12,7 @@ from ds_rlhf.algos.advantages import (
     broadcast_to_tokens,
     gae,
     group_advantages,
+    masked_whiten,
     reinforce_pp_advantages,
 )
 from ds_rlhf.algos.kl import kl_penalty
@@ -35,17 +36,6 @@ def token_rewards(exp: Experience, rl: RLConfig, kl_coef: float) -> torch.Tensor
     return rewards
 
 
-def _ragged_group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mode: str) -> torch.Tensor:
-    """Group-relative advantages when groups may have lost samples (bad rewards dropped)."""
-    out = torch.zeros_like(scores)
-    for gid in torch.unique(group_ids):
-        idx = (group_ids == gid).nonzero(as_tuple=True)[0]
-        if len(idx) < 2:  # a lone sample has no baseline to compare with: no learning signal
-            continue
-        out[idx] = group_advantages(scores[idx], group_size=len(idx), mode=mode)
-    return out
-
-
 def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float) -> None:
     """Fill exp.token_rewards, exp.advantages (and exp.returns for PPO) in place."""
     if rl.algo not in ALGOS:
@@ -56,13 +46,12 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float) -> None:
         if exp.values is None:
             raise ValueError("ppo needs critic values")
         exp.advantages, exp.returns = gae(exp.token_rewards, exp.values, mask, gamma=rl.gamma, lam=rl.lam)
-        from ds_rlhf.algos.advantages import masked_whiten
-
         exp.advantages = masked_whiten(exp.advantages, mask) * mask
     elif rl.algo in GROUP_MODE:
         # KL-in-reward for group methods: fold the summed token penalty into the sequence score first.
         scores = (exp.token_rewards * mask).sum(dim=1)
-        seq_adv = _ragged_group_advantages(scores, exp.group_ids, GROUP_MODE[rl.algo])
+        # group_ids, not a fixed group size: groups may have lost samples to the `drop` bad-reward policy.
+        seq_adv = group_advantages(scores, mode=GROUP_MODE[rl.algo], group_ids=exp.group_ids)
         exp.advantages = broadcast_to_tokens(seq_adv, mask)
     else:
         baseline = rl.algo == "reinforce_pp_baseline"

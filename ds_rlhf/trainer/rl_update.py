@@ -16,6 +16,7 @@ from ds_rlhf.algos.kl import kl_penalty
 from ds_rlhf.algos.losses import aggregate, policy_loss, value_loss
 from ds_rlhf.algos.mismatch import truncated_is_weights
 from ds_rlhf.config import Config
+from ds_rlhf.trainer.distributed import agree_max
 from ds_rlhf.trainer.experience import Experience, micro_batches
 from ds_rlhf.trainer.policy_forward import sequence_logprobs
 
@@ -103,16 +104,21 @@ def ppo_update(actor, critic, exp: Experience, cfg: Config, *, kl_coef: float,
     for _ in range(cfg.rl.ppo_epochs):
         order = torch.randperm(n, generator=generator).tolist() if (cfg.rl.ppo_epochs > 1 or mini < n) \
             else list(range(n))
-        for start in range(0, n, mini):
-            rows = order[start : start + mini]
+        # Same number of mini-batches on every rank (ranks can hold different sample counts after drops).
+        n_mini = agree_max(-(-n // mini), exp.input_ids.device)
+        per = -(-n // n_mini)
+        for k in range(n_mini):
+            rows = order[k * per : (k + 1) * per]
             total_tokens = float(exp.action_mask[rows].sum())
             for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
                                        max_rows=cfg.optim.micro_batch_size):
+                share = None if micro else 0.0  # an empty micro-batch: run a row with zero weight
+                micro = micro or [0]
                 mb = exp.select(micro)
-                share = _share(mb, mode, total_tokens, len(rows))
+                share = _share(mb, mode, total_tokens, len(rows)) if share is None else share
                 metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share)
                 stats.add(metrics, share)
-                if record is not None:
+                if record is not None and share > 0:
                     record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
                 if critic is not None:
                     stats.add(critic_micro_step(critic, mb, cfg, share), share)
@@ -136,8 +142,10 @@ def score_logprobs(model, exp: Experience, cfg: Config) -> torch.Tensor:
     rows = list(range(len(exp)))
     for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
                                max_rows=cfg.optim.micro_batch_size):
-        mb = exp.select(micro)
+        mb = exp.select(micro or [0])
         logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=cfg.rollout.temperature)
+        if not micro:
+            continue
         out[torch.as_tensor(micro, device=out.device), : logp.shape[1]] = logp.to(out.dtype) * mb.action_mask
     return out
 
@@ -148,7 +156,9 @@ def score_values(critic, exp: Experience, cfg: Config) -> torch.Tensor:
     out = torch.zeros_like(exp.action_mask)
     for micro in micro_batches(exp, list(range(len(exp))), max_tokens=cfg.data.micro_batch_tokens,
                                max_rows=cfg.optim.micro_batch_size):
-        mb = exp.select(micro)
+        mb = exp.select(micro or [0])
         values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+        if not micro:
+            continue
         out[torch.as_tensor(micro, device=out.device), : values.shape[1]] = values.to(out.dtype) * mb.action_mask
     return out
