@@ -53,7 +53,7 @@ class RewardModelTask:
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
         lengths = [len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows]
-        return token_budget_groups(ctx, rows, lengths)
+        return token_budget_groups(ctx, rows, lengths, padded=True)
 
     def count(self, rows: list[dict]) -> float:
         return float(len(rows))
@@ -68,7 +68,9 @@ class RewardModelTask:
     def evaluate(self, engine, ctx: RunContext, rows: list[dict]) -> dict:
         correct, loss, n = 0.0, 0.0, 0
         for group in self.micro_batches(ctx, rows):
-            chosen, rejected = pair_scores(engine, group, ctx.tokenizer.pad_token_id, ctx.dist.device)
+            chosen, rejected = pair_scores(engine, group or rows[:1], ctx.tokenizer.pad_token_id, ctx.dist.device)
+            if not group:
+                continue
             correct += float((chosen > rejected).sum())
             loss += float(-F.logsigmoid(chosen - rejected - self.margin).sum())
             n += len(group)

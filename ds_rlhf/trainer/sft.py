@@ -37,14 +37,14 @@ def masked_nll_sum(engine, rows: list[dict], device) -> tuple[torch.Tensor, torc
     return -(logp[0] * mask).sum(), mask.sum()
 
 
-def token_budget_groups(ctx: RunContext, rows: list[dict], lengths: list[int]) -> list[list[dict]]:
-    from ds_rlhf.data.packing import token_budget_microbatches
+def token_budget_groups(ctx: RunContext, rows: list[dict], lengths: list[int], *,
+                        padded: bool) -> list[list[dict]]:
+    """Micro-batches by token budget (or fixed size), the same count on every rank; some may be empty."""
+    from ds_rlhf.trainer.experience import split_micro
 
-    budget = ctx.cfg.data.micro_batch_tokens
-    if budget > 0:
-        return [[rows[i] for i in group] for group in token_budget_microbatches(lengths, budget)]
-    size = max(1, ctx.cfg.optim.micro_batch_size)
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
+    groups = split_micro(lengths, max_tokens=ctx.cfg.data.micro_batch_tokens,
+                         max_rows=max(1, ctx.cfg.optim.micro_batch_size), padded=padded, device=ctx.dist.device)
+    return [[rows[i] for i in group] for group in groups]
 
 
 class SFTTask:
@@ -62,7 +62,7 @@ class SFTTask:
                            gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora)
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
-        return token_budget_groups(ctx, rows, [len(r["input_ids"]) for r in rows])
+        return token_budget_groups(ctx, rows, [len(r["input_ids"]) for r in rows], padded=False)
 
     def count(self, rows: list[dict]) -> float:
         return float(sum(sum(r["loss_mask"][1:]) for r in rows))
@@ -74,7 +74,9 @@ class SFTTask:
     def evaluate(self, engine, ctx: RunContext, rows: list[dict]) -> dict:
         total, count = 0.0, 0.0
         for group in self.micro_batches(ctx, rows):
-            loss_sum, n = masked_nll_sum(engine, group, ctx.dist.device)
+            loss_sum, n = masked_nll_sum(engine, group or rows[:1], ctx.dist.device)
+            if not group:
+                continue
             total, count = total + float(loss_sum), count + float(n)
         loss = total / max(count, 1.0)
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}

@@ -89,9 +89,10 @@ class SupervisedTrainer:
         metrics: dict[str, float] = {}
         with self.timer.phase("train"):
             for mb in micro:
-                loss_sum, m = self.task.loss_terms(self.engine, self.ctx, mb)
-                self.engine.backward(loss_sum / total, scale_wrt_gas=False)
-                share = self.task.count(mb) / total
+                # an empty micro-batch (to match other ranks' count) runs one row with zero weight
+                loss_sum, m = self.task.loss_terms(self.engine, self.ctx, mb or rows[:1])
+                share = self.task.count(mb) / total if mb else 0.0
+                self.engine.backward(loss_sum / total if mb else loss_sum * 0.0, scale_wrt_gas=False)
                 for k, v in m.items():
                     metrics[k] = metrics.get(k, 0.0) + float(v) * share
             self.engine.step()
