@@ -1,13 +1,17 @@
 """The training-side data loader: sharded, deterministically shuffled, prefetched, exactly resumable.
 
 Order: each epoch's global order is a permutation seeded by (seed, epoch) (or a length-grouped order with the
-same seed), so every rank computes the same order without talking to the others; rank r takes positions
+same seed), so every rank computes the same order without talking to the others. A store larger than the block
+cache is shuffled in windows instead: the blocks are permuted, and rows are permuted within each window of
+`shuffle_window` blocks, so each block is read once per epoch instead of once per sample (the shuffle-buffer
+trade-off large-scale loaders make). Then rank r takes positions
 r, r + world_size, ... so ranks never overlap and all ranks get the same number of batches (drop_last trims the
 order to a multiple of world_size; otherwise it wraps around to pad). A state is just (epoch, step): restoring it
 recomputes the order and continues with the exact next batch, whatever had been prefetched before the save.
 
 Prefetch: a background thread reads the next `prefetch` batches (io_uring submissions for the blocks a batch
-touches) while the trainer works on the current one.
+touches) while the trainer works on the current one; it loads the blocks of the next `readahead` batches in one
+submission, so neighbouring blocks are merged into large reads.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class StoreLoader:
     def __init__(self, path_or_store, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, prefetch: int = 2, reader: str = "auto",
                  epochs: int | None = None, tokenizer=None, expect_kind: str | None = None,
-                 length_grouped: bool = False, as_numpy: bool = False, cache_bytes: int = 1 << 30):
+                 length_grouped: bool = False, as_numpy: bool = False, cache_bytes: int = 1 << 30,
+                 shuffle_window: int | None = None, readahead: int = 8):
         if isinstance(path_or_store, Store):
             self.store = path_or_store
             check_store(self.store, tokenizer, expect_kind)
@@ -95,7 +100,12 @@ class StoreLoader:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.length_grouped, self.as_numpy = length_grouped, as_numpy
-        self.prefetch, self.epochs = prefetch, epochs
+        self.prefetch, self.epochs, self.readahead = prefetch, epochs, max(1, readahead)
+        block_bytes = max(1, self.store.nbytes // max(1, self.store.num_blocks))
+        self._max_ahead_blocks = max(1, self.store.cache_limit // block_bytes // 2)
+        if shuffle_window is None:  # global shuffle while the whole store fits in half the block cache
+            shuffle_window = 0 if self.store.nbytes <= self.store.cache_limit // 2 else 64
+        self.shuffle_window = shuffle_window
         self.reader_kind, self.reader_note = self.store.reader_kind, self.store.reader_note
         self.epoch = 0
         self.step = 0  # batches of the current epoch already handed out
@@ -124,6 +134,8 @@ class StoreLoader:
         n, ws = len(self.store), self.world_size
         if self.length_grouped:
             order = length_grouped_order(self._lengths, self.batch_size * ws, (self.seed, epoch))
+        elif self.shuffle and self.shuffle_window:
+            order = self._window_order(epoch)
         elif self.shuffle:
             order = np.random.default_rng(np.random.SeedSequence([self.seed, epoch])).permutation(n)
         else:
@@ -136,13 +148,30 @@ class StoreLoader:
         self._order_cache = (epoch, mine)
         return mine
 
+    def _window_order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, 1]))
+        starts = self.store.block_starts
+        blocks = rng.permutation(len(starts) - 1)
+        parts = []
+        for w in range(0, len(blocks), self.shuffle_window):
+            rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in blocks[w:w + self.shuffle_window]])
+            parts.append(rng.permutation(rows))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def batch_indices(self, epoch: int, step: int) -> np.ndarray:
         mine = self.epoch_indices(epoch)
         return mine[step * self.batch_size:(step + 1) * self.batch_size]
 
     def _batches(self, epoch: int, step: int):
         while self.epochs is None or epoch < self.epochs:
+            ahead = step
             while step < self.batches_per_epoch:
+                if step >= ahead:  # read the blocks of the next `readahead` batches together
+                    ahead = min(self.batches_per_epoch, step + self.readahead)
+                    mine = self.epoch_indices(epoch)
+                    blocks = np.unique(self.store.blocks_of(mine[step * self.batch_size:ahead * self.batch_size]))
+                    if len(blocks) <= self._max_ahead_blocks:
+                        self.store.load_blocks(blocks)
                 idx = self.batch_indices(epoch, step)
                 yield epoch, step, self.store.rows(idx, as_numpy=self.as_numpy)
                 step += 1
@@ -186,7 +215,7 @@ class StoreLoader:
     def _config(self) -> dict:
         return {"num_rows": len(self.store), "batch_size": self.batch_size, "world_size": self.world_size,
                 "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "length_grouped": self.length_grouped,
+                "length_grouped": self.length_grouped, "shuffle_window": self.shuffle_window,
                 "tokenizer_fingerprint": self.store.manifest["tokenizer"]["fingerprint"]}
 
     def state_dict(self) -> dict:

@@ -19,7 +19,10 @@ import contextlib
 import ctypes
 import errno
 import logging
+import mmap
 import os
+import select
+import sys
 import threading
 
 import pyarrow as pa
@@ -55,37 +58,80 @@ def aligned_bytearray(n: int, align: int = PAGE) -> bytearray:
     return buf
 
 
+class _BufferPool:
+    """Reuses aligned read buffers once nothing refers to them any more.
+
+    Fresh memory costs a page fault and a kernel zero-fill per 4 KiB page on first touch, which on a small VM is
+    about as slow as the disk; reusing buffers keeps io_uring near raw O_DIRECT speed. A buffer is free when its
+    only references are the pool's own: every pyarrow/numpy view of it holds a buffer export, which keeps a
+    reference to the bytearray, so a buffer still in use (e.g. a cached block) is never handed out again.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit = limit_bytes
+        self.total = 0
+        self._free: dict[int, list[bytearray]] = {}
+
+    def get(self, n: int) -> bytearray:
+        for buf in self._free.get(n, ()):
+            if sys.getrefcount(buf) <= 3:  # the pool's list, `buf`, getrefcount's argument
+                return buf
+        buf = aligned_bytearray(n)
+        if self.total + n <= self.limit:
+            self._free.setdefault(n, []).append(buf)
+            self.total += n
+        return buf
+
+
 class MmapReader:
-    """Memory-mapped reads: zero-copy, served by the page cache; works on any filesystem and kernel."""
+    """Memory-mapped reads: zero-copy, served by the page cache; works on any filesystem and kernel.
+
+    Each read_ranges call advises the kernel that the requested span is needed soon (MADV_WILLNEED), so the
+    pages are read ahead asynchronously in large requests instead of one page fault at a time; the loader's
+    prefetch thread calls it ahead of consumption, which makes the page-ins overlap with training.
+    """
 
     kind = "mmap"
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        self._map = pa.memory_map(self.path, "r")
-        self.size = self._map.size()
-        self._whole = self._map.read_buffer(self.size)  # zero-copy view of the whole mapping
+        self._fh = open(self.path, "rb")  # noqa: SIM115 - lives as long as the reader
+        self.size = os.fstat(self._fh.fileno()).st_size
+        self._map = mmap.mmap(self._fh.fileno(), 0, prot=mmap.PROT_READ) if self.size else None
+        self._whole = pa.py_buffer(self._map) if self._map is not None else pa.py_buffer(b"")
 
     def read_ranges(self, ranges: list[tuple[int, int]]) -> list[pa.Buffer]:
+        if self._whole is None:
+            raise ValueError(f"{self.path}: reader is closed")
         for offset, length in ranges:
             if offset < 0 or length < 0 or offset + length > self.size:
                 raise ValueError(f"{self.path}: range ({offset}, {length}) outside a {self.size}-byte file")
+        if self._map is not None and ranges:
+            lo = min(o for o, _ in ranges)
+            hi = max(o + n for o, n in ranges)
+            lo -= lo % mmap.PAGESIZE
+            if hi > lo:
+                self._map.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
         return [self._whole.slice(offset, length) for offset, length in ranges]
 
     def close(self) -> None:
         self._whole = None
-        self._map.close()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # views still alive: the mapping goes when they do
+                self._map.close()
+        self._fh.close()
 
 
 class UringReader:
     """io_uring reads of whole blocks, many in flight; O_DIRECT with aligned buffers when `direct`.
 
-    Adjacent ranges are merged into one read of up to `max_io` bytes so a sequential scan issues few, large reads.
+    Adjacent ranges are merged into reads of up to `max_io` bytes (2 MiB x 32 in flight measured best on our
+    virtio disk: see docs/PERFORMANCE.md), so a sequential scan keeps the device busy with large requests.
     One reader serves one file; a lock makes it safe to share between the prefetch thread and the main thread.
     """
 
-    def __init__(self, path: str | os.PathLike, *, direct: bool = True, queue_depth: int = 16,
-                 max_io: int = 8 << 20):
+    def __init__(self, path: str | os.PathLike, *, direct: bool = True, queue_depth: int = 32,
+                 max_io: int = 2 << 20, pool_bytes: int = 256 << 20):
         try:
             import liburing
         except Exception as exc:  # noqa: BLE001 - any import failure means "no io_uring here"
@@ -98,6 +144,7 @@ class UringReader:
         self.max_io = max(PAGE, max_io - max_io % PAGE)
         self.note = ""
         self._lock = threading.Lock()
+        self._pool = _BufferPool(pool_bytes)
         self._ring = liburing.Ring()
         self._cqe = liburing.Cqe()
         try:
@@ -105,6 +152,8 @@ class UringReader:
         except OSError as exc:
             raise ReaderUnavailable(f"io_uring_queue_init failed: {exc} (io_uring disabled or unsupported)") from exc
         self._open = True
+        self._poller = select.poll()
+        self._poller.register(self._ring.ring_fd, select.POLLIN)
         self._fd = os.open(self.path, os.O_RDONLY)
         self._dfd = None
         if direct:
@@ -128,6 +177,20 @@ class UringReader:
         return dfd
 
     # -- io_uring plumbing ---------------------------------------------------------------------------------
+    def _wait_cqe(self) -> None:
+        """Wait for a completion without holding the GIL.
+
+        The binding's io_uring_wait_cqe keeps the GIL while it blocks, which would freeze the trainer thread
+        whenever the prefetch thread waits for the disk. So peek (non-blocking) and, when nothing is ready,
+        poll(2) the ring's fd (readable when completions are pending); select.poll releases the GIL.
+        """
+        while True:
+            try:
+                self._L.io_uring_peek_cqe(self._ring, self._cqe)
+                return
+            except (BlockingIOError, InterruptedError):
+                self._poller.poll(1000)
+
     def _submit_and_wait(self, reads: list[tuple[int, bytearray, int]]) -> list[int]:
         """Read each (fd, buffer, offset) fully; at most `queue_depth` in flight. Returns bytes read per entry."""
         L = self._L
@@ -147,12 +210,7 @@ class UringReader:
                 sqe.user_data = i
                 inflight += 1
             L.io_uring_submit(self._ring)
-            while True:
-                try:
-                    L.io_uring_wait_cqe(self._ring, self._cqe)
-                    break
-                except InterruptedError:
-                    continue
+            self._wait_cqe()
             entry = self._cqe[0]
             i = entry.user_data
             try:
@@ -211,8 +269,8 @@ class UringReader:
                 continue
             body_hi = min(-(-hi // PAGE) * PAGE, self.body_end)  # aligned end, never past the aligned body
             tail = os.pread(self._fd, hi - body_hi, body_hi) if hi > body_hi else b""  # the unaligned tail
-            if body_hi > lo:
-                buf = aligned_bytearray(body_hi - lo)
+            if body_hi > lo:  # a group with a tail is extended below, so it cannot use a pooled buffer
+                buf = aligned_bytearray(body_hi - lo) if tail else self._pool.get(body_hi - lo)
                 reads.append((self._dfd, buf, lo))
             else:
                 buf = bytearray()

@@ -170,6 +170,18 @@ class Store:
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
         return k, i - int(self._starts[k])
 
+    @property
+    def block_starts(self) -> np.ndarray:
+        """First global row of each block, plus the row count at the end ([num_blocks + 1], int64)."""
+        return self._starts
+
+    def blocks_of(self, indices) -> np.ndarray:
+        """Block index of each global row index (vectorised)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self._n):
+            raise IndexError(f"row index out of range for a store of {self._n} rows")
+        return np.searchsorted(self._starts, idx, side="right") - 1
+
     def load_blocks(self, ks) -> dict[int, _Block]:
         """Decoded blocks by index; the missing ones are read together (one io_uring submission per file)."""
         ks = list(dict.fromkeys(int(k) for k in ks))
@@ -199,27 +211,45 @@ class Store:
     def block(self, k: int) -> pa.RecordBatch:
         return self.load_blocks([k])[k].batch
 
+    def _read_uncached(self, ks: list[int]) -> list[pa.Buffer]:
+        out: dict[int, pa.Buffer] = {}
+        by_file: dict[int, list[int]] = {}
+        for k in ks:
+            by_file.setdefault(self._blocks[k][0], []).append(k)
+        for fi, kk in by_file.items():
+            bufs = self._readers[fi].read_ranges([(self._blocks[k][1], self._blocks[k][2]) for k in kk])
+            out.update(zip(kk, bufs))
+        return [out[k] for k in ks]
+
     def iter_batches(self, blocks_per_read: int = 16):
-        """Yield every block's RecordBatch in order, reading `blocks_per_read` neighbours per submission."""
-        for first in range(0, self.num_blocks, blocks_per_read):
-            ks = list(range(first, min(first + blocks_per_read, self.num_blocks)))
-            by_file: dict[int, list[int]] = {}
-            for k in ks:
-                by_file.setdefault(self._blocks[k][0], []).append(k)
-            for fi, kk in by_file.items():  # bypasses the cache: a scan would only evict useful blocks
-                bufs = self._readers[fi].read_ranges([(self._blocks[k][1], self._blocks[k][2]) for k in kk])
+        """Yield every block's RecordBatch in order; a helper thread reads the next `blocks_per_read` blocks
+        while the caller works on the current ones. Bypasses the cache (a scan would only evict useful blocks)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        groups = [list(range(a, min(a + blocks_per_read, self.num_blocks)))
+                  for a in range(0, self.num_blocks, blocks_per_read)]
+        if not groups:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="ds_rlhf-scan") as pool:
+            pending = pool.submit(self._read_uncached, groups[0])
+            for g in range(len(groups)):
+                bufs = pending.result()
+                if g + 1 < len(groups):
+                    pending = pool.submit(self._read_uncached, groups[g + 1])
                 for buf in bufs:
                     yield pa.ipc.read_record_batch(pa.ipc.read_message(buf), self.schema)
+                del bufs
 
     # -- rows and columns ---------------------------------------------------------------------------------
     def rows(self, indices, *, as_numpy: bool = False) -> list[dict]:
         """Rows as dicts (token columns as lists, or numpy views with as_numpy); adds "index" (the row number)."""
-        where = [self.block_of(int(i)) for i in indices]
-        blocks = self.load_blocks(k for k, _ in where)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        ks = self.blocks_of(idx)
+        blocks = self.load_blocks(ks.tolist())
         out = []
-        for i, (k, j) in zip(indices, where):
+        for i, k, j in zip(idx.tolist(), ks.tolist(), (idx - self._starts[ks]).tolist()):
             row = blocks[k].row(j, as_numpy)
-            row["index"] = int(i)
+            row["index"] = i
             out.append(row)
         return out
 
@@ -238,9 +268,10 @@ class Store:
         return pa.Table.from_batches(list(self.iter_batches()), schema=self.schema)
 
     def close(self) -> None:
+        self._cache.clear()  # drop our views first, so an mmap reader can unmap
+        self._cache_bytes = 0
         for r in self._readers:
             r.close()
-        self._cache.clear()
 
     def __enter__(self):
         return self

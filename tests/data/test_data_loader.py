@@ -134,3 +134,23 @@ def test_reader_errors_surface_in_the_consumer(sft_store):
     loader.store.load_blocks = boom
     with pytest.raises(OSError, match="Input/output"):
         next(iter(loader))
+
+
+def test_window_shuffle_for_stores_larger_than_the_cache(sft_store):
+    """Block-window shuffle: still a deterministic permutation per epoch, exactly resumable, reads blocks once."""
+    small = open_store(sft_store, cache_bytes=1)  # "larger than the cache": auto picks the window shuffle
+    loader = StoreLoader(small, batch_size=10, seed=4, epochs=2)
+    assert loader.shuffle_window == 64
+    kw = dict(batch_size=10, seed=4, shuffle_window=3)
+    a = _ids(list(StoreLoader(sft_store, epochs=2, **kw)))
+    assert sorted(sum(a[:30], [])) == list(range(300)) and sum(a[:30], []) != sum(a[30:], [])
+    starts = open_store(sft_store).block_starts
+    first_window = sum(a[:2], [])  # 20 rows drawn from the first window of 3 blocks
+    assert len(set(np.searchsorted(starts, first_window, side="right") - 1)) <= 3
+    b = StoreLoader(sft_store, **kw)
+    _take(b, 17)
+    c = StoreLoader(sft_store, **kw)
+    c.load_state_dict(b.state_dict())
+    assert _ids(_take(c, 20)) == a[17:37]
+    with pytest.raises(ValueError, match="shuffle_window"):
+        StoreLoader(sft_store, batch_size=10, seed=4).load_state_dict(b.state_dict())

@@ -162,3 +162,22 @@ def readers_available() -> bool:
     from datahelp import uring_works
 
     return uring_works()
+
+
+@needs_uring
+def test_pooled_buffers_are_reused_only_when_free(tmp_path):
+    """Read buffers are recycled, but never while a view (a cached block, a numpy array) still uses them."""
+    data = os.urandom(8 * PAGE)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    r = UringReader(path)
+    first = r.read_ranges([(0, 2 * PAGE)])[0]
+    second = r.read_ranges([(4 * PAGE, 2 * PAGE)])[0]  # same size: must not overwrite `first`
+    assert first.to_pybytes() == data[:2 * PAGE] and second.to_pybytes() == data[4 * PAGE:6 * PAGE]
+    assert first.address != second.address
+    addr = second.address
+    del second
+    third = r.read_ranges([(2 * PAGE, 2 * PAGE)])[0]
+    assert third.address == addr and third.to_pybytes() == data[2 * PAGE:4 * PAGE]  # recycled once free
+    assert first.to_pybytes() == data[:2 * PAGE]
+    r.close()
