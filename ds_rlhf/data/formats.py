@@ -160,7 +160,7 @@ def iter_rows(path: Path, source_idx: int = 0, split: str | None = None) -> Iter
                 yield SourceRow(source_idx, i, f"{name} row {i}", obj)
                 i += 1
     else:
-        ds = _load_hf(path, split)
+        ds = _load_hf(path, split).with_format(None)  # plain python rows whatever format was saved
         i = 0
         for batch in ds.iter(batch_size=1024):
             keys = list(batch)

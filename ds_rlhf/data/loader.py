@@ -16,6 +16,7 @@ submission, so neighbouring blocks are merged into large reads.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -88,7 +89,7 @@ class StoreLoader:
                  shuffle: bool = True, drop_last: bool = True, prefetch: int = 2, reader: str = "auto",
                  epochs: int | None = None, tokenizer=None, expect_kind: str | None = None,
                  length_grouped: bool = False, as_numpy: bool = False, cache_bytes: int = 1 << 30,
-                 shuffle_window: int | None = None, readahead: int = 8):
+                 shuffle_window: int | None = None, readahead: int = 8, indices=None):
         if isinstance(path_or_store, Store):
             self.store = path_or_store
             check_store(self.store, tokenizer, expect_kind)
@@ -112,8 +113,20 @@ class StoreLoader:
         self._generation = 0
         self._active: set[_Prefetcher] = set()
         self._order_cache: tuple[int, np.ndarray] | None = None
-        self._lengths = self.store.lengths if length_grouped else None
-        n = len(self.store)
+        # `indices`: serve only these rows (e.g. the train part of a train/eval split); orders permute within them
+        if indices is None:
+            self._subset = None
+            n = len(self.store)
+        else:
+            self._subset = np.asarray(indices, dtype=np.int64).reshape(-1)
+            if self._subset.size and (self._subset.min() < 0 or self._subset.max() >= len(self.store)):
+                raise ValueError(f"indices must lie in [0, {len(self.store)}) for {self.store.path}")
+            n = len(self._subset)
+        self.num_rows = n
+        self._lengths = None
+        if length_grouped:
+            lengths = self.store.lengths
+            self._lengths = lengths if self._subset is None else lengths[self._subset]
         per_rank = n // world_size if drop_last else -(-n // world_size)
         self.batches_per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
         if self.batches_per_epoch == 0:
@@ -131,7 +144,7 @@ class StoreLoader:
         """This rank's row indices for `epoch`, in the order they are served."""
         if self._order_cache is not None and self._order_cache[0] == epoch:
             return self._order_cache[1]
-        n, ws = len(self.store), self.world_size
+        n, ws = self.num_rows, self.world_size
         if self.length_grouped:
             order = length_grouped_order(self._lengths, self.batch_size * ws, (self.seed, epoch))
         elif self.shuffle and self.shuffle_window:
@@ -145,16 +158,25 @@ class StoreLoader:
         else:
             order = np.resize(order, -(-n // ws) * ws)  # wraps around: every rank gets as many rows
         mine = order[self.rank::ws]
+        if self._subset is not None and not (self.shuffle and self.shuffle_window and not self.length_grouped):
+            mine = self._subset[mine]  # positions within the subset -> store rows (window orders are rows already)
         self._order_cache = (epoch, mine)
         return mine
 
     def _window_order(self, epoch: int) -> np.ndarray:
+        """Store rows in window-shuffled order (restricted to `indices` when given)."""
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, 1]))
         starts = self.store.block_starts
         blocks = rng.permutation(len(starts) - 1)
+        keep = None
+        if self._subset is not None:
+            keep = np.zeros(len(self.store), dtype=bool)
+            keep[self._subset] = True
         parts = []
         for w in range(0, len(blocks), self.shuffle_window):
             rows = np.concatenate([np.arange(starts[b], starts[b + 1]) for b in blocks[w:w + self.shuffle_window]])
+            if keep is not None:
+                rows = rows[keep[rows]]
             parts.append(rng.permutation(rows))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
@@ -213,8 +235,9 @@ class StoreLoader:
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {"num_rows": len(self.store), "batch_size": self.batch_size, "world_size": self.world_size,
-                "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
+        digest = "all" if self._subset is None else hashlib.sha1(self._subset.tobytes()).hexdigest()
+        return {"num_rows": self.num_rows, "indices": digest, "batch_size": self.batch_size,
+                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "length_grouped": self.length_grouped, "shuffle_window": self.shuffle_window,
                 "tokenizer_fingerprint": self.store.manifest["tokenizer"]["fingerprint"]}
 

@@ -154,3 +154,21 @@ def test_window_shuffle_for_stores_larger_than_the_cache(sft_store):
     assert _ids(_take(c, 20)) == a[17:37]
     with pytest.raises(ValueError, match="shuffle_window"):
         StoreLoader(sft_store, batch_size=10, seed=4).load_state_dict(b.state_dict())
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_index_subset_for_train_eval_splits(sft_store, window):
+    subset = list(range(0, 300, 3))  # e.g. the train part of a split
+    kw = dict(batch_size=10, seed=2, shuffle_window=window, indices=subset)
+    a = StoreLoader(sft_store, epochs=2, **kw)
+    assert len(a) == 10 and a.num_rows == 100
+    epochs = _ids(list(a))
+    assert sorted(sum(epochs[:10], [])) == subset and sorted(sum(epochs[10:], [])) == subset
+    b = StoreLoader(sft_store, **kw)
+    _take(b, 13)
+    c = StoreLoader(sft_store, **kw)
+    c.load_state_dict(b.state_dict())
+    assert _ids(_take(c, 5)) == epochs[13:18]
+    with pytest.raises(ValueError, match="indices"):
+        StoreLoader(sft_store, batch_size=10, seed=2, shuffle_window=window,
+                    indices=subset[1:] + [1]).load_state_dict(b.state_dict())
