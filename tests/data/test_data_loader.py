@@ -172,3 +172,21 @@ def test_index_subset_for_train_eval_splits(sft_store, window):
     with pytest.raises(ValueError, match="indices"):
         StoreLoader(sft_store, batch_size=10, seed=2, shuffle_window=window,
                     indices=subset[1:] + [1]).load_state_dict(b.state_dict())
+
+
+def test_prefetch_thread_stops_when_iteration_stops(sft_store):
+    import threading
+
+    def prefetchers():
+        return [t for t in threading.enumerate() if t.name == "ds_rlhf-data-prefetch"]
+
+    loader = StoreLoader(sft_store, batch_size=10, prefetch=3)
+    for i, _ in enumerate(loader):
+        if i == 4:
+            break  # the for loop drops the generator: its finally stops the thread
+    assert not prefetchers()
+    it = iter(loader)
+    next(it)
+    assert prefetchers()
+    loader.close()
+    assert not prefetchers()
