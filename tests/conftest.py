@@ -72,3 +72,23 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def vllm_colocated(tiny_model_path, dist_single):
+    """One in-process vLLM rollout engine on the tiny model for the whole session (vLLM starts once).
+
+    Colocated placement, float32 on CPU. Built after `dist_single`, as the trainer does (DeepSpeed first). Tests that
+    change its weights restore them afterwards, or load what they need first; skipped where vLLM is not importable.
+    """
+    from ds_rlhf.rollout.vllm_adapter import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not importable here")
+    from ds_rlhf.rollout import make_rollout_engine
+
+    engine = make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path),
+                                 dtype="auto" if _HAS_GPU else "float32", max_model_len=512, seed=0,
+                                 gpu_memory_utilization=0.3)
+    yield engine
+    engine.close()

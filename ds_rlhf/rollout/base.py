@@ -1,0 +1,172 @@
+"""The rollout interface the trainer talks to, independent of which engine generates.
+
+Why an interface: generation is most of an RL step's time, so the fast path is vLLM, but CI laptops and machines
+without vLLM still need to run the same loop (Hugging Face `generate` backend). The trainer only sees token ids in,
+token ids + per-token log-probs out, plus the weight-update and sleep/wake hooks it needs around training.
+
+Conventions every backend follows (tests check them):
+- `generate` returns `len(prompts) * spec.n` samples in prompt-major order (prompt 0's n samples first).
+- `logprobs[i]` is the log-prob of `response_ids[i]` under the rollout model's *raw* distribution (no temperature,
+  top-k or top-p applied): what the trainer recomputes for the importance ratio.
+- With `spec.seed = s`, prompt i's sample j is drawn with seed `s + i * n + j`: reproducible runs, yet distinct
+  samples across prompts (one shared seed would give every identical prompt the same sample stream).
+- Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS; the stop token is included in
+  `response_ids` and `finish_reason` is "stop", otherwise "length".
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass
+class SamplingSpec:
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): disabled
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+
+    def request_seed(self, prompt_index: int) -> int | None:
+        """Seed of prompt `prompt_index`'s first sample; sample j uses this + j (vLLM does the same for n > 1)."""
+        return None if self.seed is None else self.seed + prompt_index * self.n
+
+
+@dataclass
+class RolloutSample:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class TensorMeta(NamedTuple):
+    """What a receiver must know about one tensor of a bucket before the bytes arrive."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+BucketPlan = list[list[TensorMeta]]
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine could not do what was asked; the message says what to change."""
+
+
+@dataclass
+class _Counters:
+    generate_calls: int = 0
+    generated_tokens: int = 0
+    samples: int = 0
+    generate_seconds: float = 0.0
+    weight_updates: int = 0
+    weight_bytes: int = 0
+    weight_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(ABC):
+    """Generates rollouts and accepts new weights. Subclasses: vLLM (colocated / disaggregated) and HF."""
+
+    backend: str = "?"
+    placement: str = "colocated"
+
+    def __init__(self) -> None:
+        self._c = _Counters()
+        self.sleeping = False
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
+        """`len(prompts) * spec.n` samples, prompt-major; see the module docstring for the conventions."""
+
+    @abstractmethod
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each `tokens[1:]` given its prefix, under the rollout engine's current weights."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (Hugging Face name, full tensor) pairs into the engine in place; names not known raise."""
+
+    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                              plan: BucketPlan | None = None) -> None:
+        """Load a stream of buckets. Backends that ship bytes elsewhere override this to use `plan` (sent up
+        front, one control message per sync); in-process ones just load bucket by bucket."""
+        for bucket in buckets:
+            self.update_weights(bucket)
+
+    def sleep(self) -> None:
+        """Free accelerator memory (weights and KV cache) while the trainer runs; no-op where unsupported."""
+        self.sleeping = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate memory: `("weights",)` first (then sync), `("kv_cache",)` last; None wakes everything."""
+        if tags is None or "kv_cache" in tags:
+            self.sleeping = False
+
+    @property
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype the engine holds weights in; senders cast to it before shipping bytes (None: no cast)."""
+        return None
+
+    def reset_cache(self) -> None:  # noqa: B027  optional hook: engines without a prefix cache need nothing
+        """Drop cached prefix KV computed with the previous weights (called after every weight update)."""
+
+    def _record_generate(self, samples: list[RolloutSample], seconds: float) -> None:
+        self._c.generate_calls += 1
+        self._c.samples += len(samples)
+        self._c.generated_tokens += sum(len(s.response_ids) for s in samples)
+        self._c.generate_seconds += seconds
+        self._c.extra["last_generate_tokens_per_s"] = (
+            sum(len(s.response_ids) for s in samples) / seconds if seconds > 0 else float("nan"))
+
+    def _record_update(self, nbytes: int, seconds: float) -> None:
+        self._c.weight_updates += 1
+        self._c.weight_bytes += nbytes
+        self._c.weight_seconds += seconds
+
+    def stats(self) -> dict:
+        c = self._c
+        return {
+            "backend": self.backend, "placement": self.placement, "sleeping": self.sleeping,
+            "generate_calls": c.generate_calls, "samples": c.samples, "generated_tokens": c.generated_tokens,
+            "generate_seconds": c.generate_seconds,
+            "tokens_per_s": c.generated_tokens / c.generate_seconds if c.generate_seconds > 0 else float("nan"),
+            "weight_updates": c.weight_updates, "weight_bytes": c.weight_bytes, "weight_seconds": c.weight_seconds,
+            **c.extra,
+        }
+
+    def close(self) -> None:  # noqa: B027  optional hook
+        """Release the engine; idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def finish_reason_of(response_ids: Sequence[int], stop_ids: Iterable[int], max_new_tokens: int) -> str:
+    """'stop' when the last token is a stop token, else 'length' (shared by backends that decode themselves)."""
+    stops = set(stop_ids)
+    if response_ids and response_ids[-1] in stops:
+        return "stop"
+    return "length" if len(response_ids) >= max_new_tokens else "stop"

@@ -1,0 +1,63 @@
+"""Pick and build a rollout engine: `make_rollout_engine(backend, placement, model_path=..., ...)`.
+
+backend: "vllm", "hf", or "auto" (vLLM when a supported version imports, else HF `generate` with a warning: the
+run still works, only generation is much slower). placement: "colocated" (vLLM in this process, sharing the
+trainer's GPU(s); with several ranks vLLM's SPMD external_launcher, one replica per rank unless
+tensor_parallel_size > 1) or "disaggregated" (vLLM in its own process on
+`devices=[...]`, weights over a dedicated gloo/NCCL group; build it on trainer rank 0 only).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ds_rlhf.rollout.base import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend not in ("auto", "vllm", "hf"):
+        raise ValueError(f"unknown rollout backend {backend!r}: expected 'auto', 'vllm' or 'hf'")
+    if backend != "auto":
+        return backend
+    from ds_rlhf.rollout.vllm_adapter import check_vllm_version, vllm_version
+
+    version = vllm_version()
+    if version is None:
+        log.warning("vLLM is not importable here: falling back to the Hugging Face generate backend (much slower "
+                    "rollouts). Install vLLM, or pass backend='hf' to silence this warning.")
+        return "hf"
+    try:
+        check_vllm_version(version)
+    except RuntimeError as e:
+        log.warning("%s Falling back to the Hugging Face generate backend.", e)
+        return "hf"
+    return "vllm"
+
+
+def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, model_path: str,
+                        dtype: str = "auto", max_model_len: int = 1024, gpu_memory_utilization: float = 0.5,
+                        seed: int = 0, enable_sleep: bool = False, **kw) -> RolloutEngine:
+    """Build a RolloutEngine. Extra keywords go to the engine (e.g. tensor_parallel_size, sleep_level, devices,
+    weight_backend, enforce_eager, load_format, skip_tokenizer_init, batch_size for HF)."""
+    if placement not in ("colocated", "disaggregated"):
+        raise ValueError(f"unknown placement {placement!r}: expected 'colocated' or 'disaggregated'")
+    backend = resolve_backend(backend)
+    common = dict(dtype=dtype, max_model_len=max_model_len, seed=seed)
+    if backend == "hf":
+        if placement != "colocated":
+            raise ValueError("the HF generate backend only runs colocated (in the trainer's process)")
+        from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(str(model_path), **common, **kw)
+    vllm_kw = dict(common, gpu_memory_utilization=gpu_memory_utilization, enable_sleep=enable_sleep)
+    if placement == "colocated":
+        from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
+    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+
+    client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
+    client = {k: kw.pop(k) for k in client_keys if k in kw}
+    return RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)

@@ -1,0 +1,270 @@
+"""Disaggregated vLLM rollout engine: vLLM on its own devices, in its own process, weights over a weight group.
+
+Build it on every trainer rank (like the colocated engine). Trainer rank 0 starts the server
+(`python -m ds_rlhf.rollout.remote_server`, see there) and talks to it over an authenticated local socket; other
+ranks are thin proxies: `generate` / `score` gather every rank's requests to rank 0 over the trainer's default group,
+rank 0 sends them to vLLM as one batch and scatters the results back. So a data-parallel trainer calls the same
+API on every rank whatever the placement (`generate` / `score` are collective here).
+
+A sync (only rank 0 talks to vLLM; other ranks drain the ZeRO-3 gathers):
+  rank 0 -> server: ("update", plan)      the one control message: names/shapes/dtypes of every bucket
+  rank 0: per bucket: flatten, one broadcast on the weight group (gloo on CPU, NCCL on GPU)
+  server: collective_rpc -> each vLLM worker receives each bucket and calls model.load_weights on views of it
+  server -> rank 0: ("ok", None)          after vLLM's prefix cache was reset
+The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync. Server errors come
+back as RolloutError with the server's traceback; a dead server is reported with its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import torch
+
+from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, SamplingSpec, TensorMeta
+from ds_rlhf.rollout.weight_group import WeightGroup, free_port, pack_bucket, plan_to_wire
+
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+class RemoteVLLMEngine(RolloutEngine):
+    backend = "vllm"
+    placement = "disaggregated"
+
+    def __init__(self, model_path: str, *, devices: Sequence[int] | None = None, weight_backend: str | None = None,
+                 timeout_s: float = 600.0, startup_timeout_s: float = 900.0, bucket_bytes: int = 1 << 30,
+                 log_path: str | None = None, host: str = "127.0.0.1", **engine_kwargs) -> None:
+        super().__init__()
+        self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
+        self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self._group: WeightGroup | None = None
+        self._conn = self._proc = self._listener = self._log = None
+        self._d = _dist()
+        self.owner = self._d is None or self._d.get_rank() == 0
+        info = self._start(model_path, devices, log_path, startup_timeout_s, engine_kwargs) if self.owner else None
+        if self._d is not None:
+            box = [info]
+            self._d.broadcast_object_list(box, src=0)
+            info = box[0]
+        if "error" in info:
+            raise RolloutError(info["error"])
+        self._dtype = getattr(torch, info["dtype"].removeprefix("torch."))
+        self.world = info["world"]
+        self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"])
+
+    def _start(self, model_path, devices, log_path, startup_timeout_s, engine_kwargs) -> dict:
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener((self.host, 0), authkey=authkey)
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+        env.update(DS_RLHF_ROLLOUT_ADDR=f"{self.host}:{self._listener.address[1]}", DS_RLHF_ROLLOUT_KEY=authkey.hex(),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]))
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
+        self._proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.remote_server"], env=env,
+                                      stdout=self._log, stderr=subprocess.STDOUT if self._log else None)
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            self._conn = _accept(self._listener, self._proc, startup_timeout_s)
+            self._conn.send(("start", str(model_path), engine_kwargs))
+            info = self._recv(max(1.0, deadline - time.monotonic()))
+        except RolloutError as e:
+            self.close()
+            return {"error": str(e)}  # every rank raises it, instead of ranks > 0 waiting forever
+        self._c.extra["server_pid"] = self._proc.pid
+        return info
+
+    # ---- plumbing ---------------------------------------------------------------------------------------------
+    def _recv(self, timeout: float | None = None):
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(1.0):
+            if self._proc.poll() is not None:
+                raise RolloutError(f"rollout server exited with code {self._proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RolloutError(f"rollout server did not answer within {timeout:.0f}s")
+        status, payload = self._conn.recv()
+        if status == "error":
+            raise RolloutError(f"rollout server failed:\n{payload}")
+        return payload
+
+    def _call(self, *msg):
+        if self._conn is None:
+            raise RolloutError("rollout engine is closed")
+        self._conn.send(msg)
+        return self._recv()
+
+    def _collective(self, item, run):
+        """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""
+        if self._d is None:
+            return run([item])[0]
+        d, rank = self._d, self._d.get_rank()
+        items = [None] * d.get_world_size() if rank == 0 else None
+        d.gather_object(item, items, dst=0)
+        results, out = None, [None]
+        if rank == 0:
+            try:
+                results = [("ok", r) for r in run(items)]
+            except Exception as e:  # noqa: BLE001  re-raised on every rank below
+                results = [("error", f"{type(e).__name__}: {e}")] * len(items)
+        d.scatter_object_list(out, results, src=0)
+        status, payload = out[0]
+        if status == "error":
+            raise RolloutError(f"rollout (on trainer rank 0) failed: {payload}")
+        return payload
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    # ---- RolloutEngine ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
+        t0 = time.perf_counter()
+        rows = self._collective((prompts, spec), lambda groups: self._call("generate_many", groups))
+        samples = [RolloutSample(*s) for s in rows]
+        self._record_generate(samples, time.perf_counter() - t0)
+        return samples
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        def run(groups):
+            flat = self._call("score", [s for g in groups for s in g])
+            bounds = [0]
+            for g in groups:
+                bounds.append(bounds[-1] + len(g))
+            return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+
+        return self._collective(sequences, run)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Bucket an arbitrary (name, tensor) stream here (held in memory), then ship it like a sync. Rank 0 only
+        sends; other ranks just consume their stream."""
+        buckets, size = [[]], 0
+        for name, t in named_tensors:
+            if not self.owner:
+                continue
+            t = t.to(self._dtype)
+            nbytes = t.numel() * t.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, t))
+            size += nbytes
+        if self.owner:
+            self.update_weight_buckets(buckets)
+
+    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                              plan: BucketPlan | None = None) -> None:
+        if not self.owner:
+            if getattr(buckets, "zero3", True):
+                for _ in buckets:  # ZeRO-3 gathers are collective: take part, send nothing
+                    pass
+            return
+        if plan is None:
+            buckets = [b for b in buckets if b]
+            plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
+        t0 = time.perf_counter()
+        self._ensure_group()
+        self._conn.send(("update", plan_to_wire(plan)))
+        nbytes, pending, n_sent = 0, None, 0
+        for bucket, metas in zip(buckets, plan):
+            names = [n for n, _ in bucket]
+            if names != [m.name for m in metas]:
+                raise RolloutError(f"bucket {n_sent} does not match the announced plan: {names[:3]} vs "
+                                   f"{[m.name for m in metas][:3]}")
+            buf = pack_bucket([t for _, t in bucket], metas)
+            if pending is not None:
+                pending.wait()  # overlap: gather/pack bucket k+1 while bucket k is on the wire
+            pending = self._group.broadcast(buf)
+            nbytes += buf.numel()
+            n_sent += 1
+        if pending is not None:
+            pending.wait()
+        if n_sent != len(plan):
+            raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
+        self._recv()
+        self._record_update(nbytes, time.perf_counter() - t0)
+
+    def _ensure_group(self) -> None:
+        if self._group is not None:
+            return
+        port, world = free_port(), 1 + self.world
+        self._conn.send(("init_group", self.host, port, world, self.weight_backend, self.timeout_s))
+        device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" else None
+        self._group = WeightGroup(self.host, port, world, 0, self.weight_backend, self.timeout_s, device)
+        self._recv()
+
+    def reset_cache(self) -> None:
+        """The server resets vLLM's prefix cache itself at the end of every update."""
+
+    def sleep(self) -> None:
+        if self.owner:
+            self._c.extra.update(self._call("sleep"))
+        self.sleeping = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        if self.owner:
+            self._c.extra.update(self._call("wake", None if tags is None else list(tags)))
+        if tags is None or "kv_cache" in tags:
+            self.sleeping = False
+
+    def stats(self) -> dict:
+        out = super().stats()
+        if self.owner and self._conn is not None:
+            out["server"] = self._call("stats")
+        return out
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.send(("close",))
+                conn.close()
+            except OSError:
+                pass
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        for attr in ("_group", "_listener", "_log"):
+            obj = getattr(self, attr)
+            if obj is not None:
+                obj.close()
+                setattr(self, attr, None)
+
+
+def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):
+    """Accept the server's connection, giving up if it dies or takes longer than `timeout` seconds."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("conn", listener.accept()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        thread.join(0.5)
+        if proc.poll() is not None and thread.is_alive():
+            raise RolloutError(f"rollout server exited with code {proc.returncode} before connecting")
+        if time.monotonic() > deadline:
+            raise RolloutError(f"rollout server did not connect within {timeout:.0f}s")
+    if "conn" not in box:
+        raise RolloutError("rollout server connection failed")
+    return box["conn"]

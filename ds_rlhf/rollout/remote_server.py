@@ -1,0 +1,88 @@
+"""The disaggregated rollout server: `python -m ds_rlhf.rollout.remote_server`, started by RemoteVLLMEngine.
+
+It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes)
+and answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
+come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group.
+Every failure goes back to the client with its traceback instead of killing the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from multiprocessing.connection import Client
+
+import torch
+
+from ds_rlhf.rollout.weight_group import plan_from_wire
+
+
+def _handle(engine, cmd: str, args: tuple):
+    """One command; returns (engine, reply)."""
+    if cmd == "start":
+        from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+        model_path, kwargs = args
+        tp = kwargs.get("tensor_parallel_size") or 1
+        kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
+        engine = VLLMRolloutEngine(model_path, **kwargs)
+        engine.placement = "disaggregated (server)"
+        return engine, {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
+                        "start_seconds": engine.handle.start_seconds}
+    if engine is None:
+        raise RuntimeError(f"command {cmd!r} before 'start'")
+    if cmd == "generate_many":
+        t0 = time.perf_counter()
+        results = engine.handle.generate_many(args[0])
+        engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
+        return engine, [[tuple(vars(s).values()) for s in r] for r in results]
+    if cmd == "score":
+        return engine, engine.score(args[0])
+    if cmd == "init_group":
+        engine.handle.init_weight_group(*args)
+        return engine, None
+    if cmd == "update":
+        t0 = time.perf_counter()
+        engine.handle.receive_buckets(args[0])
+        engine.reset_cache()
+        nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
+                     for bucket in plan_from_wire(args[0]) for m in bucket)
+        engine._record_update(nbytes, time.perf_counter() - t0)
+        return engine, None
+    if cmd == "sleep":
+        engine.sleep()
+        return engine, {k: v for k, v in engine.stats().items() if k.startswith("sleep_")}
+    if cmd == "wake":
+        engine.wake(args[0])
+        return engine, {k: v for k, v in engine.stats().items() if k.startswith("wake_")}
+    if cmd == "stats":
+        return engine, engine.stats()
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+def serve() -> None:
+    host, port = os.environ["DS_RLHF_ROLLOUT_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("DS_RLHF_ROLLOUT_KEY")))
+    engine = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "close":
+            break
+        try:
+            engine, reply = _handle(engine, msg[0], msg[1:])
+            conn.send(("ok", reply))
+        except Exception:  # noqa: BLE001  every failure goes back to the client with its traceback
+            conn.send(("error", traceback.format_exc()))
+    if engine is not None:
+        with contextlib.suppress(Exception):
+            engine.handle.close_weight_group()
+        engine.close()
+
+
+if __name__ == "__main__":
+    serve()

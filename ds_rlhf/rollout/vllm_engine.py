@@ -1,0 +1,140 @@
+"""Colocated vLLM rollout engine: vLLM shares the trainer's GPU(s) and runs inside the trainer's process.
+
+One process per GPU. With one rank the engine uses vLLM's in-process "uni" executor; with several ranks it uses
+vLLM's SPMD "external_launcher" on the trainer's existing torch.distributed world: world = DP x TP, TP innermost.
+- TP = 1 (default): every rank holds a full replica and generates its own prompts (data parallel, like the trainer).
+- TP > 1: the TP ranks of a group share one engine; each rank still passes its own prompts, the engine all-gathers
+  them within the group, generates the union once and hands each rank its own samples back.
+vLLM steps its data-parallel replicas in lockstep, so `generate` and `score` are collective: every rank must call
+them the same number of times (the trainer does: every rank rolls out each step, every rank runs the canary).
+
+Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
+sync path wakes the weights first, loads the new ones in place, and wakes the KV cache last, so the KV cache is
+re-allocated only once the trainer's gather buffers are gone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _tp_group(tp: int):
+    """(process group of this rank's TP block, index in it); every rank creates every group, as new_group needs."""
+    import torch.distributed as dist
+
+    rank, world = _world()
+    mine = None
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        if start <= rank < start + tp:
+            mine = (group, rank - start)
+    return mine
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    backend = "vllm"
+    placement = "colocated"
+
+    def __init__(self, model_path: str, *, dtype: str = "auto", max_model_len: int = 1024,
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, enable_sleep: bool = False,
+                 sleep_level: int = 1, tensor_parallel_size: int | None = None, executor: str | None = None,
+                 **llm_kwargs) -> None:
+        super().__init__()
+        from ds_rlhf.rollout.vllm_adapter import VLLMHandle
+
+        _, world = _world()
+        if executor is None:
+            executor = "external_launcher" if world > 1 else "uni"
+        tp = tensor_parallel_size or 1
+        dp = world // tp if executor == "external_launcher" else 1
+        if executor == "external_launcher" and tp * dp != world:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the world size {world}")
+        self._tp_group = _tp_group(tp) if executor == "external_launcher" and tp > 1 else None
+        self.sleep_level = sleep_level
+        self.handle = VLLMHandle(model_path, dtype=dtype, max_model_len=max_model_len,
+                                 gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep=enable_sleep,
+                                 executor=executor, tensor_parallel_size=tp, data_parallel_size=dp, **llm_kwargs)
+        self._c.extra.update(vllm_version=self.handle.version, executor=executor, tensor_parallel_size=tp,
+                             start_seconds=self.handle.start_seconds)
+        self._awake: set[str] = {"weights", "kv_cache"}
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.handle.dtype
+
+    def _require_awake(self) -> None:
+        if self._awake != {"weights", "kv_cache"}:
+            raise RuntimeError(f"rollout engine is asleep (awake: {sorted(self._awake)}); call wake() first")
+
+    def _gather(self, item) -> tuple[list, int]:
+        """All TP-group members' `item`s and this rank's index among them (no group: just ours)."""
+        if self._tp_group is None:
+            return [item], 0
+        import torch.distributed as dist
+
+        group, index = self._tp_group
+        items = [None] * dist.get_world_size(group)
+        dist.all_gather_object(items, item, group=group)
+        return items, index
+
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
+        self._require_awake()
+        t0 = time.perf_counter()
+        groups, index = self._gather((prompts, spec))
+        samples = self.handle.generate_many(groups)[index]
+        self._record_generate(samples, time.perf_counter() - t0)
+        return samples
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        self._require_awake()
+        groups, index = self._gather(sequences)
+        scores = self.handle.score([s for g in groups for s in g])
+        start = sum(len(g) for g in groups[:index])
+        return scores[start:start + len(sequences)]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if "weights" not in self._awake:
+            raise RuntimeError("wake(('weights',)) before updating weights: the weight memory is released")
+        t0 = time.perf_counter()
+        tensors = list(named_tensors)
+        self.handle.load_weights(tensors)
+        self._record_update(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
+
+    def reset_cache(self) -> None:
+        self.handle.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.sleeping:
+            return
+        info = self.handle.sleep(self.sleep_level)
+        self._c.extra.update(info)
+        self._awake = set()
+        self.sleeping = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        tags = ("weights", "kv_cache") if tags is None else tuple(tags)
+        todo = [t for t in tags if t not in self._awake]
+        if "kv_cache" in todo and "weights" not in self._awake and "weights" not in todo:
+            todo.insert(0, "weights")  # vLLM needs weights back before the KV cache
+        if todo:
+            self._c.extra.update({f"wake_{'_'.join(todo)}_seconds": self.handle.wake(todo)["wake_seconds"]})
+            self._awake.update(todo)
+        self.sleeping = self._awake != {"weights", "kv_cache"}
+
+    def close(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle is not None:
+            handle.close()

@@ -1,0 +1,112 @@
+"""vLLM (CPU, float32) colocated in the test process: the generate contract, and DeepSpeed -> vLLM weight sync at
+ZeRO-0 and ZeRO-3 (world size 1) proven by log-probs, plus the canary firing when a sync is skipped or empty.
+
+All tests share the session's single vLLM engine (`vllm_colocated`); each loads the weights it needs first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import (
+    PROBE,
+    SMALL_BUCKET,
+    STALE_MIN,
+    TOL,
+    build_engine,
+    check_generate_contract,
+    restore_checkpoint_weights,
+    skipped_sync_fires,
+    sync_roundtrip,
+    train,
+)
+
+from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync
+from ds_rlhf.rollout.canary import trainer_logprobs
+
+
+@pytest.fixture
+def rollout(vllm_colocated, tiny_model_path):
+    restore_checkpoint_weights(vllm_colocated, tiny_model_path)
+    return vllm_colocated
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+
+
+def test_generate_contract(rollout, tiny_tokenizer):
+    check_generate_contract(rollout, tiny_tokenizer.eos_token_id)
+
+
+def test_rollout_logprobs_and_score_match_hf(rollout, hf_model):
+    """Sampled-token log-probs are the raw model's (no temperature / top-k applied), as the trainer recomputes."""
+    spec = SamplingSpec(n=2, max_new_tokens=12, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
+    for s in rollout.generate([[1, 5, 6, 7], [1, 9]], spec):
+        ref = trainer_logprobs(hf_model, s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL
+    got = rollout.score([PROBE, PROBE[:10]])
+    assert len(got[0]) == len(PROBE) - 1 and len(got[1]) == 9
+    assert max(abs(a - b) for a, b in zip(trainer_logprobs(hf_model, PROBE), got[0])) < TOL
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sync_after_optimizer_steps(rollout, tiny_model_path, dist_single, stage):
+    r = sync_roundtrip(rollout, tiny_model_path, stage)
+    assert r["initial"] < TOL, "engine and rollout start from the same checkpoint"
+    assert r["stale"] > STALE_MIN, "after training, before the sync, the rollout must NOT match"
+    assert r["after"] < TOL and r["gen_diff"] < TOL
+    n_bytes = sum(getattr(p, "ds_numel", p.numel()) * 4 for p in r["engine"].module.parameters())  # tied: once
+    assert r["bytes"] == n_bytes and r["buckets"] > 5 and r["gbps"] > 0
+    if stage == 3:
+        largest = max(p.ds_numel * 4 for p in r["engine"].module.parameters())
+        assert r["max_gathered_bytes"] <= max(SMALL_BUCKET, largest)
+
+
+def test_canary_fires_when_sync_skipped(rollout, tiny_model_path, dist_single):
+    msg = skipped_sync_fires(rollout, tiny_model_path, stage=0)
+    assert "not serving the trained weights" in msg and "threshold" in msg
+
+
+def test_canary_fires_when_sync_sends_nothing(rollout, tiny_model_path, dist_single):
+    """A sync that silently loads nothing (here: every name mapped away) is caught by the sync itself."""
+    engine = build_engine(tiny_model_path, stage=0)
+    train(engine)
+    sync = WeightSync(engine, rollout, canary=SyncCanary(PROBE), name_map=lambda name: None)
+    with pytest.raises(SyncCanaryError, match="not serving the trained weights"):
+        sync.sync()
+
+
+def test_sleep_wake_order(rollout, tiny_model_path, dist_single):
+    """Sleep state is tracked on CPU too (vLLM's CPU worker has no sleep mode): generate refuses while asleep,
+    and a sync wakes the weights first and the KV cache last."""
+    rollout.sleep()
+    assert rollout.sleeping
+    with pytest.raises(RuntimeError, match="asleep"):
+        rollout.generate([[1, 2]], SamplingSpec(max_new_tokens=2))
+    engine = build_engine(tiny_model_path, stage=0)
+    info = WeightSync(engine, rollout, canary=SyncCanary(PROBE)).sync()
+    assert not rollout.sleeping and info["canary_max_abs_diff"] < TOL
+    stats = rollout.stats()
+    assert "wake_weights_seconds" in stats and "wake_kv_cache_seconds" in stats
+
+
+def test_colocated_handover_is_by_reference(rollout, hf_model, monkeypatch):
+    """The worker receives the trainer's own tensors (same storage): no serialisation, no copy via the host."""
+    from ds_rlhf.rollout.vllm_adapter import WeightSyncWorkerExtension
+
+    seen = []
+    original = WeightSyncWorkerExtension.ds_rlhf_load_weights
+
+    def spy(self, named_tensors):
+        named_tensors = list(named_tensors)
+        seen.extend(t.data_ptr() for _, t in named_tensors)
+        return original(self, named_tensors)
+
+    monkeypatch.setattr(WeightSyncWorkerExtension, "ds_rlhf_load_weights", spy)
+    params = list(hf_model.named_parameters())
+    rollout.update_weights(params)
+    assert seen == [p.data_ptr() for _, p in params]
