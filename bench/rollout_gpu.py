@@ -61,6 +61,8 @@ def build_models(shape: str, tiny: bool, workdir: Path):
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(dtype).eval()
     model.requires_grad_(False)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the fp32 init blocks back before vLLM sizes its KV cache
     return model, cfg
 
 
@@ -116,7 +118,7 @@ def bench_shape(shape: str, args) -> dict:
     spec = SamplingSpec(max_new_tokens=new_tokens, ignore_eos=True, seed=1234)
     llm = engine.handle.llm
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    same_work = [engine.handle._params(spec, spec.request_seed(i), logprobs=0) for i in range(n_prompts)]
+    same_work = [engine.handle.sampling_params(spec, spec.request_seed(i), logprobs=0) for i in range(n_prompts)]
     plain_default = SamplingParams(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
 
     def plain(params):

