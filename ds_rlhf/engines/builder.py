@@ -1,0 +1,148 @@
+"""Turn a model role into a DeepSpeed engine from a resolved ds_config.
+
+Trainable roles (actor, critic) get ``deepspeed.initialize`` with the config's optimizer (DeepSpeed's own, or our
+``OneBitAdam`` for ``"type": "OneBitAdam"``) and scheduler; parameters are split into decay / no-decay groups
+(biases and norm weights get no weight decay, as in Hugging Face's Trainer).
+
+Frozen roles (reference, reward) are DeepSpeed engines too, without optimizer or scheduler, so they share the
+actor's precision handling and ZeRO-3 partitioning:
+
+- ZeRO stage 3 stays stage 3 (ZeRO-Inference: weights partitioned, gathered layer by layer in forward), with
+  ``offload=True`` adding ``offload_param: cpu`` for models that do not fit beside the actor;
+- stages 1/2 become stage 0 (they only partition optimizer state and gradients, which a frozen model has none of),
+  i.e. a full replica on the device in the run's precision.
+
+Trainable models are loaded in fp32 so DeepSpeed's fp32 master weights are exact; frozen ones in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+
+from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
+from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
+from ds_rlhf.engines.onebit_adam import onebit_from_config
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed if nobody has (gloo on CPU: the CPU accelerator's default
+    backend, oneCCL, is not installed). Single-process defaults are filled in when no launcher set the env."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if "MASTER_PORT" not in os.environ:
+        from ds_rlhf.testing.multiproc import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name())
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters split into weight-decay and no-decay (bias, norms, other 1-D tensors) groups."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def frozen_config(ds_config: dict, offload: bool | None = None) -> dict:
+    """The inference variant of a training config (see module docstring)."""
+    cfg = copy.deepcopy(ds_config)
+    cfg.pop("optimizer", None)
+    cfg.pop("scheduler", None)
+    zero = cfg.setdefault("zero_optimization", {})
+    zero.pop("offload_optimizer", None)
+    zero.pop("zero_quantized_gradients", None)
+    if offload:
+        zero["stage"] = 3
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif zero.get("stage", 0) in (1, 2):
+        cfg["zero_optimization"] = {"stage": 0}
+    if zero.get("stage", 0) != 3:
+        zero.pop("offload_param", None)
+    return cfg
+
+
+def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainable: bool = True):
+    """A DeepSpeed engine for ``model``; ``ds_config`` must be resolved (no "auto"). Returns the engine; its
+    optimizer/scheduler are ``engine.optimizer``/``engine.lr_scheduler``."""
+    import deepspeed
+
+    left = find_auto(ds_config)
+    if left:
+        raise ValueError(f"build_engine({role}) needs a resolved ds_config; still 'auto': {', '.join(left)} "
+                         "(call ds_config.resolve_ds_config first)")
+    ensure_distributed()
+    cfg = copy.deepcopy(ds_config)
+    client_opt, groups = None, None
+    if trainable:
+        check_optimizer_compat(cfg)
+        opt_cfg = cfg.get("optimizer")
+        if not opt_cfg:
+            raise ValueError(f"trainable role {role!r} needs an 'optimizer' section in its ds_config")
+        groups = param_groups(model, opt_cfg.get("params", {}).get("weight_decay", 0.0))
+        if not groups:
+            raise ValueError(f"trainable role {role!r} has no parameters with requires_grad=True")
+        init_cfg = cfg
+        if opt_cfg.get("type") == "OneBitAdam":
+            client_opt = onebit_from_config(opt_cfg, groups)
+            init_cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        cfg = init_cfg = frozen_config(cfg)
+    log_resolved_config(cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client_opt, config=init_cfg)
+    if client_opt is not None:
+        client_opt.bind_engine(engine)
+    if not trainable:
+        engine.eval()
+    engine.ds_rlhf_config = cfg
+    engine.ds_rlhf_role = role
+    engine.ds_rlhf_trainable = trainable
+    logger.info("built %s engine: ZeRO-%s, %s, optimizer %s", role, cfg.get("zero_optimization", {}).get("stage", 0),
+                config_precision(cfg), type(engine.optimizer).__name__ if engine.optimizer is not None else None)
+    return engine
+
+
+def _dtypes(ds_config: dict, trainable: bool) -> dict:
+    compute = config_precision(ds_config)
+    return {"dtype": "fp32" if trainable else compute, "compute_dtype": compute}
+
+
+def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradient_checkpointing: bool = False,
+                lora: dict | None = None):
+    model = load_causal_lm(model_path, attn_impl=attn_impl, gradient_checkpointing=gradient_checkpointing,
+                           lora=lora, **_dtypes(ds_config, True))
+    return build_engine(model, ds_config, role="actor", trainable=True)
+
+
+def build_critic(model_path, ds_config: dict, *, init_from: str = "reward", attn_impl: str = "auto",
+                 gradient_checkpointing: bool = False, lora: dict | None = None):
+    model = CriticModel.from_pretrained(model_path, init_from, attn_impl=attn_impl, lora=lora,
+                                        gradient_checkpointing=gradient_checkpointing, **_dtypes(ds_config, True))
+    return build_engine(model, ds_config, role="critic", trainable=True)
+
+
+def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
+    model = load_causal_lm(model_path, attn_impl=attn_impl, **_dtypes(ds_config, False))
+    return build_engine(model, frozen_config(ds_config, offload), role="reference", trainable=False)
+
+
+def build_reward(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
+    model = RewardModel.from_pretrained(model_path, attn_impl=attn_impl, **_dtypes(ds_config, False))
+    return build_engine(model, frozen_config(ds_config, offload), role="reward", trainable=False)

@@ -1,0 +1,129 @@
+"""Checkpoints through DeepSpeed, plus Hugging Face export from any ZeRO stage.
+
+``save_checkpoint`` = ``engine.save_checkpoint`` (module, optimizer incl. ZeRO partitions, scheduler, client state)
++ the resolved ds_config beside it + one file per rank with 1-bit Adam's error-feedback buffers (DeepSpeed saves the
+stage-0 optimizer from rank 0 only, but those buffers differ per rank). Frozen roles are not checkpointed: they are
+rebuilt from their source path.
+
+``export_hf`` gathers every parameter (one at a time under ``deepspeed.zero.GatheredParameters``, so ZeRO-3 never
+materialises the whole model at once on the device), folds LoRA adapters in, and writes a ``save_pretrained``
+directory on rank 0 in the engine's compute dtype (bf16/fp16 — the "16-bit gather" — or fp32). A critic is written
+as ``*ForSequenceClassification`` so ``CriticModel.from_pretrained``/``RewardModel.from_pretrained`` load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_rlhf.engines.ds_config import save_resolved_config
+from ds_rlhf.engines.models import CriticModel, RewardModel, _unwrap_peft, merge_lora_state_dict
+from ds_rlhf.engines.onebit_adam import find_onebit
+
+logger = logging.getLogger(__name__)
+# DeepSpeed returns its own bookkeeping keys in the client state too; ours live under one key.
+_CLIENT_KEY = "ds_rlhf_client_state"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _onebit_file(path: Path, rank: int) -> Path:
+    return path / f"onebit_errors_rank{rank}.pt"
+
+
+def save_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
+    """Save ``engine`` under ``ckpt_dir/tag`` (collective: call on every rank). Returns that directory."""
+    if getattr(engine, "ds_rlhf_trainable", True) is False:
+        raise ValueError(f"{getattr(engine, 'ds_rlhf_role', 'frozen')} engine is frozen; it is rebuilt from its "
+                         "source checkpoint, so there is nothing to save")
+    ckpt_dir = Path(ckpt_dir)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})})
+    path = ckpt_dir / tag
+    config = getattr(engine, "ds_rlhf_config", None)
+    if config is not None and _rank() == 0:
+        save_resolved_config(config, path)
+    onebit = find_onebit(engine)
+    if onebit is not None:
+        torch.save({"errors": onebit.error_state_dict()}, _onebit_file(path, _rank()))
+    _barrier()
+    return path
+
+
+def load_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
+    """Restore module, optimizer, scheduler (and 1-bit error buffers) into ``engine``; return the client state."""
+    if not (Path(ckpt_dir) / tag).is_dir():
+        raise FileNotFoundError(f"no checkpoint with tag {tag!r} under {ckpt_dir}")
+    load_path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                                     load_lr_scheduler_states=True)
+    if load_path is None:
+        raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {ckpt_dir}")
+    onebit = find_onebit(engine)
+    if onebit is not None:
+        path = _onebit_file(Path(ckpt_dir) / tag, _rank())
+        if path.exists():
+            onebit.load_error_state_dict(torch.load(path, map_location="cpu", weights_only=False)["errors"])
+        elif onebit.compressing:
+            raise FileNotFoundError(f"{path} is missing: 1-bit Adam is past warm-up and needs this rank's error "
+                                    "buffers to resume exactly (was the checkpoint saved with a different world size?)")
+    return (client_state or {}).get(_CLIENT_KEY, {})
+
+
+def gather_state_dict(module: torch.nn.Module) -> dict:
+    """Full ``state_dict`` of ``module`` on rank 0 (CPU tensors); ``{}`` on other ranks. Works at every ZeRO stage:
+    ZeRO-3 parameters are gathered one at a time; tied parameters are gathered once."""
+    import deepspeed
+
+    gathered = deepspeed.zero.GatheredParameters
+
+    rank0 = _rank() == 0
+    out, seen = {}, {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            if rank0:
+                out[name] = seen[id(tensor)]
+            continue
+        if hasattr(tensor, "ds_id"):
+            with gathered([tensor], modifier_rank=None):
+                value = tensor.detach().cpu().clone() if rank0 else None
+        else:
+            value = tensor.detach().cpu().clone() if rank0 else None
+        seen[id(tensor)] = value
+        if rank0:
+            out[name] = value
+    return out
+
+
+def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
+    """Write a Hugging Face ``save_pretrained`` directory from ``engine`` (collective: call on every rank)."""
+    module = getattr(engine, "module", engine)
+    state = gather_state_dict(module)
+    out = Path(out_dir)
+    if _rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if isinstance(module, CriticModel):
+            module.save_pretrained(out, state_dict=state)
+        elif isinstance(module, RewardModel):
+            weights = {k.removeprefix("model."): v for k, v in state.items()}
+            module.model.save_pretrained(out, state_dict=weights)
+        else:
+            base = _unwrap_peft(module)
+            base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        config = getattr(engine, "ds_rlhf_config", None)
+        if config is not None:
+            save_resolved_config(config, out)
+        logger.info("exported %s to %s", type(module).__name__, out)
+    _barrier()
+    return out

@@ -1,0 +1,230 @@
+"""The model roles as plain ``nn.Module``s; ``builder.py`` turns them into DeepSpeed engines.
+
+- actor / reference: a Hugging Face causal LM (``load_causal_lm``), optionally with LoRA adapters.
+- critic: LM backbone + scalar value head (``CriticModel``), initialised from the reward model (backbone and its
+  ``score`` head) or from the actor (backbone; fresh head). It saves in ``*ForSequenceClassification`` format, so
+  an exported critic loads as a reward model and vice versa.
+- reward: ``RewardModel`` wraps ``*ForSequenceClassification`` and scores the last non-pad token.
+
+Padding: when an ``attention_mask`` is given without ``position_ids``, positions are counted from the first real
+token (``cumsum(mask) - 1``), so left- and right-padded copies of a sequence get the same values and scores.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ds_rlhf.engines.attention import select_attn_impl
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+GC_KWARGS = {"use_reentrant": False}  # non-reentrant: works with frozen inputs, LoRA and ZeRO-3 hooks
+LORA_DEFAULTS = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 on each row's first real token (left padding) and stay 0 on padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-pad token of each row; works for left and right padding."""
+    length = attention_mask.shape[-1]
+    return length - 1 - attention_mask.long().flip(-1).argmax(-1)
+
+
+def _hf_kwargs(dtype, attn_impl, compute_dtype) -> dict:
+    dtype = as_dtype(dtype)
+    impl = select_attn_impl(attn_impl, dtype=as_dtype(compute_dtype) if compute_dtype is not None else dtype)
+    return {"dtype": dtype, "attn_implementation": impl}
+
+
+def apply_lora(model: nn.Module, lora: dict, task_type: str | None):
+    """Wrap ``model`` with peft LoRA adapters; only the adapters stay trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = {**LORA_DEFAULTS, **lora}
+    settings.setdefault("task_type", task_type)
+    return get_peft_model(model, LoraConfig(**settings))
+
+
+def _enable_gc(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)
+    model.config.use_cache = False
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: str | torch.dtype, attn_impl: str = "auto",
+                   gradient_checkpointing: bool = False, lora: dict | None = None,
+                   compute_dtype: str | torch.dtype | None = None):
+    """A Hugging Face causal LM from ``path``; ``compute_dtype`` (default ``dtype``) picks the attention kernel."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **_hf_kwargs(dtype, attn_impl, compute_dtype))
+    # Training/scoring forwards need no KV cache, and with one transformers ignores packed position_ids (it only
+    # builds the block-diagonal mask when past_key_values is None). generate() uses generation_config.use_cache.
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        _enable_gc(model)
+    if lora:
+        model = apply_lora(model, lora, "CAUSAL_LM")
+    return model
+
+
+def _seqcls_parts(seqcls):
+    backbone = getattr(seqcls, seqcls.base_model_prefix)
+    head = getattr(seqcls, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise ValueError(f"{type(seqcls).__name__} has no single-output 'score' head (num_labels must be 1)")
+    return backbone, head
+
+
+class CriticModel(nn.Module):
+    """LM backbone + linear value head; ``forward`` returns a value per token ``[B, T]`` in fp32."""
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        if value_head is None:
+            hidden = self.config.hidden_size
+            value_head = nn.Linear(hidden, 1, bias=False)
+            nn.init.normal_(value_head.weight, std=1.0 / (hidden + 1))  # small: values start near 0
+            value_head.to(next(backbone.parameters()).dtype)
+        self.value_head = value_head
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, init_from: str = "reward", *, dtype="fp32",
+                        attn_impl: str = "auto", gradient_checkpointing: bool = False, lora: dict | None = None,
+                        compute_dtype=None) -> CriticModel:
+        """``init_from="reward"``: a ``*ForSequenceClassification`` checkpoint; its ``score`` head becomes the value
+        head. ``init_from="actor"``: a causal-LM checkpoint; the backbone is loaded and the head is fresh."""
+        from transformers import AutoModel, AutoModelForSequenceClassification
+
+        kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
+        if init_from == "reward":
+            seqcls = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+            backbone, score = _seqcls_parts(seqcls)
+            head = nn.Linear(score.in_features, 1, bias=score.bias is not None).to(score.weight.dtype)
+            head.load_state_dict(score.state_dict())
+        elif init_from == "actor":
+            backbone, head = AutoModel.from_pretrained(path, **kwargs), None
+        else:
+            raise ValueError(f"init_from must be 'reward' or 'actor', got {init_from!r}")
+        if gradient_checkpointing:
+            _enable_gc(backbone)
+        if lora:
+            backbone = apply_lora(backbone, lora, None)
+        return cls(backbone, head)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
+        if position_ids is None and attention_mask is not None:
+            position_ids = positions_from_mask(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False, **kwargs).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+    def gradient_checkpointing_enable(self, **_):
+        _enable_gc(self.backbone)
+
+    def save_pretrained(self, out_dir: str | os.PathLike, state_dict: dict | None = None) -> Path:
+        """Write a ``*ForSequenceClassification`` directory (value head -> ``score``), LoRA merged in.
+
+        ``state_dict`` (names as in ``self.state_dict()``) lets callers pass weights gathered from ZeRO-3.
+        """
+        from huggingface_hub import save_torch_state_dict
+        from transformers import AutoModelForSequenceClassification
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = merge_lora_state_dict(dict(state_dict if state_dict is not None else self.state_dict()), self)
+        base = _unwrap_peft(self.backbone)
+        prefix = type(base).base_model_prefix if hasattr(type(base), "base_model_prefix") else "model"
+        weights = {}
+        for key, tensor in state.items():
+            if key.startswith("backbone."):
+                weights[f"{prefix}.{key[len('backbone.'):]}"] = tensor.detach().cpu().contiguous()
+            elif key.startswith("value_head."):
+                weights[f"score.{key[len('value_head.'):]}"] = tensor.detach().cpu().contiguous()
+        config = copy.deepcopy(base.config)
+        config.num_labels = 1
+        config.tie_word_embeddings = False  # the score head has nothing to tie to
+        config.architectures = [AutoModelForSequenceClassification._model_mapping[type(config)].__name__]
+        config.dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+        config.save_pretrained(out)
+        save_torch_state_dict(weights, out)
+        (out / "ds_rlhf_critic.json").write_text(json.dumps({"value_head": "score"}) + "\n")
+        return out
+
+
+class RewardModel(nn.Module):
+    """``*ForSequenceClassification`` (one label) scored at each row's last non-pad token: ``forward -> [B]`` fp32."""
+
+    def __init__(self, seqcls: nn.Module):
+        super().__init__()
+        _seqcls_parts(seqcls)
+        self.model = seqcls
+        self.config = seqcls.config
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype="fp32", attn_impl: str = "auto",
+                        compute_dtype=None) -> RewardModel:
+        from transformers import AutoModelForSequenceClassification
+
+        kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
+        return cls(AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        backbone, score = _seqcls_parts(self.model)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
+        return score(last).squeeze(-1).float()
+
+
+def _unwrap_peft(module: nn.Module) -> nn.Module:
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if callable(get_base) else module
+
+
+def merge_lora_state_dict(state: dict, module: nn.Module) -> dict:
+    """Fold LoRA adapters into their base weights (``W + scaling * B @ A``) and drop peft's name prefixes, giving
+    the state dict of the plain model. A no-op for models without LoRA."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return state
+    for name, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer):
+            continue
+        weight = state.pop(f"{name}.base_layer.weight")
+        merged = weight.float()
+        for adapter in list(sub.lora_A.keys()):
+            a = state.pop(f"{name}.lora_A.{adapter}.weight").float()
+            b = state.pop(f"{name}.lora_B.{adapter}.weight").float()
+            delta = (b @ a) * sub.scaling[adapter]
+            merged = merged + (delta.T if getattr(sub, "fan_in_fan_out", False) else delta)
+        state[f"{name}.weight"] = merged.to(weight.dtype)
+        if f"{name}.base_layer.bias" in state:
+            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
+    leftover = [k for k in state if "lora_" in k]
+    if leftover:
+        raise ValueError(f"cannot merge LoRA weights of these keys (unsupported adapter type): {leftover[:4]}")
+    return {k.replace("base_model.model.", "", 1): v for k, v in state.items()}

@@ -1,0 +1,92 @@
+"""Model roles: reward scoring at the last non-pad token, critic init/export, LoRA, gradient checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_rlhf.engines.models import GC_KWARGS, CriticModel, RewardModel, load_causal_lm, merge_lora_state_dict
+
+TOL = 1e-5  # fp32, same weights: only summation-order noise
+
+
+def _padded(ids: torch.Tensor, pad: int, n_pad: int = 3):
+    right = torch.cat([ids, torch.full((ids.shape[0], n_pad), pad)], 1)
+    mask_r = torch.cat([torch.ones_like(ids), torch.zeros(ids.shape[0], n_pad, dtype=torch.long)], 1)
+    left = torch.cat([torch.full((ids.shape[0], n_pad), pad), ids], 1)
+    return right, mask_r, left, mask_r.flip(-1)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(5, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def test_reward_scores_last_real_token_for_left_and_right_padding(tiny_reward_path, ids):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = RewardModel.from_pretrained(tiny_reward_path, attn_impl="sdpa")
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_reward_path)
+    right, mask_r, left, mask_l = _padded(ids, pad=rm.config.pad_token_id)
+    with torch.no_grad():
+        plain = rm(ids)
+        torch.testing.assert_close(plain, reference(ids).logits.squeeze(-1), atol=TOL, rtol=0)
+        torch.testing.assert_close(rm(right, mask_r), plain, atol=TOL, rtol=0)
+        torch.testing.assert_close(rm(left, mask_l), plain, atol=TOL, rtol=0)
+    assert plain.shape == (2,) and plain.dtype == torch.float32
+
+
+def test_critic_from_reward_copies_the_score_head(tiny_reward_path, ids, tmp_path):
+    critic = CriticModel.from_pretrained(tiny_reward_path, "reward", attn_impl="sdpa")
+    rm = RewardModel.from_pretrained(tiny_reward_path, attn_impl="sdpa")
+    right, mask_r, left, mask_l = _padded(ids, pad=rm.config.pad_token_id)
+    with torch.no_grad():
+        values = critic(ids)
+        assert values.shape == ids.shape
+        torch.testing.assert_close(values[:, -1], rm(ids), atol=TOL, rtol=0)
+        torch.testing.assert_close(critic(left, mask_l)[:, 3:], values, atol=TOL, rtol=0)
+        torch.testing.assert_close(critic(right, mask_r)[:, :9], values, atol=TOL, rtol=0)
+    out = critic.save_pretrained(tmp_path / "critic")
+    with torch.no_grad():
+        torch.testing.assert_close(RewardModel.from_pretrained(out)(ids), values[:, -1], atol=TOL, rtol=0)
+        torch.testing.assert_close(CriticModel.from_pretrained(out, "reward")(ids), values, atol=TOL, rtol=0)
+
+
+def test_critic_from_actor_shares_the_backbone(tiny_model_path, ids):
+    actor = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa")
+    critic = CriticModel.from_pretrained(tiny_model_path, "actor", attn_impl="sdpa")
+    for name, p in critic.backbone.named_parameters():
+        assert torch.equal(p, actor.model.get_parameter(name)), name
+    with torch.no_grad():
+        values = critic(ids)
+    assert values.shape == ids.shape and values.abs().max() < 1.0  # small head init: values start near 0
+
+
+def test_lora_trains_only_adapters_and_merges_exactly(tiny_model_path, tiny_reward_path, ids):
+    actor = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa", lora={"r": 4})
+    trainable = [n for n, p in actor.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    for name, p in actor.named_parameters():  # make the adapters non-trivial (B starts at 0)
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    merged = merge_lora_state_dict(dict(actor.state_dict()), actor)
+    plain = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa")
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, actor(ids).logits, atol=1e-4, rtol=0)
+    critic = CriticModel.from_pretrained(tiny_reward_path, "reward", attn_impl="sdpa", lora={"r": 4})
+    names = [n for n, p in critic.named_parameters() if p.requires_grad]
+    assert "value_head.weight" in names and all("lora_" in n for n in names if n != "value_head.weight")
+
+
+def test_gradient_checkpointing_is_non_reentrant_and_exact(tiny_model_path, ids):
+    grads = {}
+    for gc in (False, True):
+        model = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa", gradient_checkpointing=gc)
+        model.train()
+        assert model.is_gradient_checkpointing == gc
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[gc] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert GC_KWARGS == {"use_reentrant": False}
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-6, rtol=0)
