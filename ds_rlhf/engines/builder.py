@@ -40,9 +40,11 @@ def ensure_distributed() -> None:
     if dist.is_initialized():
         return
     if "MASTER_PORT" not in os.environ:
-        from ds_rlhf.testing.multiproc import free_port
+        import socket
 
-        os.environ["MASTER_PORT"] = str(free_port())
+        with socket.socket() as sock:  # any free port: this process is the whole world
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
     on_cpu = get_accelerator().device_name() == "cpu"
