@@ -29,7 +29,8 @@ def _is_current(store: Path, fingerprint: str, n: int, source: Path) -> bool:
 
 def write_addition_datasets(out_dir: str | os.PathLike, tokenizer_path, n_prompts: int = 512, n_sft: int = 512,
                             n_pref: int = 512, seed: int = 0, *, progress: bool = False,
-                            max_len: int = 256) -> dict[str, Path]:
+                            max_len: int = 256, max_operand: int = 99,
+                            sft_plain_fraction: float = 0.0) -> dict[str, Path]:
     """Write raw JSONL + stores for the addition task under `out_dir`; returns {kind: store path}.
 
     Prompts, SFT and preference rows use different seeds (seed, seed+1, seed+2) so the RL prompts are not the SFT
@@ -41,10 +42,11 @@ def write_addition_datasets(out_dir: str | os.PathLike, tokenizer_path, n_prompt
     tok, _ = load_tokenizer(tokenizer_path)
     fingerprint = tokenizer_fingerprint(tok)
     specs = {
-        "prompts": (raw / "prompts.jsonl", prompt_rows(n_prompts, seed), prep_prompts,
+        "prompts": (raw / "prompts.jsonl", prompt_rows(n_prompts, seed, max_operand), prep_prompts,
                     dict(input_key="prompt", label_key="label", max_prompt_len=max_len)),
-        "sft": (raw / "sft.jsonl", sft_rows(n_sft, seed + 1), prep_sft, dict(max_len=max_len)),
-        "preference": (raw / "preferences.jsonl", preference_rows(n_pref, seed + 2), prep_preferences,
+        "sft": (raw / "sft.jsonl", sft_rows(n_sft, seed + 1, max_operand, sft_plain_fraction), prep_sft,
+                dict(max_len=max_len)),
+        "preference": (raw / "preferences.jsonl", preference_rows(n_pref, seed + 2, max_operand), prep_preferences,
                        dict(max_len=max_len)),
     }
     stores: dict[str, Path] = {}

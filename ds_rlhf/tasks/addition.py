@@ -42,19 +42,33 @@ def prompt_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
             for p in make_problems(n, seed, max_operand)]
 
 
-def sft_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
-    """Rows as chat conversations for SFT (`messages`)."""
-    return [{"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": p.solution}]}
-            for p in make_problems(n, seed, max_operand)]
+def sft_rows(n: int, seed: int, max_operand: int = 99, plain_fraction: float = 0.0) -> list[dict]:
+    """Rows as chat conversations for SFT (`messages`).
+
+    `plain_fraction` of the demonstrations end "The answer is N." instead of "#### N": a model trained on them
+    uses the graded format only part of the time, which is exactly what a format-aware rule reward then fixes
+    with RL (the demo's learning signal).
+    """
+    rng = random.Random(seed + 104729)
+    rows = []
+    for p in make_problems(n, seed, max_operand):
+        plain = f"{p.a} + {p.b} = {p.answer}. The answer is {p.answer}."
+        answer = p.solution if rng.random() >= plain_fraction else plain
+        rows.append({"messages": [{"role": "user", "content": p.prompt}, {"role": "assistant", "content": answer}]})
+    return rows
 
 
 def preference_rows(n: int, seed: int, max_operand: int = 99) -> list[dict]:
-    """Chosen/rejected pairs with a learnable rule: the chosen answer is right, the rejected one is off by a few."""
+    """Chosen/rejected pairs with learnable rules: the chosen response is right and well-formed; the rejected one
+    either drops the `#### <answer>` ending (a format rule any small model learns) or states a wrong sum."""
     rng = random.Random(seed + 7919)
     rows = []
     for p in make_problems(n, seed, max_operand):
-        wrong = p.answer + rng.choice([-10, -2, -1, 1, 2, 10])
-        rejected = f"{p.a} + {p.b} = {wrong}. #### {wrong}"
+        if rng.random() < 0.5:
+            rejected = f"{p.a} + {p.b} is {p.answer}."
+        else:
+            wrong = p.answer + rng.choice([-10, -2, -1, 1, 2, 10])
+            rejected = f"{p.a} + {p.b} = {wrong}. #### {wrong}"
         user = {"role": "user", "content": p.prompt}
         rows.append({"chosen": [user, {"role": "assistant", "content": p.solution}],
                      "rejected": [user, {"role": "assistant", "content": rejected}]})

@@ -49,12 +49,13 @@ def format_reward(prompt: str, response: str, ground_truth: str | None, metadata
 
 
 def shaped_math_reward(prompt: str, response: str, ground_truth: str | None, metadata: dict) -> float:
-    """Exact match (1.0) plus a small format credit (0.1) for a well-formed `#### <number>` ending.
+    """Half for the graded `#### <number>` format, half for the right number: 0, 0.5 or 1.0.
 
-    The format credit gives a partly trained model a gradient towards the answer format before it is right.
+    The format half gives a partly trained model a learning signal before its answers are right (the built-in
+    demo's SFT data uses that format only half the time, so RL has something it can visibly fix in minutes).
     """
-    return gsm8k_reward(prompt, response, ground_truth, metadata) + 0.1 * format_reward(prompt, response,
-                                                                                        ground_truth, metadata)
+    return 0.5 * format_reward(prompt, response, ground_truth, metadata) + 0.5 * gsm8k_reward(
+        prompt, response, ground_truth, metadata)
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {

@@ -56,7 +56,7 @@ def build_parts(ctx: RunContext) -> RLParts:
     samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
     mini = rl.mini_batch_size or samples_per_step
     steps_total = cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
-    model_opts = dict(dtype=ctx.precision, attn_impl=cfg.model.attn_impl,
+    model_opts = dict(attn_impl=cfg.model.attn_impl,
                       gradient_checkpointing=cfg.model.gradient_checkpointing, lora=_lora(cfg))
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
@@ -70,7 +70,7 @@ def build_parts(ctx: RunContext) -> RLParts:
     if rl.kl_coef > 0 or rl.kl_target > 0:
         reference = build_reference(ctx.model_path, ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg),
                                                                   lr=0.0, total_steps=1, frozen=True),
-                                    dtype=ctx.precision)
+                                    attn_impl=cfg.model.attn_impl)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                   dtype=ctx.precision, max_model_len=max_len,
@@ -79,7 +79,7 @@ def build_parts(ctx: RunContext) -> RLParts:
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
-    reward = RewardStage(ctx, rollout_dtype=ctx.precision)
+    reward = RewardStage(ctx)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward)
 
@@ -102,7 +102,7 @@ def _critic_source(ctx: RunContext) -> tuple[str, str]:
 class RewardStage:
     """Scores rollout samples with the reward model or a reward function and applies the bad-reward policy."""
 
-    def __init__(self, ctx: RunContext, rollout_dtype: str):
+    def __init__(self, ctx: RunContext):
         self.ctx = ctx
         rl = ctx.cfg.rl
         self.fn = load_reward_fn(rl.reward_fn) if rl.reward_fn else None
@@ -112,7 +112,7 @@ class RewardStage:
 
             self.model = build_reward(resolve_model_path(rl.reward_model),
                                       ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0,
-                                                    total_steps=1, frozen=True), dtype=rollout_dtype)
+                                                    total_steps=1, frozen=True), attn_impl=ctx.cfg.model.attn_impl)
         self.bad_total = 0
 
     def __call__(self, samples, rows: list[dict], step: int):
@@ -134,6 +134,7 @@ class RewardStage:
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
             print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.rl.on_bad_reward})")
+        exact = self._exact_match(samples, rows)
         kept = [s for s, k in zip(samples, keep) if k]
         kept_scores = [v for v, k in zip(scores, keep) if k]
         t = torch.tensor(kept_scores) if kept_scores else torch.zeros(1)
@@ -141,7 +142,22 @@ class RewardStage:
                    "reward/max": t.max(), "reward/min": t.min(),
                    "reward/bad": float(len(bad)), "reward/bad_total": float(self.bad_total),
                    "reward/dropped": float(len(samples) - len(kept))}
+        if exact is not None:
+            metrics["reward/exact_match"] = exact
         return kept, kept_scores, metrics
+
+    def _exact_match(self, samples, rows: list[dict]) -> float | None:
+        """GSM8K-style exact-match rate, logged whenever the prompts carry ground truth (monitoring only)."""
+        from ds_rlhf.trainer.rewards import gsm8k_reward
+
+        truths = [rows[s.prompt_index].get("ground_truth") for s in samples]
+        if not samples or any(t is None for t in truths):
+            return None
+        tok = self.ctx.tokenizer
+        hits = 0.0
+        for s, truth in zip(samples, truths):
+            hits += gsm8k_reward("", tok.decode(s.response_ids, skip_special_tokens=True), truth, {})
+        return hits / len(samples)
 
     @torch.no_grad()
     def _model_scores(self, samples) -> list[float]:

@@ -44,9 +44,12 @@ class RewardModelTask:
 
     def build(self, ctx: RunContext, ds_config: dict):
         from ds_rlhf.engines.builder import build_engine
+        from ds_rlhf.engines.ds_config import config_precision
         from ds_rlhf.engines.models import RewardModel
 
-        model = RewardModel.from_pretrained(ctx.model_path, dtype=ctx.precision)
+        # fp32 master weights; DeepSpeed casts for bf16/fp16 compute as the ds_config says
+        model = RewardModel.from_pretrained(ctx.model_path, dtype="fp32", attn_impl=ctx.cfg.model.attn_impl,
+                                            compute_dtype=config_precision(ds_config))
         if ctx.cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         return build_engine(model, ds_config, role="reward", trainable=True)

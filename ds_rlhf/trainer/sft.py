@@ -58,7 +58,7 @@ class SFTTask:
         cfg = ctx.cfg
         lora = ({"r": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": cfg.model.lora_targets}
                 if cfg.model.lora_rank > 0 else None)
-        return build_actor(ctx.model_path, ds_config, dtype=ctx.precision, attn_impl=cfg.model.attn_impl,
+        return build_actor(ctx.model_path, ds_config, attn_impl=cfg.model.attn_impl,
                            gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora)
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
