@@ -25,18 +25,20 @@ class RLParts:
     loader: object
     loader_iter: object
     reward: object
+    owns_rollout: bool = True
 
     def close(self) -> None:
-        close = getattr(self.rollout, "close", None)
-        if close is not None:
-            close()
+        self.loader.close()
+        if self.owns_rollout:
+            self.rollout.close()
 
 
 def _micro_size(cfg) -> int:
     return max(1, cfg.optim.micro_batch_size)
 
 
-def build_parts(ctx: RunContext) -> RLParts:
+def build_parts(ctx: RunContext, rollout=None) -> RLParts:
+    """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.data.store import open_store
     from ds_rlhf.engines.builder import build_actor, build_critic, build_reference
@@ -72,16 +74,18 @@ def build_parts(ctx: RunContext) -> RLParts:
                                                                   lr=0.0, total_steps=1, frozen=True),
                                     attn_impl=cfg.model.attn_impl)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-    rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
-                                  dtype=ctx.precision, max_model_len=max_len,
-                                  gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
-                                  enable_sleep=cfg.rollout.sleep and dist.device.type == "cuda")
+    owns_rollout = rollout is None
+    if rollout is None:
+        rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
+                                      dtype=ctx.precision, max_model_len=max_len,
+                                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
+                                      enable_sleep=cfg.rollout.sleep and dist.device.type == "cuda")
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
     reward = RewardStage(ctx)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
-                   loader_iter=iter(loader), reward=reward)
+                   loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
 
 
 def _lora(cfg) -> dict | None:

@@ -26,10 +26,10 @@ PROGRESS_KEYS = ("reward/mean", "actor/entropy", "mismatch/kl_rollout_trainer", 
 
 
 class RLTrainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, rollout=None):
         self.cfg = cfg
         self.ctx: RunContext = setup_run(cfg, "rl")
-        self.parts = rl_setup.build_parts(self.ctx)
+        self.parts = rl_setup.build_parts(self.ctx, rollout=rollout)
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
                        else FixedKLController(rl.kl_coef))
@@ -40,9 +40,10 @@ class RLTrainer:
         resume_from = self.ckpt.resolve(cfg.run.resume)
         if resume_from is not None:
             self._restore(resume_from)
-        # The rollout engine starts from the model on disk: after a resume it needs the restored weights.
+        # Sync before the first rollout: after a resume the engine holds the weights on disk, not the restored ones,
+        # and a shared engine may hold another run's weights. It also proves the sync path before any training.
         with self.timer.phase("sync"):
-            self.last_sync = self.parts.sync.sync() if resume_from is not None else {}
+            self.last_sync = self.parts.sync.sync()
 
     # ---- state -------------------------------------------------------------------------------------------
     def _engines(self) -> dict:

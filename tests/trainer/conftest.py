@@ -1,0 +1,53 @@
+"""Session fixtures for the trainer tests: addition-task stores, an SFT'd tiny policy, a trained reward model.
+
+Each is built once per session with the real entry-point code path (SupervisedTrainer), so the SFT and RM tests
+assert on these very runs and the RL tests warm-start from them, as the README pipeline does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_rlhf.config import parse_config
+
+
+@pytest.fixture(scope="session")
+def addition_stores(tiny_model_path, tmp_path_factory):
+    from ds_rlhf.data.synthetic import write_addition_datasets
+
+    out = tmp_path_factory.mktemp("addition_data")
+    return write_addition_datasets(out, tiny_model_path, n_prompts=512, n_sft=2000, n_pref=1000, seed=0,
+                                   max_operand=20, sft_plain_fraction=0.75)
+
+
+def run_supervised(task, argv):
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    trainer = SupervisedTrainer(parse_config(argv), task)
+    return trainer, trainer.train()
+
+
+@pytest.fixture(scope="session")
+def sft_run(tiny_model_path, addition_stores, tmp_path_factory, dist_single):
+    from ds_rlhf.trainer.sft import SFTTask
+
+    out = tmp_path_factory.mktemp("sft_run")
+    _, summary = run_supervised(SFTTask(), [
+        "--model.path", str(tiny_model_path), "--data.train", str(addition_stores["sft"]),
+        "--data.eval_fraction", "0.05", "--run.output_dir", str(out), "--run.steps", "120",
+        "--optim.lr", "3e-3", "--optim.batch_size", "32", "--optim.micro_batch_size", "16",
+        "--optim.warmup_steps", "10", "--run.progress", "false", "--run.tensorboard", "false"])
+    return out, summary
+
+
+@pytest.fixture(scope="session")
+def rm_run(sft_run, addition_stores, tmp_path_factory, dist_single):
+    from ds_rlhf.trainer.rm import RewardModelTask
+
+    out = tmp_path_factory.mktemp("rm_run")
+    _, summary = run_supervised(RewardModelTask(), [
+        "--model.path", str(sft_run[0] / "export"), "--data.train", str(addition_stores["preference"]),
+        "--data.eval_fraction", "0.1", "--run.output_dir", str(out), "--run.steps", "40",
+        "--optim.lr", "1e-3", "--optim.batch_size", "32", "--optim.micro_batch_size", "32",
+        "--run.progress", "false", "--run.tensorboard", "false"])
+    return out, summary
