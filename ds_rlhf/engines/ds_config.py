@@ -152,6 +152,10 @@ def _offload_section(zero: dict, key: str, offload: bool | None, allowed: bool) 
 
 def _resolve_zero(cfg: dict, zero_stage, offload, hidden_size, world_size) -> None:
     zero = cfg.setdefault("zero_optimization", {})
+    if zero_stage is not None and zero.get("stage", AUTO) not in (AUTO, zero_stage):
+        # An explicit --zero_stage (or accelerate's DeepSpeed plugin) is a deliberate override of the file.
+        logger.warning("zero_stage=%s overrides ds_config zero_optimization.stage=%s", zero_stage, zero["stage"])
+        zero["stage"] = zero_stage
     _fill(zero, "stage", zero_stage, "zero_optimization.stage")
     stage = zero["stage"]
     if stage == AUTO or stage is None:

@@ -62,6 +62,13 @@ def test_explicit_file_value_wins_with_a_warning(caplog):
     assert "overrides the CLI" in caplog.text
 
 
+def test_explicit_zero_stage_overrides_the_file(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = resolve_ds_config(load_ds_config("zero2"), **CLI, zero_stage=3)
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert "overrides ds_config zero_optimization.stage=2" in caplog.text
+
+
 @pytest.mark.parametrize("mutate, key", [
     (lambda c: c.update(train_batch_size=7), "train_batch_size"),
     (lambda c: c.update(bf16={"enabled": True}, fp16={"enabled": True}), "fp16.enabled"),

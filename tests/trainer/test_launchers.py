@@ -1,0 +1,55 @@
+"""train_ppo.py under the launchers DeepSpeed users use: `deepspeed` and `accelerate launch`, two ranks on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_rlhf.testing.multiproc import free_port
+from tests.trainer.test_rl_e2e import DIST_VARS, ROOT
+
+BIN = Path(sys.executable).parent
+
+
+def _args(out, model, stores):
+    return ["launch/train_ppo.py", "--model.path", str(model), "--data.train", str(stores["prompts"]),
+            "--run.output_dir", str(out), "--run.steps", "2", "--rl.reward_fn", "math_shaped",
+            "--rl.prompts_per_step", "8", "--rollout.n_samples", "4", "--rollout.max_new_tokens", "16",
+            "--run.progress", "false", "--run.tensorboard", "false"]
+
+
+def _run(cmd, out):
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_deepspeed_launcher_two_ranks_zero3(sft_run, addition_stores, tmp_path):
+    out = tmp_path / "run"
+    log = _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                *_args(out, sft_run[0] / "export", addition_stores), "--ds_config", "ds_configs/zero3.json"], out)
+    assert "world size 2" in log
+    assert json.loads((out / "ds_config.actor.json").read_text())["zero_optimization"]["stage"] == 3
+    assert (out / "export" / "actor" / "config.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_accelerate_launch_with_deepspeed_plugin(sft_run, addition_stores, tmp_path):
+    out = tmp_path / "run"
+    log = _run([str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), *_args(out, sft_run[0] / "export", addition_stores)], out)
+    assert "world size 2" in log
+    # the plugin's ZeRO stage reached DeepSpeed even though the default ds_config file says stage 2
+    assert json.loads((out / "ds_config.actor.json").read_text())["zero_optimization"]["stage"] == 3
