@@ -25,6 +25,17 @@ with open(os.environ["DS_RLHF_RESULT_FILE"], "w") as f:
 """
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment minus its torch.distributed variables: a child started with it sets up its own
+    process group (a test session's group holds MASTER_PORT; inheriting it fails with EADDRINUSE)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,6 +17,7 @@ import torch
 
 from ds_rlhf.engines import attention as attn
 from ds_rlhf.engines.models import load_causal_lm
+from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def test_attention_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "attn.json"
     cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--hidden", "128", "--heads", "2", "--kv-heads",
            "1", "--lengths", "32,16,8", "--repeats", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     by = {(r["impl"], r["layout"]): r for r in res["results"]}

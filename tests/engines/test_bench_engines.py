@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ds_rlhf.testing.multiproc import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,7 +19,7 @@ def test_engines_bench_tiny_on_cpu(tmp_path):
     out = tmp_path / "engines.json"
     cmd = [sys.executable, str(ROOT / "bench" / "engines_gpu.py"), "--tiny", "--warmup", "1", "--steps", "2",
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert [r["config"] for r in results] == ["zero2", "zero3", "zero3_offload"]

@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+from ds_rlhf.testing.multiproc import clean_env
+
 
 def test_broken_vision_packages_absent():
     for name in ("torchvision", "torchaudio", "torchcodec"):
@@ -34,7 +36,8 @@ if __name__ == "__main__":
     res = [[c.token_ids, [next(iter(d.values())).logprob for d in c.logprobs]] for o in outs for c in o.outputs]
     print("RESULT" + json.dumps(res))
 """)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     samples = json.loads(line[len("RESULT"):])

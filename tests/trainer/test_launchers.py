@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ds_rlhf.testing.multiproc import free_port
-from tests.trainer.test_rl_e2e import DIST_VARS, ROOT
+from ds_rlhf.testing.multiproc import clean_env, free_port
+from tests.trainer.test_rl_e2e import ROOT
 
 BIN = Path(sys.executable).parent
 
@@ -24,8 +23,7 @@ def _args(out, model, stores):
 
 
 def _run(cmd, out):
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

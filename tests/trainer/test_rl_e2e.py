@@ -14,6 +14,7 @@ import pytest
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.telemetry.logger import read_metrics
+from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # Metrics that depend only on the computation (not on wall time): equal between a resumed and a straight run.
@@ -70,14 +71,10 @@ def test_reward_model_export_drives_ppo(rm_run, sft_run, addition_stores, vllm_c
     assert saved["rl"]["reward_model"] == str(rm_export)
 
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def _launch(args, log):
     """`python launch/train_ppo.py ...` as a user runs it: a fresh process, not this test session's process group."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.Popen([sys.executable, str(ROOT / "launch" / "train_ppo.py"), *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, str(ROOT / "launch" / "train_ppo.py"), *args], cwd=ROOT,
+                            env=clean_env(PYTHONUNBUFFERED="1"),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
