@@ -72,6 +72,7 @@ class RolloutConfig:
     max_model_len: int = 0  # 0 = max_prompt_len + max_new_tokens
     gpu_memory_utilization: float = 0.5
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
+    sleep_level: int = 2  # 1: keep a CPU copy of the weights; 2: drop them (every wake is followed by a full sync)
     bucket_mb: int = 1024  # weight-sync gather bucket
     canary_threshold: float = 0.0  # 0 = backend default; max |logp_trainer - logp_rollout| allowed after a sync
 

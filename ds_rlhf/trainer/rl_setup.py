@@ -79,7 +79,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
-                                      enable_sleep=cfg.rollout.sleep and dist.device.type == "cuda")
+                                      enable_sleep=cfg.rollout.sleep and dist.device.type == "cuda",
+                                      sleep_level=cfg.rollout.sleep_level)
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
