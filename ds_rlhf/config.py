@@ -79,7 +79,7 @@ class RolloutConfig:
 
 @dataclass
 class RLConfig:
-    algo: str = "grpo"  # ppo | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    algo: str = "grpo"  # ppo | grpo | dr_grpo (with loss_agg const-norm) | rloo | reinforce_pp | reinforce_pp_baseline
     prompts_per_step: int = 8
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # rollouts per optimizer step; 0 = all of a step's rollouts

@@ -33,6 +33,34 @@ class RLParts:
             self.rollout.close()
 
 
+CHOICES = {"rl.kl_in": ("loss", "reward"), "rl.kl_estimator": ("k1", "k2", "k3"),
+           "rl.mismatch": ("tis", "mis", "off"), "rl.on_bad_reward": ("fail", "zero", "drop"),
+           "rl.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "const-norm"),
+           "rollout.backend": ("auto", "vllm", "hf"), "rollout.placement": ("colocated", "disaggregated"),
+           "rollout.sleep_level": (1, 2)}
+
+
+def check_rl_settings(cfg) -> None:
+    """Refuse combinations that would train on wrong numbers, before any model is loaded."""
+    from ds_rlhf.config import ConfigError
+    from ds_rlhf.trainer.rl_math import ALGOS
+
+    for key, allowed in {**CHOICES, "rl.algo": ALGOS}.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}")
+    r = cfg.rollout
+    if cfg.rl.mismatch != "off" and (r.temperature != 1.0 or r.top_p != 1.0 or r.top_k not in (-1, 0)):
+        raise ConfigError("rollout/trainer mismatch correction compares the rollout engine's log-probs of the raw "
+                          "distribution with the trainer's; with temperature/top_p/top_k sampling they differ by "
+                          "construction. Use temperature 1, top_p 1, top_k -1, or set --rl.mismatch off.")
+    if cfg.rl.prompts_per_step < 1 or r.n_samples < 1:
+        raise ConfigError("rl.prompts_per_step and rollout.n_samples must be >= 1")
+    if cfg.rl.algo in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") and r.n_samples < 2:
+        raise ConfigError(f"rl.algo={cfg.rl.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
+
+
 def _micro_size(cfg) -> int:
     return max(1, cfg.optim.micro_batch_size)
 
@@ -48,6 +76,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
+    check_rl_settings(cfg)
     if not cfg.data.train:
         raise ValueError("data.train is empty: pass --data.train <prompt store dir> (see data_prep/)")
     if not rl.reward_fn and not rl.reward_model:

@@ -61,3 +61,25 @@ def test_save_round_trip_and_help(tmp_path):
     assert data["rl"]["algo"] == "ppo"
     text = help_text(Config())
     assert "--rl.kl_coef" in text and "# k1 | k2 | k3" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rl.algo", "dpo"], "rl.algo='dpo'"),
+    (["--rl.kl_in", "both"], "rl.kl_in"),
+    (["--rollout.temperature", "0.7"], "mismatch correction"),
+    (["--rollout.top_p", "0.9"], "mismatch correction"),
+    (["--rl.algo", "grpo", "--rollout.n_samples", "1"], "n_samples >= 2"),
+    (["--rollout.sleep_level", "3"], "rollout.sleep_level"),
+])
+def test_rl_settings_that_would_train_on_wrong_numbers_are_refused(argv, message):
+    from ds_rlhf.trainer.rl_setup import check_rl_settings
+
+    with pytest.raises(ConfigError, match=message):
+        check_rl_settings(parse_config(argv))
+
+
+def test_default_rl_settings_pass_the_check():
+    from ds_rlhf.trainer.rl_setup import check_rl_settings
+
+    check_rl_settings(parse_config([]))
+    check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rl.mismatch", "off"]))
