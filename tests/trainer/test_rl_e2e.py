@@ -103,3 +103,39 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_store
     for ra, rb in zip(a, b):
         for key in EXACT_KEYS:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-6), (ra["step"], key)
+
+
+FLAKY_REWARD = '''
+import math
+
+def flaky(prompt, response, ground_truth, metadata):
+    """A user reward with bugs: raises on some responses, NaN on others."""
+    if len(response) % 5 == 0:
+        raise ZeroDivisionError("bad luck")
+    if len(response) % 7 == 0:
+        return math.nan
+    return float("####" in response)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["rloo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_every_algorithm_trains_and_bad_rewards_are_dropped(algo, sft_run, addition_stores, vllm_colocated,
+                                                            tmp_path):
+    """Each estimator runs end to end with a user reward function whose bad samples are dropped, not averaged in."""
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(FLAKY_REWARD)
+    extra = ["--rl.reward_fn", f"{reward_file}:flaky", "--rl.on_bad_reward", "drop", "--rl.ppo_epochs", "2",
+             "--rl.mini_batch_size", "64"]
+    if algo == "dr_grpo":
+        extra += ["--rl.loss_agg", "const-norm"]
+    history = RLTrainer(parse_config(rl_args(tmp_path / "run", sft_run[0] / "export", addition_stores, algo, 2, extra)),
+                        rollout=vllm_colocated).train()
+    assert len(history) == 2
+    for h in history:
+        assert h["reward/dropped"] == h["reward/bad"] > 0  # every bad sample was counted and left out
+        assert h["rollout/samples"] == 128 - h["reward/dropped"]
+        assert h["actor/optimizer_steps"] == 2 * -(-h["rollout/samples"] // 64), h  # epochs x mini-batches
+        assert all(v == v for k, v in h.items() if isinstance(v, float)), "NaN in metrics"
