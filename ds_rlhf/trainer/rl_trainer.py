@@ -84,7 +84,9 @@ class RLTrainer:
             samples, scores, reward_metrics = parts.reward(samples, rows, step=self.step)
         exp = build_experience(samples, scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device)
         kl_coef = self.kl_ctl.value
-        on_policy = cfg.rl.ppo_epochs == 1 and cfg.rl.mini_batch_size in (0, len(exp))
+        # One update per rollout batch: the log-probs of that update's own forward are the old policy's. Decided
+        # from settings only, never from this rank's sample count, so every rank takes the same (collective) path.
+        on_policy = cfg.rl.ppo_epochs == 1 and cfg.rl.mini_batch_size == 0
         with timer.phase("old_logp"):
             if not on_policy:  # several updates per rollout batch need the pre-update policy's log-probs
                 exp.old_logp = score_logprobs(parts.actor, exp, cfg)
