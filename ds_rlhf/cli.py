@@ -25,4 +25,15 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         cfg = parse_config(argv, defaults)
     except ConfigError as exc:
         sys.exit(f"error: {exc}")
-    return run(cfg)
+    result = run(cfg)
+    _shutdown_process_group()
+    return result
+
+
+def _shutdown_process_group() -> None:
+    """Tear the process group down explicitly: left to interpreter exit, gloo/NCCL helper threads can abort it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -22,6 +22,11 @@ kwargs = json.loads(sys.argv[2])
 result = getattr(importlib.import_module(mod_name), fn_name)(**kwargs)
 with open(os.environ["DS_RLHF_RESULT_FILE"], "w") as f:
     json.dump(result, f)
+sys.stdout.flush()
+sys.stderr.flush()
+# Skip interpreter teardown: C++ helper threads of DeepSpeed/gloo still alive at exit can abort the process
+# ("terminate called without an active exception") after the work is done and its result written.
+os._exit(0)
 """
 
 
