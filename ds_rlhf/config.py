@@ -73,6 +73,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
     sleep_level: int = 2  # 1: keep a CPU copy of the weights; 2: drop them (every wake is followed by a full sync)
+    devices: str = ""  # disaggregated: GPU ids for the vLLM server, e.g. "4,5,6,7" (must not hold a training rank)
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism (disaggregated: over `devices`; colocated: over ranks)
     bucket_mb: int = 1024  # weight-sync gather bucket
     canary_threshold: float = 0.0  # 0 = backend default; max |logp_trainer - logp_rollout| allowed after a sync
 
@@ -120,6 +122,7 @@ class RunConfig:
     wandb_project: str = "ds_rlhf"
     export_hf: bool = True
     progress: bool = True
+    dist_timeout_minutes: float = 30.0  # a collective that waits longer fails the run loudly (lost rank or node)
 
 
 @dataclass

@@ -53,16 +53,16 @@ def tiny_tokenizer(tiny_model_path):
 @pytest.fixture(scope="session")
 def dist_single():
     """torch.distributed (gloo) with world size 1 in this process, as DeepSpeed expects; set up once."""
-    import deepspeed
     import torch.distributed as dist
 
+    from ds_rlhf.engines.dist import ensure_distributed
     from ds_rlhf.testing.multiproc import free_port
 
     if not dist.is_initialized():
         for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                                WORLD_SIZE="1", LOCAL_SIZE="1", LOCAL_WORLD_SIZE="1").items():
             os.environ[key] = value
-        deepspeed.init_distributed(dist_backend="gloo" if not _HAS_GPU else "nccl")
+        ensure_distributed()
     yield dist
 
 

@@ -19,36 +19,17 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import torch
 
+from ds_rlhf.engines.dist import ensure_distributed
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
 from ds_rlhf.engines.onebit_adam import onebit_from_config
 
+__all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "ensure_distributed"]
+
 logger = logging.getLogger(__name__)
-
-
-def ensure_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed if nobody has (gloo on CPU: the CPU accelerator's default
-    backend, oneCCL, is not installed). Single-process defaults are filled in when no launcher set the env."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    if dist.is_initialized():
-        return
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:  # any free port: this process is the whole world
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
-    on_cpu = get_accelerator().device_name() == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name())
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

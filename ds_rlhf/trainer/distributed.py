@@ -29,14 +29,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def apply_accelerate_env(cfg: Config) -> None:
     """Take DeepSpeed settings from an `accelerate launch` DeepSpeed plugin where the user gave none."""
     default = Config()
@@ -56,26 +48,24 @@ def apply_accelerate_env(cfg: Config) -> None:
 
 def init_distributed(cfg: Config) -> DistInfo:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPU, gloo on CPU) and pick this rank's device."""
-    import deepspeed
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # plain `python`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    os.environ.setdefault("LOCAL_RANK", str(max(cfg.local_rank, 0)))
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    apply_accelerate_env(cfg)
+    from ds_rlhf.engines.dist import ensure_distributed
 
-    local_rank = int(os.environ["LOCAL_RANK"])
+    if cfg.local_rank >= 0:  # the `deepspeed` launcher's --local_rank, when its env var is missing
+        os.environ.setdefault("LOCAL_RANK", str(cfg.local_rank))
+    apply_accelerate_env(cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         device = torch.device("cpu")
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    # A finite timeout turns a lost rank or node into an error on every other rank instead of a silent hang.
+    ensure_distributed(timeout=timedelta(minutes=cfg.run.dist_timeout_minutes))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
 
 

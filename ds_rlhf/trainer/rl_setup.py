@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,10 +74,14 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     from ds_rlhf.rollout import make_rollout_engine
     from ds_rlhf.rollout.canary import SyncCanary
     from ds_rlhf.rollout.sync import WeightSync
+    from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_rl_settings(cfg)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
+    placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
+                                  gpus_on_node=physical_gpu_count())
     if not cfg.data.train:
         raise ValueError("data.train is empty: pass --data.train <prompt store dir> (see data_prep/)")
     if not rl.reward_fn and not rl.reward_model:
@@ -109,7 +114,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
                                       enable_sleep=cfg.rollout.sleep and dist.device.type == "cuda",
-                                      sleep_level=cfg.rollout.sleep_level)
+                                      sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs())
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)

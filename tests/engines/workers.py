@@ -15,11 +15,11 @@ LR = 1e-2
 
 
 def setup() -> int:
-    import deepspeed
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
+    from ds_rlhf.engines.dist import ensure_distributed
+
+    ensure_distributed()
     return dist.get_rank()
 
 

@@ -131,9 +131,9 @@ def _rank() -> int:
 
 
 def _init_dist() -> None:
-    import deepspeed
+    from ds_rlhf.engines.dist import ensure_distributed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ensure_distributed()
 
 
 def _public(result: dict) -> dict:
