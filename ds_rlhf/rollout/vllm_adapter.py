@@ -20,6 +20,7 @@ off), and verify after start-up that no layer lost its weight.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -87,6 +88,35 @@ def _prepare_cpu(dtype: str) -> str:
     return dtype
 
 
+def _mapped_shm(maps_files) -> set[str]:
+    found = set()
+    for path in maps_files:
+        try:
+            with open(path) as f:
+                found.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:  # a process that ended while we looked, or one we may not read
+            continue
+    return found
+
+
+def _cpu_shm_cleanup(before_init: bool) -> None:
+    """vLLM-CPU's multi-rank communicator names its /dev/shm buffers after the group only (`...-[0-1]-cpushm_<r>`),
+    the same in every run, and removes them only in C++ teardown: a killed run leaves them behind, and the next run
+    then fails with "create shm in SHMManager failed. errno: 17". Before init we remove such files that no process
+    maps; after init (every rank has joined every peer's buffer inside vLLM's init) we drop the names this process
+    maps, so the memory goes with the last mapping and nothing is left behind, whatever happens later."""
+    import glob
+
+    if before_init:
+        in_use = _mapped_shm(glob.glob("/proc/[0-9]*/maps"))
+        candidates = [p for p in glob.glob("/dev/shm/*-cpushm_*") if p not in in_use]
+    else:
+        candidates = [p for p in _mapped_shm(["/proc/self/maps"]) if "-cpushm_" in p]
+    for path in candidates:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class VLLMHandle:
     """A vLLM `LLM` running in this process (single GPU / CPU: "uni"; several ranks: "external_launcher"; a
     disaggregated server with TP > 1: "mp"), plus the handful of operations the rollout engines need."""
@@ -117,7 +147,11 @@ class VLLMHandle:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
+        if self.cpu:
+            _cpu_shm_cleanup(before_init=True)
         self.llm = LLM(**kwargs)
+        if self.cpu:
+            _cpu_shm_cleanup(before_init=False)
         self.start_seconds = time.perf_counter() - t0
         self.sleep_enabled = enable_sleep
         self.in_process = executor in ("uni", "external_launcher")
