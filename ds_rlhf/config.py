@@ -122,6 +122,7 @@ class RunConfig:
     wandb_project: str = "ds_rlhf"
     export_hf: bool = True
     progress: bool = True
+    log_every: int = 0  # also print a one-line summary every N steps (for logs that are not a terminal)
     dist_timeout_minutes: float = 30.0  # a collective that waits longer fails the run loudly (lost rank or node)
 
 

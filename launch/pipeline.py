@@ -39,7 +39,7 @@ def _run(step: str, cmd: list[str], log_dir: Path) -> float:
 
 def _worth_showing(line: str) -> bool:
     """Our own progress and summary lines, not the libraries' start-up chatter."""
-    return line.startswith(("[sft]", "[rm]", "[rl]", "[data]", "[reward]")) or "it/s]" in line and "%|" in line
+    return line.startswith(("[sft]", "[rm]", "[rl", "[data]", "[reward]")) and "resolved config" not in line
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[data] stores: {json.dumps({k: str(v) for k, v in stores.items()})}")
 
     py = sys.executable
-    common = ["--run.seed", str(args.seed), "--run.progress", "true"]
+    # Progress as one line every few steps: the steps run as child processes whose output is not a terminal.
+    common = ["--run.seed", str(args.seed), "--run.progress", "false", "--run.log_every", "10"]
     times = {}
     times["sft"] = _run("sft", [py, "launch/train_sft.py", "--model.path", str(model),
                                 "--data.train", str(stores["sft"]), "--run.output_dir", str(out / "sft"),

@@ -146,6 +146,8 @@ class VLLMHandle:
         if not self.cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         kwargs.update(llm_kwargs)
+        # vLLM logs every prefix-cache reset at INFO, i.e. once per weight sync: keep that out of training logs.
+        logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
         t0 = time.perf_counter()
         if self.cpu:
             _cpu_shm_cleanup(before_init=True)

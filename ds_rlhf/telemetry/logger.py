@@ -28,8 +28,9 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, rank: int = 0, total_steps: int = 0, start_step: int = 0,
                  tensorboard: bool = True, wandb: bool = False, wandb_project: str = "ds_rlhf",
                  config: dict | None = None, progress: bool = True, desc: str = "train",
-                 postfix_keys: tuple[str, ...] = ()):
+                 postfix_keys: tuple[str, ...] = (), log_every: int = 0):
         self.active = rank == 0
+        self.desc, self.total_steps, self.log_every = desc, total_steps, log_every
         self.run_dir = Path(run_dir)
         self._tb = self._wandb = self._bar = None
         self._postfix_keys = postfix_keys
@@ -79,6 +80,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in self._postfix_keys if k in clean})
+        shown = "  ".join(f"{k} {clean[k]:.4g}" for k in self._postfix_keys if k in clean)
+        if self.log_every and shown and (step % self.log_every == 0 or step == self.total_steps):
+            self.print(f"[{self.desc}] step {step}/{self.total_steps}  {shown}")
 
     def print(self, text: str) -> None:
         if not self.active:

@@ -55,6 +55,16 @@ class RunContext:
         if self.dist.is_main:
             print(text, flush=True)
 
+    def metrics_logger(self, *, total_steps: int, start_step: int, desc: str, postfix_keys: tuple[str, ...]):
+        """The run's MetricsLogger, configured from the `run` section (one place for SFT, RM and RL)."""
+        from ds_rlhf.telemetry import MetricsLogger
+
+        run = self.cfg.run
+        return MetricsLogger(self.run_dir, rank=self.dist.rank, total_steps=total_steps, start_step=start_step,
+                             tensorboard=run.tensorboard, wandb=run.wandb, wandb_project=run.wandb_project,
+                             config=self.cfg.to_dict(), progress=run.progress, desc=desc, postfix_keys=postfix_keys,
+                             log_every=run.log_every)
+
     def ds_config(self, *, role: str, micro_batch_size: int, lr: float, total_steps: int,
                   frozen: bool = False) -> dict:
         """Resolve the run's ds_config for one role, save it beside the run, and return it."""

@@ -13,7 +13,7 @@ import torch
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.config import Config
-from ds_rlhf.telemetry import MetricsLogger, PhaseTimer, system_stats
+from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.trainer import rl_setup
 from ds_rlhf.trainer.checkpointing import CheckpointManager
 from ds_rlhf.trainer.common import RunContext, setup_run
@@ -22,7 +22,7 @@ from ds_rlhf.trainer.experience import build_experience
 from ds_rlhf.trainer.rl_math import compute_advantages
 from ds_rlhf.trainer.rl_update import ppo_update, score_logprobs, score_values
 
-PROGRESS_KEYS = ("reward/mean", "actor/entropy", "mismatch/kl_rollout_trainer", "time/step")
+PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall")
 
 
 class RLTrainer:
@@ -124,10 +124,8 @@ class RLTrainer:
     # ---- loop --------------------------------------------------------------------------------------------
     def train(self) -> list[dict]:
         cfg, ctx = self.cfg, self.ctx
-        logger = MetricsLogger(ctx.run_dir, rank=ctx.dist.rank, total_steps=cfg.run.steps, start_step=self.step,
-                               tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                               wandb_project=cfg.run.wandb_project, config=cfg.to_dict(), progress=cfg.run.progress,
-                               desc=f"rl[{cfg.rl.algo}]", postfix_keys=PROGRESS_KEYS)
+        logger = ctx.metrics_logger(total_steps=cfg.run.steps, start_step=self.step, desc=f"rl[{cfg.rl.algo}]",
+                                    postfix_keys=PROGRESS_KEYS)
         history = []
         try:
             while self.step < cfg.run.steps:

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from ds_rlhf.config import Config
-from ds_rlhf.telemetry import MetricsLogger, PhaseTimer, system_stats
+from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.trainer import rl_setup
 from ds_rlhf.trainer.checkpointing import CheckpointManager
 from ds_rlhf.trainer.common import RunContext, setup_run
@@ -109,10 +109,8 @@ class SupervisedTrainer:
 
     def train(self) -> dict:
         cfg, ctx, task = self.cfg, self.ctx, self.task
-        logger = MetricsLogger(ctx.run_dir, rank=ctx.dist.rank, total_steps=self.total_steps, start_step=self.step,
-                               tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                               wandb_project=cfg.run.wandb_project, config=cfg.to_dict(),
-                               progress=cfg.run.progress, desc=task.name, postfix_keys=task.progress_keys)
+        logger = ctx.metrics_logger(total_steps=self.total_steps, start_step=self.step, desc=task.name,
+                                    postfix_keys=task.progress_keys)
         summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
         try:
             while self.step < self.total_steps:
