@@ -15,11 +15,23 @@ import os
 import socket
 from datetime import timedelta
 
+# torch.distributed / launcher variables: a child process that must form its own process group (a test's
+# subprocess, the disaggregated vLLM server) starts without them, or it would join (or collide with) ours.
+DIST_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE")
 
-def _free_port() -> int:
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def clean_dist_env(**extra: str) -> dict:
+    """This process's environment without its distributed variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env.update(extra)
+    return env
 
 
 def ensure_distributed(timeout: timedelta | None = None) -> None:
@@ -33,9 +45,9 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     on_cpu = get_accelerator().device_name() == "cpu"

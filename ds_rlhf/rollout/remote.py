@@ -29,11 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ds_rlhf.engines.dist import clean_dist_env, free_port
 from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, SamplingSpec, TensorMeta
-from ds_rlhf.rollout.weight_group import WeightGroup, free_port, pack_bucket, plan_to_wire
-
-_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE")
+from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
 def _dist():
@@ -72,10 +70,10 @@ class RemoteVLLMEngine(RolloutEngine):
     def _start(self, model_path, devices, log_path, startup_timeout_s, engine_kwargs) -> dict:
         authkey = secrets.token_bytes(16)
         self._listener = Listener((self.host, 0), authkey=authkey)
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-        env.update(DS_RLHF_ROLLOUT_ADDR=f"{self.host}:{self._listener.address[1]}", DS_RLHF_ROLLOUT_KEY=authkey.hex(),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]))
+        root = str(Path(__file__).resolve().parents[2])
+        env = clean_dist_env(DS_RLHF_ROLLOUT_ADDR=f"{self.host}:{self._listener.address[1]}",
+                             DS_RLHF_ROLLOUT_KEY=authkey.hex(), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                             PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()

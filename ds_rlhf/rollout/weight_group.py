@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import socket
 from collections.abc import Sequence
 
 import torch
@@ -59,12 +58,6 @@ class WeightGroup:
             with contextlib.suppress(Exception):  # a half-open group must not mask the real error
                 pg.shutdown()
         self._store = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def bucket_nbytes(metas: Sequence[TensorMeta]) -> int:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from ds_rlhf.engines.dist import clean_dist_env, free_port
+
+__all__ = ["clean_env", "free_port", "run_workers"]
 
 _WORKER = """
 import importlib, json, os, sys
@@ -30,21 +33,9 @@ os._exit(0)
 """
 
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def clean_env(**extra: str) -> dict:
-    """This process's environment minus its torch.distributed variables: a child started with it sets up its own
-    process group (a test session's group holds MASTER_PORT; inheriting it fails with EADDRINUSE)."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# A child started with clean_env() sets up its own process group (a test session's group holds MASTER_PORT;
+# inheriting it fails with EADDRINUSE).
+clean_env = clean_dist_env
 
 
 def run_workers(target: str, world_size: int, kwargs: dict | None = None, timeout: float = 600,

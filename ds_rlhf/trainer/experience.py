@@ -64,6 +64,17 @@ class Experience:
                              for f in fields(self)})
 
 
+def pad_right(seqs: list[list[int]], pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask) for token-id sequences."""
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for row, x in enumerate(seqs):
+        ids[row, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+        attn[row, : len(x)] = 1
+    return ids.to(device), attn.to(device)
+
+
 def build_experience(samples, scores: list[float], pad_id: int, device="cpu") -> Experience:
     """Pad `RolloutSample`s (prompt_ids, response_ids, logprobs, prompt_index) into an Experience."""
     if not samples:

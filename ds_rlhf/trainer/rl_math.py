@@ -9,31 +9,27 @@ from __future__ import annotations
 import torch
 
 from ds_rlhf.algos.advantages import (
+    ALGOS,
     broadcast_to_tokens,
     gae,
     group_advantages,
     masked_whiten,
     reinforce_pp_advantages,
+    token_rewards_from_scores,
 )
 from ds_rlhf.algos.kl import kl_penalty
 from ds_rlhf.config import RLConfig
 from ds_rlhf.trainer.experience import Experience
 
-ALGOS = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 GROUP_MODE = {"grpo": "grpo", "dr_grpo": "grpo_no_std", "rloo": "rloo"}
 
 
 def token_rewards(exp: Experience, rl: RLConfig, kl_coef: float) -> torch.Tensor:
     """Sequence score on the last response token, minus the per-token KL penalty when KL is in the reward."""
-    mask = exp.action_mask
-    rewards = torch.zeros_like(mask)
-    last = (exp.prompt_lens + exp.response_lens - 2).clamp(min=0)
-    rows = torch.arange(len(exp), device=mask.device)
-    has_response = exp.response_lens > 0
-    rewards[rows[has_response], last[has_response]] = exp.scores[has_response].to(rewards.dtype)
+    kl = None
     if rl.kl_in == "reward" and kl_coef > 0 and exp.ref_logp is not None:
-        rewards = rewards - kl_coef * kl_penalty(exp.old_logp_or_rollout(), exp.ref_logp, rl.kl_estimator) * mask
-    return rewards
+        kl = kl_penalty(exp.old_logp_or_rollout(), exp.ref_logp, rl.kl_estimator)
+    return token_rewards_from_scores(exp.scores, exp.action_mask, kl=kl, kl_coef=kl_coef)
 
 
 def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float) -> None:

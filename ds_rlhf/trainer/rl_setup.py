@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.trainer.common import RunContext, resolve_model_path
+from ds_rlhf.trainer.experience import pad_right
 from ds_rlhf.trainer.rewards import load_reward_fn, score_samples
 
 PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30?"},
@@ -156,24 +157,24 @@ class RewardStage:
 
     def __call__(self, samples, rows: list[dict], step: int):
         tok = self.ctx.tokenizer
+        texts = [tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]  # decoded once per step
         if self.model is not None:
             scores = self._model_scores(samples)
             keep = [True] * len(samples)
             bad = []
         else:
-            items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "",
-                      "response": tok.decode(s.response_ids, skip_special_tokens=True),
+            items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "", "response": text,
                       "ground_truth": rows[s.prompt_index].get("ground_truth"),
                       "metadata": {"data_source": rows[s.prompt_index].get("data_source"),
                                    "finish_reason": s.finish_reason},
                       "id": f"step{step}/rank{self.ctx.dist.rank}/row{rows[s.prompt_index].get('row_id')}"
-                            f"/sample{s.sample_index}"} for s in samples]
+                            f"/sample{s.sample_index}"} for s, text in zip(samples, texts)]
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
             scores, keep, bad = report.scores, report.keep, report.bad
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
             print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.rl.on_bad_reward})")
-        exact = self._exact_match(samples, rows)
+        exact = self._exact_match(samples, texts, rows)
         kept = [s for s, k in zip(samples, keep) if k]
         kept_scores = [v for v, k in zip(scores, keep) if k]
         t = torch.tensor(kept_scores) if kept_scores else torch.zeros(1)
@@ -185,35 +186,23 @@ class RewardStage:
             metrics["reward/exact_match"] = exact
         return kept, kept_scores, metrics
 
-    def _exact_match(self, samples, rows: list[dict]) -> float | None:
+    def _exact_match(self, samples, texts: list[str], rows: list[dict]) -> float | None:
         """GSM8K-style exact-match rate, logged whenever the prompts carry ground truth (monitoring only)."""
         from ds_rlhf.trainer.rewards import gsm8k_reward
 
         truths = [rows[s.prompt_index].get("ground_truth") for s in samples]
         if not samples or any(t is None for t in truths):
             return None
-        tok = self.ctx.tokenizer
-        hits = 0.0
-        for s, truth in zip(samples, truths):
-            hits += gsm8k_reward("", tok.decode(s.response_ids, skip_special_tokens=True), truth, {})
-        return hits / len(samples)
+        return sum(gsm8k_reward("", text, truth, {}) for text, truth in zip(texts, truths)) / len(samples)
 
     @torch.no_grad()
     def _model_scores(self, samples) -> list[float]:
-        pad = self.ctx.tokenizer.pad_token_id
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
-        out = []
         bs = max(1, self.ctx.cfg.optim.micro_batch_size)
+        out = []
         for i in range(0, len(seqs), bs):
-            chunk = seqs[i : i + bs]
-            width = max(len(x) for x in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for r, x in enumerate(chunk):
-                ids[r, : len(x)] = torch.tensor(x)
-                attn[r, : len(x)] = 1
-            device = self.ctx.dist.device
-            out.extend(self.model(input_ids=ids.to(device), attention_mask=attn.to(device)).float().cpu().tolist())
+            ids, attn = pad_right(seqs[i : i + bs], self.ctx.tokenizer.pad_token_id, self.ctx.dist.device)
+            out.extend(self.model(input_ids=ids, attention_mask=attn).float().cpu().tolist())
         return out
 
 

@@ -13,23 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from ds_rlhf.trainer.common import RunContext
+from ds_rlhf.trainer.experience import pad_right
 from ds_rlhf.trainer.sft import token_budget_groups
-
-
-def _pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        attn[i, : len(s)] = 1
-    return ids.to(device), attn.to(device)
 
 
 def pair_scores(engine, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of chosen and rejected, in one forward over both halves."""
     seqs = [list(r["chosen_ids"]) for r in rows] + [list(r["rejected_ids"]) for r in rows]
-    ids, attn = _pad(seqs, pad_id, device)
+    ids, attn = pad_right(seqs, pad_id, device)
     scores = engine(input_ids=ids, attention_mask=attn).float()
     return scores[: len(rows)], scores[len(rows) :]
 
