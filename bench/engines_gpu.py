@@ -60,7 +60,7 @@ def parse(argv=None):
 
 
 def _single_process_env() -> None:
-    from ds_rlhf.testing.multiproc import free_port
+    from ds_rlhf.distributed import free_port
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                            LOCAL_WORLD_SIZE="1").items():

@@ -34,7 +34,7 @@ def build_model(workdir: Path, tiny: bool) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from ds_rlhf.testing.tiny import build_tiny_model
+    from ds_rlhf.engines.tiny_models import build_tiny_model
 
     tiny_dir = build_tiny_model()
     if tiny:

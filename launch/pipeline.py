@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from ds_rlhf.data.synthetic import write_addition_datasets
-    from ds_rlhf.testing.tiny import build_tiny_model
+    from ds_rlhf.engines.tiny_models import build_tiny_model
 
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,14 +31,14 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    from ds_rlhf.testing.tiny import build_tiny_model
+    from ds_rlhf.engines.tiny_models import build_tiny_model
 
     return build_tiny_model()
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_path() -> Path:
-    from ds_rlhf.testing.tiny import build_tiny_reward_model
+    from ds_rlhf.engines.tiny_models import build_tiny_reward_model
 
     return build_tiny_reward_model()
 
@@ -55,7 +55,7 @@ def dist_single():
     """torch.distributed (gloo) with world size 1 in this process, as DeepSpeed expects; set up once."""
     import torch.distributed as dist
 
-    from ds_rlhf.engines.dist import ensure_distributed
+    from ds_rlhf.distributed import ensure_distributed
     from ds_rlhf.testing.multiproc import free_port
 
     if not dist.is_initialized():

@@ -15,6 +15,7 @@ from ds_rlhf.algos.advantages import (
     reinforce_pp_returns,
     token_rewards_from_scores,
 )
+from ds_rlhf.algos.cu_seqlens import packed_to_padded, padded_to_packed
 from ds_rlhf.algos.kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.logprobs import (
     entropy_from_logits,
@@ -32,7 +33,6 @@ from ds_rlhf.algos.losses import (
     value_loss,
 )
 from ds_rlhf.algos.mismatch import IS_MODES, mismatch_metrics, truncated_is_weights
-from ds_rlhf.algos.packing import packed_to_padded, padded_to_packed
 
 __all__ = [
     "AGG_MODES", "ALGOS", "GROUP_MODES", "IS_MODES", "KL_KINDS",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_rlhf.algos.packing import packed_to_padded, padded_to_packed
+from ds_rlhf.algos.cu_seqlens import packed_to_padded, padded_to_packed
 
 GROUP_MODES = ("grpo", "grpo_no_std", "rloo")
 ALGOS = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")

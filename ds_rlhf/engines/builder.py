@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from ds_rlhf.engines.dist import ensure_distributed
+from ds_rlhf.distributed import ensure_distributed
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
 from ds_rlhf.engines.onebit_adam import onebit_from_config

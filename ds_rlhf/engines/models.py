@@ -151,7 +151,7 @@ class CriticModel(nn.Module):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = merge_lora_state_dict(dict(state_dict if state_dict is not None else self.state_dict()), self)
-        base = _unwrap_peft(self.backbone)
+        base = unwrap(self.backbone, peft=True)
         prefix = type(base).base_model_prefix if hasattr(type(base), "base_model_prefix") else "model"
         weights = {}
         for key, tensor in state.items():
@@ -199,9 +199,20 @@ class RewardModel(nn.Module):
         return score(last).squeeze(-1).float()
 
 
-def _unwrap_peft(module: nn.Module) -> nn.Module:
-    get_base = getattr(module, "get_base_model", None)
-    return get_base() if callable(get_base) else module
+_WRAPPERS = {"DeepSpeedEngine", "PipelineEngine", "DistributedDataParallel", "DataParallel"}
+
+
+def unwrap(engine_or_module, *, peft: bool = False) -> nn.Module:
+    """The module inside a DeepSpeed engine (or DDP) wrapper; with `peft=True` also the base model inside a PEFT
+    wrapper (LoRA layers stay in place). A plain module is returned as is."""
+    module = engine_or_module
+    while (any(c.__name__ in _WRAPPERS for c in type(module).__mro__)
+           and isinstance(getattr(module, "module", None), nn.Module)):
+        module = module.module
+    if peft:
+        get_base = getattr(module, "get_base_model", None)
+        module = get_base() if callable(get_base) else module
+    return module
 
 
 def merge_lora_state_dict(state: dict, module: nn.Module) -> dict:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_rlhf.rollout.bridge import unwrap
+from ds_rlhf.engines.models import unwrap
 
 log = logging.getLogger(__name__)
 

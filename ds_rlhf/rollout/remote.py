@@ -29,17 +29,9 @@ from pathlib import Path
 
 import torch
 
-from ds_rlhf.engines.dist import clean_dist_env, free_port
+from ds_rlhf.distributed import clean_dist_env, free_port, multi_rank
 from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, SamplingSpec, TensorMeta
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
-
-
-def _dist():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
 
 
 class RemoteVLLMEngine(RolloutEngine):
@@ -54,7 +46,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._group: WeightGroup | None = None
         self._conn = self._proc = self._listener = self._log = None
-        self._d = _dist()
+        self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
         info = self._start(model_path, devices, log_path, startup_timeout_s, engine_kwargs) if self.owner else None
         if self._d is not None:

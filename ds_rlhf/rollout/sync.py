@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from ds_rlhf.rollout.base import RolloutEngine
-from ds_rlhf.rollout.bridge import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 from ds_rlhf.rollout.canary import SyncCanary
+from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
 log = logging.getLogger(__name__)
 

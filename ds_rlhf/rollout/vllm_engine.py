@@ -20,22 +20,15 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ds_rlhf.distributed import world as dist_world
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _tp_group(tp: int):
     """(process group of this rank's TP block, index in it); every rank creates every group, as new_group needs."""
     import torch.distributed as dist
 
-    rank, world = _world()
+    rank, world = dist_world()
     mine = None
     for start in range(0, world, tp):
         group = dist.new_group(list(range(start, start + tp)))
@@ -55,7 +48,7 @@ class VLLMRolloutEngine(RolloutEngine):
         super().__init__()
         from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
-        _, world = _world()
+        _, world = dist_world()
         if executor is None:
             executor = "external_launcher" if world > 1 else "uni"
         tp = tensor_parallel_size or 1

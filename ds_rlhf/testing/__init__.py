@@ -1,1 +1,2 @@
-"""Offline test kit: tiny tokenizer and models built locally, never downloaded (see `ds_rlhf.testing.tiny`)."""
+"""Test helpers (multi-process workers). The offline tiny tokenizer and models live in `ds_rlhf.engines.tiny_models`;
+production code never imports this package."""

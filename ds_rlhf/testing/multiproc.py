@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ds_rlhf.engines.dist import clean_dist_env, free_port
+from ds_rlhf.distributed import clean_dist_env, free_port
 
 __all__ = ["clean_env", "free_port", "run_workers"]
 

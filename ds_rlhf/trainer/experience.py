@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ds_rlhf.data.packing import token_budget_microbatches
-from ds_rlhf.trainer.distributed import agree_max
+from ds_rlhf.distributed import agree_max
 
 
 @dataclass

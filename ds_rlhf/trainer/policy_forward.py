@@ -12,14 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from ds_rlhf.algos.logprobs import token_logprobs_from_hidden
-
-
-def unwrap(model):
-    """The HF model inside a DeepSpeed engine and/or a PEFT wrapper."""
-    model = getattr(model, "module", model)
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
+from ds_rlhf.engines.models import unwrap
 
 
 @contextmanager
@@ -44,7 +37,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Packed padding-free input: one row, `attention_mask=None` and `position_ids` restarting at 0 for each
     sequence; transformers then builds a block-diagonal causal mask, so sequences never attend to each other.
     """
-    hf = unwrap(model)
+    hf = unwrap(model, peft=True)
     backbone = hf.get_decoder()
     head = hf.get_output_embeddings()
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

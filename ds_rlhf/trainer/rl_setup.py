@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ds_rlhf.trainer.common import RunContext, resolve_model_path
 from ds_rlhf.trainer.experience import pad_right
 from ds_rlhf.trainer.rewards import load_reward_fn, score_samples
+from ds_rlhf.trainer.run_context import RunContext, resolve_model_path
 
 PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30?"},
                   {"role": "assistant", "content": "12 + 30 = 42. #### 42"}]
@@ -228,7 +228,7 @@ def truncate_metrics(ctx: RunContext, step: int) -> None:
 
 
 def export(ctx: RunContext, parts: RLParts) -> None:
-    from ds_rlhf.engines.checkpoint import export_hf
+    from ds_rlhf.engines.engine_io import export_hf
 
     export_hf(parts.actor, ctx.tokenizer, Path(ctx.run_dir) / "export" / "actor")
     if parts.critic is not None:

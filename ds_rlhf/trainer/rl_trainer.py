@@ -13,14 +13,14 @@ import torch
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.config import Config
+from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.trainer import rl_setup
-from ds_rlhf.trainer.checkpointing import CheckpointManager
-from ds_rlhf.trainer.common import RunContext, setup_run
-from ds_rlhf.trainer.distributed import all_reduce_mean
 from ds_rlhf.trainer.experience import build_experience
 from ds_rlhf.trainer.rl_math import compute_advantages
 from ds_rlhf.trainer.rl_update import ppo_update, score_logprobs, score_values
+from ds_rlhf.trainer.run_checkpoints import CheckpointManager
+from ds_rlhf.trainer.run_context import RunContext, setup_run
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall")
 

@@ -16,7 +16,7 @@ from ds_rlhf.algos.kl import kl_penalty
 from ds_rlhf.algos.losses import aggregate, policy_loss, value_loss
 from ds_rlhf.algos.mismatch import truncated_is_weights
 from ds_rlhf.config import Config
-from ds_rlhf.trainer.distributed import agree_max
+from ds_rlhf.distributed import agree_max
 from ds_rlhf.trainer.experience import Experience, micro_batches
 from ds_rlhf.trainer.policy_forward import sequence_logprobs
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds_rlhf.trainer.common import RunContext
 from ds_rlhf.trainer.experience import pad_right
+from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.sft import token_budget_groups
 
 
@@ -71,6 +71,6 @@ class RewardModelTask:
         return {"eval/accuracy": correct / max(n, 1), "eval/loss": loss / max(n, 1)}
 
     def export(self, engine, ctx: RunContext, out_dir: Path) -> None:
-        from ds_rlhf.engines.checkpoint import export_hf
+        from ds_rlhf.engines.engine_io import export_hf
 
         export_hf(engine, ctx.tokenizer, out_dir)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ds_rlhf.trainer.common import RunContext
 from ds_rlhf.trainer.policy_forward import sequence_logprobs
+from ds_rlhf.trainer.run_context import RunContext
 
 
 def pack_rows(rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,6 +82,6 @@ class SFTTask:
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     def export(self, engine, ctx: RunContext, out_dir: Path) -> None:
-        from ds_rlhf.engines.checkpoint import export_hf
+        from ds_rlhf.engines.engine_io import export_hf
 
         export_hf(engine, ctx.tokenizer, out_dir)

@@ -13,11 +13,11 @@ from typing import Protocol
 import torch
 
 from ds_rlhf.config import Config
+from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.trainer import rl_setup
-from ds_rlhf.trainer.checkpointing import CheckpointManager
-from ds_rlhf.trainer.common import RunContext, setup_run
-from ds_rlhf.trainer.distributed import all_reduce_mean
+from ds_rlhf.trainer.run_checkpoints import CheckpointManager
+from ds_rlhf.trainer.run_context import RunContext, setup_run
 
 
 class SupervisedTask(Protocol):

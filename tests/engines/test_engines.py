@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_rlhf.engines.builder import build_actor, build_critic, build_engine, build_reference, build_reward
-from ds_rlhf.engines.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from ds_rlhf.engines.engine_io import export_hf, load_checkpoint, save_checkpoint
 from ds_rlhf.engines.models import CriticModel, RewardModel
 from tests.engines.workers import lm_batch, resolved, train_critic, train_lm
 

@@ -17,7 +17,7 @@ LR = 1e-2
 def setup() -> int:
     import torch.distributed as dist
 
-    from ds_rlhf.engines.dist import ensure_distributed
+    from ds_rlhf.distributed import ensure_distributed
 
     ensure_distributed()
     return dist.get_rank()
@@ -73,7 +73,7 @@ def max_diff(a: dict, b: dict) -> float:
 def train_across_stages(model_path: str, reward_path: str, steps: int = 6) -> dict:
     """Actor at ZeRO 0/2/3/3+offload and critic at ZeRO 0/3 from identical starts; weights compared with ZeRO-0."""
     from ds_rlhf.engines.builder import build_actor, build_critic
-    from ds_rlhf.engines.checkpoint import gather_state_dict
+    from ds_rlhf.engines.engine_io import gather_state_dict
 
     rank = setup()
     out, reference = {}, None
@@ -98,7 +98,7 @@ def resume_matches(model_path: str, ckpt_root: str, before: int = 4, after: int 
     """For each config: train ``before`` steps, save, train ``after`` more (A); fresh engine, load, train ``after``
     (B). Returns the max weight difference A vs B and both loss tails."""
     from ds_rlhf.engines.builder import build_actor
-    from ds_rlhf.engines.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
+    from ds_rlhf.engines.engine_io import gather_state_dict, load_checkpoint, save_checkpoint
     from ds_rlhf.engines.onebit_adam import find_onebit
 
     rank = setup()

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from ds_rlhf.testing.tiny import PRESETS, TinySpec, build_tiny_model
+from ds_rlhf.engines.tiny_models import PRESETS, TinySpec, build_tiny_model
 
 
 def _digest_dir(path):

@@ -131,7 +131,7 @@ def _rank() -> int:
 
 
 def _init_dist() -> None:
-    from ds_rlhf.engines.dist import ensure_distributed
+    from ds_rlhf.distributed import ensure_distributed
 
     ensure_distributed()
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from rollout_helpers import build_engine
 
-from ds_rlhf.rollout import bridge, iter_weight_buckets
+from ds_rlhf.rollout import iter_weight_buckets
+from ds_rlhf.rollout import weight_gather as bridge
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
 from ds_rlhf.rollout.weight_group import pack_bucket, plan_from_wire, plan_to_wire, unpack_bucket
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_rlhf.engines.ds_config import save_resolved_config
-from ds_rlhf.engines.models import CriticModel, RewardModel, _unwrap_peft, merge_lora_state_dict
+from ds_rlhf.engines.models import CriticModel, RewardModel, merge_lora_state_dict, unwrap
 from ds_rlhf.engines.onebit_adam import find_onebit
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
             weights = {k.removeprefix("model."): v for k, v in state.items()}
             module.model.save_pretrained(out, state_dict=weights)
         else:
-            base = _unwrap_peft(module)
+            base = unwrap(module, peft=True)
             base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
         if tokenizer is not None:
             tokenizer.save_pretrained(out)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ds_rlhf.config import Config
-from ds_rlhf.trainer.distributed import DistInfo, init_distributed
+from ds_rlhf.distributed import DistInfo, init_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def resolve_model_path(spec: str) -> str:
     """A local HF directory, or `tiny` / `tiny:<preset>` for the offline tiny model (built on first use)."""
     if spec == "tiny" or spec.startswith("tiny:"):
-        from ds_rlhf.testing.tiny import build_tiny_model
+        from ds_rlhf.engines.tiny_models import build_tiny_model
 
         return str(build_tiny_model(spec=spec.partition(":")[2] or "tiny"))
     if not Path(spec).is_dir():

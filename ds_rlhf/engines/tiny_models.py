@@ -5,7 +5,7 @@ text) and a random-initialised Qwen2 model is saved next to it. head_dim is 64 b
 rejects smaller heads. The same spec gives byte-identical files, so the cache directory is keyed by the spec's hash
 and tests in several processes can share one build (written to a temp dir, then renamed into place).
 
-CLI: ``python -m ds_rlhf.testing.tiny --out DIR [--preset small] [--reward]``.
+CLI: ``python -m ds_rlhf.engines.tiny_models --out DIR [--preset small] [--reward]``.
 """
 
 from __future__ import annotations

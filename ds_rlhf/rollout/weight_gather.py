@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout.base import BucketPlan, TensorMeta
 
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -38,22 +39,10 @@ _STRIP = [
 ]
 
 
-_WRAPPERS = {"DeepSpeedEngine", "PipelineEngine", "DistributedDataParallel", "DataParallel"}
-
-
 def hf_name(name: str) -> str:
     for pattern, repl in _STRIP:
         name = pattern.sub(repl, name)
     return name
-
-
-def unwrap(engine_or_module) -> nn.Module:
-    """The trainable nn.Module inside a DeepSpeed engine (or DDP); a plain module is returned as is."""
-    module = engine_or_module
-    while (any(c.__name__ in _WRAPPERS for c in type(module).__mro__)
-           and isinstance(getattr(module, "module", None), nn.Module)):
-        module = module.module
-    return module
 
 
 def _is_partitioned(p: torch.Tensor) -> bool:

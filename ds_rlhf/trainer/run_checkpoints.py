@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ds_rlhf.trainer.distributed import barrier
+from ds_rlhf.distributed import barrier
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -74,7 +74,7 @@ class CheckpointManager:
 
     def save(self, step: int, engines: dict, trainer_state: dict) -> Path:
         """Save on every rank (DeepSpeed writes per-rank shards); rank 0 publishes the directory."""
-        from ds_rlhf.engines.checkpoint import save_checkpoint
+        from ds_rlhf.engines.engine_io import save_checkpoint
 
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp_step_{step:08d}"
@@ -101,7 +101,7 @@ class CheckpointManager:
         return final
 
     def load(self, path: Path, engines: dict) -> dict:
-        from ds_rlhf.engines.checkpoint import load_checkpoint
+        from ds_rlhf.engines.engine_io import load_checkpoint
 
         for name, engine in engines.items():
             load_checkpoint(engine, path / name, tag="state")

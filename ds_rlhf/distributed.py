@@ -1,0 +1,184 @@
+"""Every torch.distributed helper in one place: starting the process group for every entry point, test and
+benchmark, the launcher environment, and the small collectives the trainers share.
+
+Launchers: the process group is set up the same way for the three ways users launch.
+
+- `deepspeed` sets RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_SIZE/MASTER_* and appends `--local_rank=N` (the config schema
+  accepts and ignores that key).
+- `accelerate launch` sets the same env vars but LOCAL_WORLD_SIZE instead of LOCAL_SIZE, and describes its
+  DeepSpeed plugin through ACCELERATE_DEEPSPEED_* variables; those fill in settings the user left at defaults.
+- plain `python` sets nothing: we run as a single process on a free local port.
+
+CPU shared memory: on the CPU accelerator DeepSpeed builds a shared-memory all-reduce whose buffer it never
+removes:
+`/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 64 MiB per rank per run. /dev/shm is RAM, so a
+test suite or a day of CPU runs fills memory until something is OOM-killed. Once every rank has mapped every
+peer's buffer (DeepSpeed does that inside its init, before the barrier below returns) the names are no longer
+needed: we unlink this rank's, and the kernel frees the memory when the last mapping goes, even after `kill -9`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ds_rlhf.config import Config
+
+# torch.distributed / launcher variables: a child process that must form its own process group (a test's
+# subprocess, the disaggregated vLLM server) starts without them, or it would join (or collide with) ours.
+DIST_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def clean_dist_env(**extra: str) -> dict:
+    """This process's environment without its distributed variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env.update(extra)
+    return env
+
+
+def ensure_distributed(timeout: timedelta | None = None) -> None:
+    """Initialise torch.distributed if nobody has: NCCL on GPU, gloo on CPU (the CPU accelerator's default, oneCCL,
+    is not installed). Without a launcher's env (plain `python`) this process is a world of one on a free port."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    on_cpu = get_accelerator().device_name() == "cpu"
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name(),
+                               **kwargs)
+    if on_cpu:
+        dist.barrier()  # every rank has mapped every peer's buffer
+        unlink_shm_buffer(dist.get_rank())
+
+
+def unlink_shm_buffer(rank: int) -> None:
+    """Remove this rank's DeepSpeed CPU all-reduce buffer name (see the module docstring)."""
+    port = os.environ.get("MASTER_PORT", "*")
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
+        with contextlib.suppress(FileNotFoundError):  # a second init in this process: already gone
+            os.unlink(path)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def apply_accelerate_env(cfg: Config) -> None:
+    """Take DeepSpeed settings from an `accelerate launch` DeepSpeed plugin where the user gave none."""
+    from ds_rlhf.config import Config
+
+    default = Config()
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if config_file and config_file != "none" and cfg.ds_config == default.ds_config:
+        cfg.ds_config = config_file
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage and cfg.zero_stage == -1:
+        cfg.zero_stage = int(stage)
+    offload = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+    if offload == "cpu" and not cfg.offload:
+        cfg.offload = True
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision in ("bf16", "fp16") and cfg.model.dtype == "auto":
+        cfg.model.dtype = precision
+
+
+def init_distributed(cfg: Config) -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPU, gloo on CPU) and pick this rank's device."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ds_rlhf.distributed import ensure_distributed
+
+    if cfg.local_rank >= 0:  # the `deepspeed` launcher's --local_rank, when its env var is missing
+        os.environ.setdefault("LOCAL_RANK", str(cfg.local_rank))
+    apply_accelerate_env(cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device = torch.device("cpu")
+    # A finite timeout turns a lost rank or node into an error on every other rank instead of a silent hang.
+    ensure_distributed(timeout=timedelta(minutes=cfg.run.dist_timeout_minutes))
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_mean(values: dict[str, float], device) -> dict[str, float]:
+    """Average scalar metrics over ranks (one collective for the whole dict)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1) or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def agree_max(value: int, device) -> int:
+    """The largest `value` over ranks. ZeRO reduces gradients (and ZeRO-3 gathers weights) inside every
+    forward/backward, so all ranks must run the same number of micro-batches or the collectives deadlock."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def multi_rank() -> bool:
+    """True when a process group of more than one rank is running (collectives are needed)."""
+    return world()[1] > 1
