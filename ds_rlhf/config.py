@@ -114,8 +114,10 @@ class RunConfig:
     epochs: int = 1
     save_every: int = 0  # 0 = only at the end
     eval_every: int = 0
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept (>= 1; 0 = keep all); the newest is never deleted
     resume: str = ""  # "" | latest | path to a checkpoint directory
+    overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)
+    resume_fallback: bool = False  # if the newest checkpoint fails verification, resume from the newest valid one
     seed: int = 0
     tensorboard: bool = True
     wandb: bool = False
