@@ -76,3 +76,51 @@ def test_user_reward_function_from_file(tmp_path):
         load_reward_fn(f"{tmp_path}/nope.py:f")
     with pytest.raises(ValueError, match="unknown reward function"):
         load_reward_fn("bleu")
+
+
+# --- issue 17: reliability of the bad-reward policy ---
+
+def _exits(prompt, response, gt, meta):
+    i = int(response[1:])
+    if i == 0:
+        raise SystemExit(3)
+    if i == 1:
+        raise GeneratorExit("user code")
+    return 1.0
+
+
+def test_system_exit_from_reward_fn_is_a_bad_reward_with_the_sample_id():
+    report = score_samples(_exits, _items(3), "zero")
+    assert report.scores == [0.0, 0.0, 1.0]
+    assert [sid for sid, _ in report.bad] == ["s0", "s1"]
+    assert "SystemExit" in report.bad[0][1] and "3" in report.bad[0][1]
+    with pytest.raises(BadRewardError, match="s0: raised SystemExit"):
+        score_samples(_exits, _items(3), "fail")
+
+
+def test_keyboard_interrupt_in_process_still_stops_the_trainer():
+    def interrupted(prompt, response, gt, meta):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_samples(interrupted, _items(1), "zero")
+
+
+def test_value_not_finite_in_float32_is_bad():
+    def huge(prompt, response, gt, meta):
+        return {"r0": 1e300, "r1": -1e39, "r2": 3.0e38}[response]
+
+    report = score_samples(huge, _items(3), "drop")
+    assert report.keep == [False, False, True]
+    assert [sid for sid, _ in report.bad] == ["s0", "s1"]
+    assert "float32" in report.bad[0][1]
+
+
+def test_all_bad_tells_the_caller_every_sample_failed():
+    def nan(prompt, response, gt, meta):
+        return math.nan
+
+    assert score_samples(nan, _items(4), "zero").all_bad
+    assert score_samples(nan, _items(4), "drop").all_bad
+    assert not score_samples(_flaky, _items(5), "zero").all_bad
+    assert not score_samples(nan, [], "zero").all_bad

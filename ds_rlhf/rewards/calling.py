@@ -1,0 +1,167 @@
+"""Calling conventions: ours (per sample or batched), TRL's, verl's and OpenRLHF's, detected from the signature.
+
+Every function is turned into `call(items) -> list of raw values`, one per item, and `invoke` turns those into
+outcomes: `(score, extra_metrics)` for a good value, or a string saying why the value is bad. The same code runs
+in-process and inside a pool worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+from functools import partial
+
+from ds_rlhf.rewards.loading import STYLES
+
+Outcome = tuple[float, dict[str, float]] | str
+F32_MAX = 3.4028234663852886e38  # the largest finite float32; a larger score becomes inf in the loss
+BATCHED_STYLES = ("batched", "trl", "openrlhf")
+
+
+def detect_style(fn: Callable) -> str:
+    """`reward_style` attribute if set, else from parameter names: TRL `completions`, verl `solution_str`,
+    OpenRLHF `queries`, ours batched `(prompts, responses, ...)`, otherwise ours per sample."""
+    explicit = getattr(fn, "reward_style", None)
+    if explicit is not None:
+        if explicit not in STYLES:
+            raise ValueError(f"reward_style must be one of {STYLES}, got {explicit!r}")
+        return explicit
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: the default convention
+        return "sample"
+    if "completions" in names:
+        return "trl"
+    if "solution_str" in names:
+        return "verl"
+    if "queries" in names:
+        return "openrlhf"
+    return "batched" if names[:2] == ["prompts", "responses"] else "sample"
+
+
+def make_call(fn: Callable, style: str) -> Callable[[list[dict]], object]:
+    return partial({"sample": _call_sample, "batched": _call_batched, "trl": _call_trl, "verl": _call_verl,
+                    "openrlhf": _call_openrlhf}[style], fn)
+
+
+def _columns(items: list[dict]) -> tuple[list, list, list, list]:
+    return ([it["prompt"] for it in items], [it["response"] for it in items],
+            [it.get("ground_truth") for it in items], [it.get("metadata") or {} for it in items])
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+    """The keyword arguments `fn` takes (all of them when it has **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _call_sample(fn, items):
+    return [fn(p, r, gt, md) for p, r, gt, md in zip(*_columns(items))]
+
+
+def _call_batched(fn, items):
+    return fn(*_columns(items))
+
+
+def _call_trl(fn, items):
+    """TRL: `f(prompts, completions, **kwargs)`; kwargs are dataset columns (the truth under its usual names)."""
+    prompts, responses, truths, metas = _columns(items)
+    columns = {"ground_truth": truths, "answer": truths, "solution": truths}
+    for key in dict.fromkeys(k for md in metas for k in md):
+        columns.setdefault(key, [md.get(key) for md in metas])
+    return fn(prompts=prompts, completions=responses, **_accepted(fn, columns))
+
+
+def _call_verl(fn, items):
+    """verl: `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, per sample."""
+    extra = _accepted(fn, {"extra_info": None})
+    return [fn(data_source=md.get("data_source"), solution_str=r, ground_truth=gt,
+               **({"extra_info": md} if extra else {})) for _, r, gt, md in zip(*_columns(items))]
+
+
+def _call_openrlhf(fn, items):
+    """OpenRLHF: `reward_func(queries, prompts, labels)`; queries are prompt + response. Returns a tensor/list
+    or a dict with `rewards` (and optionally per-sample `extra_logs`)."""
+    prompts, responses, truths, _ = _columns(items)
+    result = fn([p + r for p, r in zip(prompts, responses)], prompts, truths)
+    if not isinstance(result, dict):
+        return result
+    if "rewards" not in result:
+        raise ValueError(f"returned a dict without 'rewards' (keys {sorted(result)})")
+    rewards = as_list(result["rewards"])
+    if rewards is None:
+        return result["rewards"]
+    logs = {k: as_list(v) for k, v in (result.get("extra_logs") or {}).items()}
+    logs = {k: v for k, v in logs.items() if v is not None and len(v) == len(rewards)}
+    return [{"score": r, **{k: v[i] for k, v in logs.items()}} for i, r in enumerate(rewards)]
+
+
+def as_list(value) -> list | None:
+    """A list, tuple, 1-d tensor or array as a list; anything else None."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        converted = value.tolist()
+        return converted if isinstance(converted, list) else None
+    return None
+
+
+def _describe(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = "?"
+    return f"{type(value).__name__} {text[:60]}"
+
+
+def _number(value) -> float | None:
+    """A real number (int, float, bool, numpy/torch scalar) as float, else None; never a string."""
+    try:
+        if not isinstance(value, numbers.Real) and hasattr(value, "item"):
+            value = value.item()
+        return float(value) if isinstance(value, numbers.Real) else None
+    except Exception:  # overflowing ints, multi-element tensors
+        return None
+
+
+def to_outcome(value) -> Outcome:
+    """A float or a dict with `score` (+ numeric extras) -> (score, extras); anything else a reason string."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            return f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:8]})"
+        for key, raw in value.items():
+            number = _number(raw)
+            if key != "score" and number is not None and math.isfinite(number) and abs(number) <= F32_MAX:
+                extras[str(key)] = number
+        value = value["score"]
+    score = _number(value)
+    if score is None:
+        return f"returned {_describe(value)}, not a number"
+    if not math.isfinite(score):
+        return f"returned {score}"
+    if abs(score) > F32_MAX:
+        return f"returned {score:g}, which is not finite in float32"
+    return score, extras
+
+
+def invoke(call: Callable[[list[dict]], object], items: list[dict], in_worker: bool) -> list[Outcome]:
+    """Run one call and judge each value. Any BaseException from user code is a bad reward, except a
+    KeyboardInterrupt in-process: there it is indistinguishable from Ctrl-C, which must stop the trainer."""
+    n = len(items)
+    try:
+        raw = call(items)
+    except KeyboardInterrupt:
+        if not in_worker:
+            raise
+        return ["raised KeyboardInterrupt"] * n
+    except BaseException as exc:  # SystemExit, GeneratorExit, ... from user code: reported per sample
+        return [f"raised {type(exc).__name__}: {exc}"] * n
+    values = as_list(raw)
+    if values is None or len(values) != n:
+        return [f"returned {_describe(raw)} for a batch of {n} samples"] * n
+    return [to_outcome(v) for v in values]

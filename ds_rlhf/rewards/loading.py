@@ -1,0 +1,65 @@
+"""Finding a reward function from its spec: a built-in name or `path/to/file.py:function_name`."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+
+STYLES = ("sample", "batched", "trl", "verl", "openrlhf")
+
+
+def split_style(spec: str) -> tuple[str, str | None]:
+    """`my.py:f@trl` -> (`my.py:f`, `trl`): an explicit calling convention overrides detection."""
+    base, sep, style = spec.rpartition("@")
+    return (base, style) if sep and style in STYLES else (spec, None)
+
+
+def load_reward_fn(spec: str):
+    """`gsm8k` / `format` / `math_shaped` / `math_verify`, or `path/to/file.py:function_name`.
+
+    A spec naming several functions (`gsm8k,my.py:f`) gives an in-process RewardSet with weights 1, which
+    `score_samples` accepts like a function.
+    """
+    if "," in spec:
+        from ds_rlhf.rewards.reward_set import RewardSet
+
+        return RewardSet.from_spec(spec)
+    spec = split_style(spec)[0]
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    path, name = check_spec(spec)
+    fn = getattr(_load_module(path), name, None)
+    if not callable(fn):
+        raise AttributeError(f"{path} has no callable '{name}'")
+    return fn
+
+
+def check_spec(spec: str) -> tuple[str, str]:
+    """(path, function name) of a `file.py:func` spec whose file exists; errors as load_reward_fn's, no import."""
+    if ":" not in spec:
+        raise ValueError(f"unknown reward function '{spec}': use one of {sorted(BUILTIN_REWARDS)} "
+                         "or path/to/file.py:function_name")
+    path, name = spec.rsplit(":", 1)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"reward function file not found: {path}")
+    return path, name
+
+
+def _load_module(path: str):
+    """Import a file by path (registered in sys.modules so dataclasses and pickle inside it work)."""
+    resolved = str(Path(path).resolve())
+    digest = hashlib.sha1(resolved.encode()).hexdigest()[:10]
+    mod_name = f"ds_rlhf_user_reward_{Path(path).stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, resolved)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    return module
