@@ -15,9 +15,12 @@ import gzip
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 MISSING = object()
@@ -81,24 +84,55 @@ def expand_inputs(inputs) -> list[Path]:
     return out
 
 
-def _open_text(path: Path):
+def _open_bytes(path: Path):
+    """The file's bytes, gunzipped when it starts with the gzip magic. Decoding is per line (see `iter_rows`), so
+    one undecodable byte spoils one row, not the whole file."""
     with open(path, "rb") as fh:
         gz = fh.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8")
+    return gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def unreadable(path: Path, exc: BaseException, where: str = "") -> DataPrepError:
+    """The one-line error for an input that cannot be read at all (truncated gzip, corrupt Parquet, ...)."""
+    return DataPrepError(f"cannot read {path}{where}: {_one_line(exc)} (is the file truncated or corrupt?)")
+
+
+# What a truncated or corrupt file raises while it is read: gzip (EOFError, BadGzipFile/OSError, zlib.error),
+# pyarrow (ArrowInvalid/ArrowIOError and friends), the OS (I/O and permission errors).
+READ_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException)
+_BOM = b"\xef\xbb\xbf"
+
+
+def _decode_line(raw: bytes) -> str:
+    """UTF-8 text of one line; RowError("bad_encoding") saying where the first undecodable byte is."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = raw[exc.start:exc.end].hex(" ")
+        raise RowError("bad_encoding", f"not UTF-8: byte(s) {bad} at column {exc.start + 1} ({exc.reason}); "
+                                       f"re-encode the file as UTF-8") from None
 
 
 def count_rows(path: Path, fmt: str, split: str | None = None) -> int | None:
     """Row count for the progress bar when it is cheap to get; None otherwise (gzipped or JSON files)."""
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
 
+        try:
             return pq.ParquetFile(path).metadata.num_rows
+        except READ_ERRORS as exc:  # no valid footer: fail now, before any other input is converted
+            raise unreadable(path, exc) from exc
+    try:
         if fmt == "jsonl" and not path.name.endswith(".gz"):
             with open(path, "rb") as fh:
                 return sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
     except OSError:
-        return None
+        return None  # reading it for real reports the problem
     return None
 
 
@@ -119,17 +153,37 @@ def _load_hf(path: Path, split: str | None):
 
 
 def iter_rows(path: Path, source_idx: int = 0, split: str | None = None) -> Iterator[SourceRow]:
-    """Yield every row of one source; unparsable rows come out with `error` set (never silently skipped)."""
+    """Yield every row of one source; unparsable rows come out with `error` set (never silently skipped).
+
+    A line that is not UTF-8 is such a row (reason "bad_encoding"); a file that cannot be read on (truncated
+    gzip, corrupt Parquet, I/O error) raises a one-line DataPrepError naming it, as no row after it can be read.
+    """
     fmt = detect_format(path)
-    name = path.name
     if fmt == "jsonl" or (fmt == "json" and not _is_json_array(path)):
-        with _open_text(path) as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
+        yield from _iter_jsonl(path, source_idx)
+    elif fmt == "json":
+        yield from _iter_json_array(path, source_idx)
+    elif fmt == "parquet":
+        yield from _iter_parquet(path, source_idx)
+    else:
+        yield from _iter_hf(path, source_idx, split)
+
+
+def _iter_jsonl(path: Path, source_idx: int) -> Iterator[SourceRow]:
+    name, lineno = path.name, 0
+    try:
+        with _open_bytes(path) as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if lineno == 1 and raw.startswith(_BOM):
+                    raw = raw[len(_BOM):]
+                if not raw.strip():
                     continue  # blank lines (often a trailing newline) are not rows
                 where = f"{name}:{lineno}"
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(_decode_line(raw))
+                except RowError as err:
+                    yield SourceRow(source_idx, lineno, where, None, err)
+                    continue
                 except json.JSONDecodeError as exc:
                     yield SourceRow(source_idx, lineno, where, None, RowError("malformed_json", str(exc)))
                     continue
@@ -138,41 +192,67 @@ def iter_rows(path: Path, source_idx: int = 0, split: str | None = None) -> Iter
                     yield SourceRow(source_idx, lineno, where, None, err)
                     continue
                 yield SourceRow(source_idx, lineno, where, obj)
-    elif fmt == "json":
-        with _open_text(path) as fh:
-            try:
-                items = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise DataPrepError(f"{path}: not valid JSON ({exc})") from exc
-        for i, obj in enumerate(items):
-            where = f"{name} item {i}"
-            if isinstance(obj, dict):
-                yield SourceRow(source_idx, i, where, obj)
-            else:
-                yield SourceRow(source_idx, i, where, None,
-                                RowError("malformed_json", f"expected a JSON object, got {type(obj).__name__}"))
-    elif fmt == "parquet":
-        import pyarrow.parquet as pq
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc, f" after line {lineno}" if lineno else "") from exc
 
-        i = 0
+
+def _iter_json_array(path: Path, source_idx: int) -> Iterator[SourceRow]:
+    try:
+        with _open_bytes(path) as fh:
+            raw = fh.read()
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc) from exc
+    try:
+        items = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise DataPrepError(f"{path}: not UTF-8 (byte(s) {raw[exc.start:exc.end].hex(' ')} at offset {exc.start}); "
+                            f"a JSON array is parsed whole, so re-encode the file as UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise DataPrepError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(items, list):
+        raise DataPrepError(f"{path}: expected a JSON array of objects, got {type(items).__name__}")
+    for i, obj in enumerate(items):
+        where = f"{path.name} item {i}"
+        if isinstance(obj, dict):
+            yield SourceRow(source_idx, i, where, obj)
+        else:
+            yield SourceRow(source_idx, i, where, None,
+                            RowError("malformed_json", f"expected a JSON object, got {type(obj).__name__}"))
+
+
+def _iter_parquet(path: Path, source_idx: int) -> Iterator[SourceRow]:
+    import pyarrow.parquet as pq
+
+    i = 0
+    try:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             for obj in batch.to_pylist():
-                yield SourceRow(source_idx, i, f"{name} row {i}", obj)
+                yield SourceRow(source_idx, i, f"{path.name} row {i}", obj)
                 i += 1
-    else:
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc, f" at row {i}" if i else "") from exc
+
+
+def _iter_hf(path: Path, source_idx: int, split: str | None) -> Iterator[SourceRow]:
+    i = 0
+    try:
         ds = _load_hf(path, split).with_format(None)  # plain python rows whatever format was saved
-        i = 0
         for batch in ds.iter(batch_size=1024):
             keys = list(batch)
             for values in zip(*(batch[k] for k in keys)):
-                yield SourceRow(source_idx, i, f"{name} row {i}", dict(zip(keys, values)))
+                yield SourceRow(source_idx, i, f"{path.name} row {i}", dict(zip(keys, values)))
                 i += 1
+    except (*READ_ERRORS, ValueError, KeyError) as exc:  # corrupt state.json / Arrow files (DataPrepError passes)
+        raise unreadable(path, exc, f" at row {i}" if i else "") from exc
 
 
 def _is_json_array(path: Path) -> bool:
-    with _open_text(path) as fh:
-        head = fh.read(4096).lstrip()
-    return head.startswith("[")
+    try:
+        with _open_bytes(path) as fh:
+            head = fh.read(4096)
+    except READ_ERRORS as exc:
+        raise unreadable(path, exc) from exc
+    return head.removeprefix(_BOM).lstrip().startswith(b"[")
 
 
 def _sha256_file(path: Path) -> tuple[str, int]:

@@ -1,7 +1,9 @@
 """Public data-prep entry points (functions and their CLIs): RL prompts, GSM8K, SFT, preference pairs.
 
 Every function takes the input file(s)/dir(s), the output store directory and a tokenizer (object or local path),
-and returns a `PrepResult` (os.PathLike, with `.manifest` and `.summary()`). The `data_prep/*.py` scripts are thin
+and returns a `PrepResult` (os.PathLike, with `.manifest` and `.summary()`). Bad input is never a silent
+success: writing 0 rows raises `DataPrepError` (naming the inputs and why their rows were dropped) unless
+``allow_empty=True``, and so does an input that cannot be read. The `data_prep/*.py` scripts are thin
 wrappers over `cli(...)` here, so the scripts and the Python API cannot drift apart.
 """
 
@@ -20,16 +22,17 @@ __all__ = ["prep_prompts", "prep_gsm8k", "prep_sft", "prep_preferences", "PrepRe
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
-def _common(on_error, overlong, split, overwrite, progress, block_rows) -> dict:
+def _common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty) -> dict:
     if overlong not in ("drop", "truncate"):
         raise ValueError(f"overlong must be 'drop' or 'truncate', got {overlong!r}")
-    return dict(on_error=on_error, split=split, overwrite=overwrite, progress=progress, block_rows=block_rows)
+    return dict(on_error=on_error, split=split, overwrite=overwrite, progress=progress, block_rows=block_rows,
+                allow_empty=allow_empty)
 
 
 def prep_prompts(inputs, output, tokenizer, *, input_key="auto", label_key="auto", data_source_key="data_source",
                  data_source=None, apply_chat_template=True, input_template=None, system_prompt=None,
                  extra_keys=None, require_label=False, max_prompt_len=1024, overlong="drop", on_error="skip",
-                 split=None, overwrite=False, progress=True, block_rows=2048) -> PrepResult:
+                 split=None, overwrite=False, progress=True, block_rows=2048, allow_empty=False) -> PrepResult:
     """RL prompts from verl parquet (prompt = messages, reward_model.ground_truth), OpenRLHF JSONL
     (--input_key/--label_key) or any JSONL/Parquet/saved-dataset with a text or messages prompt field."""
     options = dict(input_key=input_key, label_key=label_key, data_source_key=data_source_key,
@@ -44,7 +47,7 @@ def prep_prompts(inputs, output, tokenizer, *, input_key="auto", label_key="auto
 
     return run_prep("prompts", inputs, output, tokenizer, make, created_by="prep_prompts", options=options,
                     max_lengths={"max_prompt_len": max_prompt_len},
-                    **_common(on_error, overlong, split, overwrite, progress, block_rows))
+                    **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
 
 class _GSM8KRows:
@@ -70,7 +73,7 @@ class _GSM8KRows:
 
 def prep_gsm8k(inputs, output, tokenizer, *, kind="prompts", instruction=GSM8K_INSTRUCTION, system_prompt=None,
                max_prompt_len=1024, max_len=2048, overlong="drop", on_error="skip", split=None, overwrite=False,
-               progress=True, block_rows=2048) -> PrepResult:
+               progress=True, block_rows=2048, allow_empty=False) -> PrepResult:
     """GSM8K's official {question, answer} JSONL: prompts with ground truth = the number after '####' (kind
     "prompts", data_source "openai/gsm8k"), or question -> worked answer conversations (kind "sft")."""
     if kind not in ("prompts", "sft"):
@@ -88,12 +91,13 @@ def prep_gsm8k(inputs, output, tokenizer, *, kind="prompts", instruction=GSM8K_I
 
     limits = {"max_len": max_len} if kind == "sft" else {"max_prompt_len": max_prompt_len}
     return run_prep(kind, inputs, output, tokenizer, make, created_by="prep_gsm8k", options=options,
-                    max_lengths=limits, **_common(on_error, overlong, split, overwrite, progress, block_rows))
+                    max_lengths=limits,
+                    **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
 
 def prep_sft(inputs, output, tokenizer, *, messages_key="auto", prompt_key="auto", response_key="auto",
              apply_chat_template=True, system_prompt=None, max_len=2048, overlong="drop", on_error="skip",
-             split=None, overwrite=False, progress=True, block_rows=2048) -> PrepResult:
+             split=None, overwrite=False, progress=True, block_rows=2048, allow_empty=False) -> PrepResult:
     """SFT demonstrations: `messages` conversations (or ShareGPT `conversations`) or prompt/response pairs;
     the loss mask covers assistant tokens only (with their end-of-turn token)."""
     options = dict(messages_key=messages_key, prompt_key=prompt_key, response_key=response_key,
@@ -105,12 +109,12 @@ def prep_sft(inputs, output, tokenizer, *, messages_key="auto", prompt_key="auto
 
     return run_prep("sft", inputs, output, tokenizer, make, created_by="prep_sft", options=options,
                     max_lengths={"max_len": max_len},
-                    **_common(on_error, overlong, split, overwrite, progress, block_rows))
+                    **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
 
 def prep_preferences(inputs, output, tokenizer, *, chosen_key="chosen", rejected_key="rejected", prompt_key="auto",
                      system_prompt=None, max_len=2048, overlong="drop", on_error="skip", split=None,
-                     overwrite=False, progress=True, block_rows=2048) -> PrepResult:
+                     overwrite=False, progress=True, block_rows=2048, allow_empty=False) -> PrepResult:
     """Reward-model pairs: chosen/rejected as HH-RLHF transcripts, message lists (UltraFeedback-binarized), or
     response strings with a prompt field. Both sides are stored as full chat-templated sequences."""
     options = dict(chosen_key=chosen_key, rejected_key=rejected_key, prompt_key=prompt_key,
@@ -122,7 +126,7 @@ def prep_preferences(inputs, output, tokenizer, *, chosen_key="chosen", rejected
 
     return run_prep("preference", inputs, output, tokenizer, make, created_by="prep_preferences", options=options,
                     max_lengths={"max_len": max_len},
-                    **_common(on_error, overlong, split, overwrite, progress, block_rows))
+                    **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
 
 # -- command lines ----------------------------------------------------------------------------------------------
@@ -145,7 +149,11 @@ def _parser(prog: str, doc: str, example: str) -> argparse.ArgumentParser:
     g.add_argument("--truncate", dest="overlong", action="store_const", const="truncate",
                    help="truncate over-long rows instead (prompts keep their end, sequences their start)")
     p.add_argument("--system_prompt", default=None, help="system message added to conversations without one")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --output")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store at --output (the new store "
+                                                            "is built beside it and swapped in when complete)")
+    p.add_argument("--allow-empty", "--allow_empty", dest="allow_empty", action="store_true",
+                   help="write a store even when no row is kept (default: 0 rows kept is an error naming the "
+                        "input and the drops by reason)")
     p.add_argument("--block_rows", type=int, default=2048, help="rows per Arrow record batch (the I/O unit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -212,14 +220,15 @@ _FUNCS = {"prep_prompts": prep_prompts, "prep_gsm8k": prep_gsm8k, "prep_sft": pr
 
 
 def cli(name: str, argv=None) -> int:
-    """Parse `argv`, run the prep, print the summary. Exit code 0, or 2 (with the reason) on bad input."""
+    """Parse `argv`, run the prep, print the summary. Exit code 0, or 2 with the reason on one stderr line (no
+    traceback) on bad input: unreadable files, 0 rows kept, a bad row under --on-error fail, ..."""
     args = vars(build_parser(name).parse_args(argv))
     inputs, output, tokenizer = args.pop("input"), args.pop("output"), args.pop("tokenizer")
     args["progress"] = not args.pop("quiet")
     try:
         result = _FUNCS[name](inputs, output, tokenizer, **args)
     except DataPrepError as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     print(result.summary())
     return 0

@@ -2,8 +2,18 @@
 
 `run_prep` drives any converter over every input row, counts and reports every row it does not write (file,
 line/row number, reason), honours ``on_error`` ("skip" counts and goes on, "fail" stops at the first bad row;
-over-long rows follow ``overlong`` instead), and writes the store atomically (temp dir, then rename) with a
-manifest: sources and their hashes, tokenizer name and fingerprint, max lengths, row counts, drops by reason.
+over-long rows follow ``overlong`` instead), and writes the store atomically with a manifest: sources and their
+hashes, tokenizer name and fingerprint, max lengths, row counts, drops by reason.
+
+Nothing is lost and nothing fails silently:
+
+* 0 rows written is an error (naming the inputs and the drops by reason) unless ``allow_empty``: an empty file,
+  a Parquet file with other columns or the wrong prep script for the file would otherwise only show at training.
+* The store is built in ``.<out>.tmp-<pid>@<host>`` beside the output. ``overwrite`` swaps it in: the old store
+  is renamed aside (``.<out>.old-<pid>@<host>``), the new one renamed in, then the old one deleted; a failure
+  in between puts the old one back.
+* Leftovers of a killed prep (its pid is dead; same host) are cleaned up by the next prep into the same output,
+  and when it was killed mid-swap (no store at the output, the old one aside) the old store is put back first.
 
 The public entry points built on it (`prep_prompts`, `prep_gsm8k`, `prep_sft`, `prep_preferences`) live in
 `ds_rlhf.data.prep`.
@@ -13,8 +23,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +43,7 @@ from .store import load_tokenizer, tokenizer_fingerprint
 from .writer import StoreWriter, write_manifest
 
 NEVER_FATAL = {"too_long"}  # over-length rows follow --truncate/--drop, not --on-error
+log = logging.getLogger("ds_rlhf.data")
 
 
 @dataclass
@@ -83,6 +97,7 @@ class _Report:
         self.dropped: Counter = Counter()
         self.notes: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
+        self.first_drop = ""
         self._drop_file = drop_file
 
     def note(self, key: str) -> None:
@@ -93,6 +108,8 @@ class _Report:
             raise DataPrepError(f"{src.where}: {err.reason}: {err.detail} "
                                 f"(pass --on-error skip to drop such rows and continue)")
         self.dropped[err.reason] += 1
+        if not self.first_drop:
+            self.first_drop = f"{src.where}: {err.reason}: {err.detail}" if err.detail else f"{src.where}: {err.reason}"
         ex = self.examples.setdefault(err.reason, [])
         if len(ex) < 3:
             ex.append(src.where)
@@ -111,15 +128,111 @@ def _token_stats(lengths: np.ndarray, names: list[str]) -> dict:
     return out
 
 
+def _names(paths: list[Path]) -> str:
+    shown = ", ".join(str(p) for p in paths[:3])
+    return shown + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def _empty_error(paths: list[Path], report: _Report) -> DataPrepError:
+    """0 rows kept: say from which inputs, what happened to the rows read, and how to allow it."""
+    if report.read == 0:
+        why = "the input has no rows (an empty file?)"
+    else:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(report.dropped.items(), key=lambda kv: (-kv[1], kv[0])))
+        first = " ".join(report.first_drop.split())
+        first = first if len(first) <= 300 else first[:297] + "..."
+        why = (f"{sum(report.dropped.values())} dropped ({reasons}); first: {first}. Is this the right prep script "
+               f"and are the field names right for this file?")
+    return DataPrepError(f"0 rows kept from {_names(paths)}: {why} (pass --allow-empty to write an empty store)")
+
+
+# -- temp dirs and the swap -------------------------------------------------------------------------------------
+_HOST = socket.gethostname()
+
+
+def _tag() -> str:
+    return f"{os.getpid()}@{_HOST}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _leftovers(out: Path) -> list[tuple[str, Path]]:
+    """("tmp" | "old", path) of dirs that killed preps into `out` left behind on this host (their pid is dead).
+
+    Names without a host (`.<out>.tmp-<pid>`, the older form) count as this host's. Dirs of live processes and
+    of other hosts (a shared filesystem) are never touched.
+    """
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(\d+)(?:@(.+))?")
+    found = []
+    if not out.parent.is_dir():
+        return found
+    for entry in sorted(out.parent.iterdir()):
+        m = pattern.fullmatch(entry.name)
+        if m and entry.is_dir() and m.group(3) in (None, _HOST) and not _pid_alive(int(m.group(2))):
+            found.append((m.group(1), entry))
+    return found
+
+
+def _recover(out: Path) -> None:
+    """Clean up after killed preps into `out`; first put a complete old store back if it was killed mid-swap."""
+    leftovers = _leftovers(out)
+    if not out.exists():
+        olds = [p for kind, p in leftovers if kind == "old" and (p / MANIFEST).is_file()]
+        if olds:
+            keep = max(olds, key=lambda p: (p / MANIFEST).stat().st_mtime)
+            os.rename(keep, out)
+            log.warning("%s: restored the store an interrupted prep had moved aside to %s", out, keep.name)
+            leftovers = [(k, p) for k, p in leftovers if p != keep]
+    for _, path in leftovers:
+        log.warning("removing %s, left behind by a prep that was killed", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Make the finished store at `tmp` the store at `out`; a crash or error at any point leaves a complete store
+    (the old one at `out` or aside, which `_recover` puts back; or the new one at `out`)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{_tag()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by: str, options: dict,
              max_lengths: dict, on_error: str = "skip", split: str | None = None, overwrite: bool = False,
-             progress: bool = True, block_rows: int = 2048) -> PrepResult:
-    """Read `inputs`, convert each row with `make_converter(encoder)`, write a `kind` store at `output`."""
+             progress: bool = True, block_rows: int = 2048, allow_empty: bool = False) -> PrepResult:
+    """Read `inputs`, convert each row with `make_converter(encoder)`, write a `kind` store at `output`.
+
+    Raises DataPrepError when no row is kept (unless `allow_empty`), when an input cannot be read, or on the first
+    bad row under ``on_error="fail"``; nothing is written at `output` then.
+    """
     t0 = time.time()
-    tok, tok_name = load_tokenizer(tokenizer)
+    try:
+        tok, tok_name = load_tokenizer(tokenizer)
+    except (OSError, ValueError) as exc:
+        raise DataPrepError(f"cannot load the tokenizer {tokenizer}: {' '.join(str(exc).split())}") from exc
     paths = expand_inputs(inputs)
     fmts = [detect_format(p) for p in paths]
     out = Path(output)
+    _recover(out)
     if out.is_file():
         raise DataPrepError(f"{out} is a file; --output must be a directory")
     if out.exists() and any(out.iterdir()):
@@ -128,7 +241,7 @@ def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by
         if out.is_dir() and not (out / MANIFEST).exists():
             raise DataPrepError(f"{out} exists and is not a store; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.tmp-{_tag()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -156,6 +269,8 @@ def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by
                     report.written += 1
                     if report.written % 256 == 0:
                         bar.set_postfix(written=report.written, dropped=sum(report.dropped.values()))
+        if report.written == 0 and not allow_empty:
+            raise _empty_error(paths, report)
         layout = writer.close()
         lengths = np.load(tmp / layout["lengths_file"])
         manifest = {
@@ -173,9 +288,7 @@ def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by
             **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
         }
         write_manifest(tmp, manifest)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,6 +22,8 @@ import logging
 import mmap
 import os
 import select
+import signal
+import subprocess
 import sys
 import threading
 
@@ -35,6 +37,47 @@ READER_CHOICES = ("auto", "uring", "uring_buffered", "mmap")
 
 class ReaderUnavailable(RuntimeError):
     """The requested reader cannot work here (no io_uring, no liburing, ...); `auto` then falls back to mmap."""
+
+
+_PROBE = """
+import os, sys, liburing
+ring, cqe = liburing.Ring(), liburing.Cqe()
+liburing.io_uring_queue_init(2, ring)
+fd = os.open(sys.executable, os.O_RDONLY)
+buf = bytearray(64)
+sqe = liburing.io_uring_get_sqe(ring)
+liburing.io_uring_prep_read(sqe, fd, buf, 0)
+liburing.io_uring_submit(ring)
+liburing.io_uring_wait_cqe(ring, cqe)
+liburing.io_uring_cqe_seen(ring, cqe[0])
+liburing.io_uring_queue_exit(ring)
+"""
+_probe_result: str | None = None
+
+
+def _liburing_crash() -> str:
+    """Why using liburing would kill this process ("" when it would not); probed once, in a child process.
+
+    The liburing wheel is compiled for newer x86 CPUs (it uses AVX-512 instructions), so on a CPU without them
+    its first call dies with SIGILL, which no try/except can catch. A child tries a tiny read first; a Python
+    error there (io_uring disabled, ...) is left for the real attempt to report, only a fatal signal counts.
+    """
+    global _probe_result
+    if _probe_result is None:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, timeout=60)
+            rc = proc.returncode
+            _probe_result = ""
+            if rc < 0:
+                try:
+                    name = signal.Signals(-rc).name
+                except ValueError:
+                    name = f"signal {-rc}"
+                _probe_result = f"the liburing package crashes on this machine ({name}; its wheel may need " \
+                                f"CPU features this CPU lacks, e.g. AVX-512)"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _probe_result = f"the liburing probe failed ({exc})"
+    return _probe_result
 
 
 def _address(buf: bytearray) -> int:
@@ -136,6 +179,9 @@ class UringReader:
             import liburing
         except Exception as exc:  # noqa: BLE001 - any import failure means "no io_uring here"
             raise ReaderUnavailable(f"the liburing package cannot be imported ({exc})") from exc
+        crash = _liburing_crash()
+        if crash:
+            raise ReaderUnavailable(crash)
         self._L = liburing
         self.path = str(path)
         self.size = os.path.getsize(self.path)

@@ -97,7 +97,12 @@ class Store:
         self.path = Path(path)
         mpath = self.path / MANIFEST
         if not mpath.is_file():
-            raise StoreFormatError(f"{self.path} is not a store: {MANIFEST} is missing (run a data_prep script)")
+            aside = sorted(self.path.parent.glob(f".{self.path.name}.old-*")) if self.path.parent.is_dir() else []
+            hint = " (run a data_prep script)"
+            if aside:
+                hint = (f"; a data prep killed while replacing it left the old store at {aside[-1]}: run the prep "
+                        f"again (it puts that store back first) or rename it back")
+            raise StoreFormatError(f"{self.path} is not a store: {MANIFEST} is missing{hint}")
         self.manifest: dict = json.loads(mpath.read_text())
         if self.manifest.get("format_version") != FORMAT_VERSION:
             raise StoreFormatError(f"{self.path}: store format {self.manifest.get('format_version')} is not "

@@ -102,7 +102,8 @@ def test_on_error_fail_stops_at_first_bad_row(tmp_path, tok):
 
 
 def test_over_long_rows_follow_truncate_not_on_error(tmp_path, tok):
-    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}])
+    # plus one short row: a store with 0 rows kept is an error of its own (see test_data_prep_nothing_lost.py)
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}, {"prompt": "short"}])
     res = prep_prompts(path, tmp_path / "out", tok, max_prompt_len=32, overlong="truncate", on_error="fail",
                        progress=False)
     row = open_store(res).row(0)

@@ -126,6 +126,23 @@ def test_missing_liburing_module_is_reported(tmp_path, monkeypatch):
     r.close()
 
 
+def test_liburing_that_kills_the_process_falls_back_to_mmap(tmp_path, monkeypatch):
+    """The liburing wheel uses AVX-512: on a CPU without it the first call dies with SIGILL (no exception to catch).
+    A child process probes it first; a fatal signal there makes io_uring unavailable instead of killing us."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"k" * 10)
+    monkeypatch.setattr(readers, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    monkeypatch.setattr(readers, "_probe_result", None)
+    r, note = open_reader(path)
+    assert r.kind == "mmap" and "SIGILL" in note
+    r.close()
+    with pytest.raises(ReaderUnavailable, match="crashes on this machine"):
+        open_reader(path, "uring")
+    monkeypatch.setattr(readers, "_PROBE", "raise SystemExit(1)")  # a Python error: left to the real attempt
+    monkeypatch.setattr(readers, "_probe_result", None)
+    assert readers._liburing_crash() == ""
+
+
 def test_env_override_forces_mmap(tmp_path, monkeypatch):
     path = tmp_path / "f.bin"
     path.write_bytes(b"q" * 10)
