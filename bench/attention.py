@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ds_rlhf.engines import attention as attn  # noqa: E402
+from ds_rlhf.engines import attention as attn
 
 IMPLS = ("eager", "sdpa", attn.VARLEN_NAME, "flash_attention_2")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

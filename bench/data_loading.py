@@ -25,7 +25,6 @@ import mmap
 import os
 import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -33,11 +32,9 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ds_rlhf.data import StoreLoader, open_store  # noqa: E402
-from ds_rlhf.data.layout import MANIFEST, SCHEMAS  # noqa: E402
-from ds_rlhf.data.writer import StoreWriter, write_manifest  # noqa: E402
+from ds_rlhf.data import StoreLoader, open_store
+from ds_rlhf.data.layout import MANIFEST, SCHEMAS
+from ds_rlhf.data.writer import StoreWriter, write_manifest
 
 STRIDE = 1024  # int32 elements per 4 KiB page
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"zero2": ("zero2", False), "zero3": ("zero3", False), "zero3_offload": ("zero3_offload", True)}
 SHAPES = {

@@ -1,27 +1,17 @@
 """Prepare RL prompts (verl parquet, OpenRLHF JSONL, saved datasets) as a tokenized store.
 
 Run `python data_prep/prep_prompts.py --help` for the options. The logic lives in `ds_rlhf.data.prep`; this file is
-the command line and re-exports `prep_prompts` for Python callers.
+the command line (also installed as `ds-rlhf-prep-prompts`) and re-exports `prep_prompts` for Python callers.
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ds_rlhf.data.prep import prep_prompts  # noqa: E402
+from ds_rlhf.data.prep import prep_prompts
+from ds_rlhf.entrypoints.prep import main_prompts as main
 
 __all__ = ["prep_prompts", "main"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    from ds_rlhf.data.prep import cli
-
-    return cli("prep_prompts", argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,29 +1,11 @@
-"""Reward-model training (step 2): Bradley-Terry loss on a `preference` store of chosen/rejected pairs.
+"""Reward-model training (step 2): `python launch/train_rm.py --help` for the options and examples.
 
-Examples:
-  python launch/train_rm.py --model.path runs/sft/export --data.train runs/data/preferences
-  deepspeed --num_gpus 8 launch/train_rm.py --ds_config ds_configs/zero3.json --model.path runs/sft/export \\
-      --data.train /data/hh_rlhf_store
-The export (run_dir/export) is train_ppo.py's --rl.reward_model and the critic's initialisation.
+A runnable script on purpose: `deepspeed launch/train_rm.py ...` and `accelerate launch launch/train_rm.py ...`
+run this file on every rank. The command itself is `ds_rlhf.entrypoints.train.main_rm`, also installed as
+`ds-rlhf-train-rm` and `ds-rlhf train-rm`.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a plain checkout
-
-from ds_rlhf.cli import run_entry  # noqa: E402
-
-DEFAULTS = {"optim": {"lr": 1e-5}, "run": {"output_dir": "runs/rm", "steps": 0, "epochs": 1},
-            "data": {"eval_fraction": 0.1}}
-
-
-def run(cfg):
-    from ds_rlhf.trainer.rm import RewardModelTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
-
-    return SupervisedTrainer(cfg, RewardModelTask(margin=cfg.optim.rm_margin)).train()
-
+from ds_rlhf.entrypoints.train import main_rm
 
 if __name__ == "__main__":
-    run_entry(__doc__, DEFAULTS, run)
+    main_rm()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with the pinned CPU or CUDA environment, chosen by looking for a GPU. Idempotent: a second run finds
-# the stamp of the same lock file and returns at once without touching anything.
+# Create .venv with the pinned CPU or CUDA environment, chosen by looking for a GPU, and install this project into it
+# (editable, so the checkout is what runs; console scripts ds-rlhf, ds-rlhf-train-ppo, ...). Idempotent: a second
+# run finds the stamp of the same lock file, setup script and pyproject.toml and returns at once.
 #   DS_RLHF_ENV=cpu|cuda  force a set        VENV=path  venv location (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ case "$DS_RLHF_ENV" in
   *) echo "setup: DS_RLHF_ENV must be cpu or cuda, got '$DS_RLHF_ENV'" >&2; exit 2 ;;
 esac
 
-stamp="$VENV/.ds_rlhf-setup-$DS_RLHF_ENV-$(cat "$lock" scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$VENV/.ds_rlhf-setup-$DS_RLHF_ENV-$(cat "$lock" scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   echo "setup: $VENV is up to date ($DS_RLHF_ENV set, $lock)"
   exit 0
@@ -50,18 +51,40 @@ else
   quiet_pip install -q -r "$lock"
 fi
 
-# Make the checkout importable from anywhere (what an editable install does, without a build step).
+# The project itself: a PEP 660 editable install, no dependency resolution (the set above is the environment).
+# The venv's own setuptools builds it when it can (>= 70.1, or >= 64 with `wheel`); otherwise pip builds it in an
+# isolated environment with setuptools from the index. Older set-ups wrote a .pth to the checkout: remove it.
+build=()
+if "$VENV/bin/python" -c "
+import importlib.util, sys, setuptools
+v = tuple(int(x) for x in setuptools.__version__.split('.')[:2])
+sys.exit(0 if v >= (70, 1) or (v >= (64, 0) and importlib.util.find_spec('wheel')) else 1)" 2>/dev/null; then
+  build=(--no-build-isolation)
+fi
+echo "setup: installing ds_rlhf (editable) from $PWD"
+# setuptools' build chatter (its editable-install warning included) is shown only when the install fails.
+if ! log=$("${pip[@]}" install -q --no-deps "${build[@]}" -e . 2>&1); then
+  echo "$log" >&2; echo "setup: installing ds_rlhf failed" >&2; exit 1
+fi
+rm -rf ds_rlhf.egg-info  # setuptools' build leftover; the install's metadata lives in site-packages
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-echo "$PWD" > "$site/ds_rlhf_checkout.pth"
+rm -f "$site/ds_rlhf_checkout.pth"
 
-"$VENV/bin/python" - <<'PY'
-import importlib, sys
+# -I: not from the current directory, so this proves the install (not the checkout on sys.path) provides ds_rlhf.
+"$VENV/bin/python" -I - "$PWD" <<'PY'
+import importlib, os, shutil, sys
 mods = ["torch", "deepspeed", "transformers", "vllm", "pyarrow", "ds_rlhf"]
 for m in mods:
     importlib.import_module(m)
 for bad in ("torchvision", "torchaudio", "torchcodec"):
     if importlib.util.find_spec(bad) is not None:
         sys.exit(f"setup: {bad} is installed and breaks this torch; uninstall it")
+import ds_rlhf
+want = os.path.join(sys.argv[1], "ds_rlhf", "__init__.py")
+if os.path.realpath(ds_rlhf.__file__) != os.path.realpath(want):
+    sys.exit(f"setup: ds_rlhf imports from {ds_rlhf.__file__}, not from this checkout ({want})")
+if shutil.which("ds-rlhf", path=os.path.dirname(sys.executable)) is None:
+    sys.exit("setup: the ds-rlhf console script is missing from the venv")
 import torch, vllm, deepspeed, transformers
 print(f"setup: ok: torch {torch.__version__}, vllm {vllm.__version__}, deepspeed {deepspeed.__version__}, "
       f"transformers {transformers.__version__}")

@@ -1,0 +1,70 @@
+"""`ds-rlhf <command> [args...]`: one command for every entry point (each is also its own `ds-rlhf-<command>`).
+
+A new subcommand is one row of `SUBCOMMANDS` (and, for its own console script, one line of pyproject.toml's
+`[project.scripts]`). The target is imported only when its command runs, so `ds-rlhf --help` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+
+# name -> ("module:function", one-line help). The function takes argv and returns an exit code (None means 0).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train-sft": ("ds_rlhf.entrypoints.train:main_sft", "supervised fine-tuning on an `sft` store (step 1)"),
+    "train-rm": ("ds_rlhf.entrypoints.train:main_rm", "reward-model training on a `preference` store (step 2)"),
+    "train-ppo": ("ds_rlhf.entrypoints.train:main_ppo", "RL (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++) with vLLM "
+                                                        "rollouts (step 3)"),
+    "pipeline": ("ds_rlhf.entrypoints.pipeline:main", "the tiny end-to-end demo: data -> SFT -> RM -> RL on one CPU"),
+    "prep-prompts": ("ds_rlhf.entrypoints.prep:main_prompts", "RL prompts (verl parquet, OpenRLHF JSONL, ...) -> "
+                                                              "prompt store"),
+    "prep-gsm8k": ("ds_rlhf.entrypoints.prep:main_gsm8k", "GSM8K JSONL -> prompt store with ground truth, or SFT"),
+    "prep-sft": ("ds_rlhf.entrypoints.prep:main_sft", "SFT demonstrations -> `sft` store with assistant-only masks"),
+    "prep-preferences": ("ds_rlhf.entrypoints.prep:main_preferences", "chosen/rejected pairs (HH-RLHF, "
+                                                                      "UltraFeedback) -> `preference` store"),
+}
+
+PROG = "ds-rlhf"
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS)) + 2
+    rows = "\n".join(f"  {name:<{width}}{help_}" for name, (_, help_) in SUBCOMMANDS.items())
+    return (f"usage: {PROG} <command> [args...]\n\n"
+            "DeepSpeed-native RLHF: SFT -> reward model -> PPO/GRPO with vLLM rollouts.\n\n"
+            f"commands:\n{rows}\n\n"
+            f"Run `{PROG} <command> --help` for a command's options. Each command is also installed as its own\n"
+            f"script, `{PROG}-<command>`; multi-GPU runs use the launch/ scripts with deepspeed or accelerate.\n")
+
+
+def resolve(name: str) -> Callable[[list[str]], int | None]:
+    """The function behind a subcommand (imported now)."""
+    target = SUBCOMMANDS[name][0]
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from ds_rlhf import __version__
+
+        print(f"{PROG} {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"{PROG}: unknown command {name!r}{hint}; run `{PROG} --help` for the list", file=sys.stderr)
+        return 2
+    return resolve(name)(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

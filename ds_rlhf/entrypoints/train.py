@@ -1,0 +1,78 @@
+"""The three training commands: SFT (step 1), reward model (step 2), RL (step 3).
+
+`main_sft`, `main_rm` and `main_ppo` back the console scripts (`ds-rlhf-train-sft`, `ds-rlhf train-sft`, ...) and
+the `launch/train_*.py` scripts that `deepspeed` and `accelerate launch` run. Each prints its `*_DOC` plus every
+setting with its defaults on --help (without importing the trainer), else parses the config and trains.
+"""
+
+from __future__ import annotations
+
+from ds_rlhf.cli import run_entry
+
+SFT_DOC = """Supervised fine-tuning (step 1): next-token loss on assistant tokens of an `sft` store, packed batches.
+
+Examples:
+  python launch/train_sft.py --data.train runs/data/sft --run.steps 200
+  ds-rlhf train-sft --data.train runs/data/sft --run.steps 200          (the same, as the installed command)
+  deepspeed --num_gpus 8 launch/train_sft.py --ds_config ds_configs/zero3.json --model.path /models/base \\
+      --data.train /data/sft_store --data.micro_batch_tokens 16384
+The export (run_dir/export) is the actor for train_rm.py and train_ppo.py.
+"""
+
+RM_DOC = """Reward-model training (step 2): Bradley-Terry loss on a `preference` store of chosen/rejected pairs.
+
+Examples:
+  python launch/train_rm.py --model.path runs/sft/export --data.train runs/data/preferences
+  ds-rlhf train-rm --model.path runs/sft/export --data.train runs/data/preferences   (the installed command)
+  deepspeed --num_gpus 8 launch/train_rm.py --ds_config ds_configs/zero3.json --model.path runs/sft/export \\
+      --data.train /data/hh_rlhf_store
+The export (run_dir/export) is train_ppo.py's --rl.reward_model and the critic's initialisation.
+"""
+
+PPO_DOC = """Train a policy with RL (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++) on a prompt store, rollouts from vLLM.
+
+Examples:
+  python launch/train_ppo.py --data.train runs/data/prompts --rl.reward_fn gsm8k
+  ds-rlhf train-ppo --data.train runs/data/prompts --rl.reward_fn gsm8k          (the same, as the installed command)
+  deepspeed --num_gpus 8 launch/train_ppo.py --ds_config ds_configs/zero3.json --model.path /models/qwen2-7b \\
+      --data.train /data/gsm8k_prompts --rl.algo grpo --rl.reward_fn gsm8k
+"""
+
+SFT_DEFAULTS = {"optim": {"lr": 1e-5}, "run": {"output_dir": "runs/sft", "steps": 0, "epochs": 1},
+                "data": {"eval_fraction": 0.05}}
+RM_DEFAULTS = {"optim": {"lr": 1e-5}, "run": {"output_dir": "runs/rm", "steps": 0, "epochs": 1},
+               "data": {"eval_fraction": 0.1}}
+PPO_DEFAULTS = {"rl": {"algo": "grpo"}, "run": {"output_dir": "runs/ppo"}}
+
+
+def run_sft(cfg):
+    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    return SupervisedTrainer(cfg, SFTTask()).train()
+
+
+def run_rm(cfg):
+    from ds_rlhf.trainer.rm import RewardModelTask
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    return SupervisedTrainer(cfg, RewardModelTask(margin=cfg.optim.rm_margin)).train()
+
+
+def run_ppo(cfg):
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    return RLTrainer(cfg).train()
+
+
+# The trainers' summaries are not exit codes: the mains return None (exit 0) and leave the summary to the logs.
+def main_sft(argv: list[str] | None = None) -> None:
+    run_entry(SFT_DOC, SFT_DEFAULTS, run_sft, argv)
+
+
+def main_rm(argv: list[str] | None = None) -> None:
+    run_entry(RM_DOC, RM_DEFAULTS, run_rm, argv)
+
+
+def main_ppo(argv: list[str] | None = None) -> None:
+    run_entry(PPO_DOC, PPO_DEFAULTS, run_ppo, argv)
