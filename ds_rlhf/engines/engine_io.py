@@ -9,12 +9,22 @@ rebuilt from their source path.
 materialises the whole model at once on the device), folds LoRA adapters in, and writes a ``save_pretrained``
 directory on rank 0 in the engine's compute dtype (bf16/fp16 — the "16-bit gather" — or fp32). A critic is written
 as ``*ForSequenceClassification`` so ``CriticModel.from_pretrained``/``RewardModel.from_pretrained`` load it.
+The export is written into a temp directory beside ``out_dir`` and swapped in (``renameat2(RENAME_EXCHANGE)`` where
+the filesystem has it, two renames otherwise), so a crash or a full disk mid-export leaves the previous export whole.
+
+Our own files load with ``weights_only=True``. DeepSpeed 0.19 loads its engine files (model states, ZeRO optimizer
+partitions) with ``torch.load(weights_only=False)`` inside ``engine.load_checkpoint``; that is DeepSpeed's code, and
+the run checkpoints guard it by checking every file's sha256 before DeepSpeed reads anything
+(``ds_rlhf.trainer.run_checkpoints``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -72,7 +82,7 @@ def load_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
     if onebit is not None:
         path = _onebit_file(Path(ckpt_dir) / tag, _rank())
         if path.exists():
-            onebit.load_error_state_dict(torch.load(path, map_location="cpu", weights_only=False)["errors"])
+            onebit.load_error_state_dict(torch.load(path, map_location="cpu", weights_only=True)["errors"])
         elif onebit.compressing:
             raise FileNotFoundError(f"{path} is missing: 1-bit Adam is past warm-up and needs this rank's error "
                                     "buffers to resume exactly (was the checkpoint saved with a different world size?)")
@@ -104,26 +114,97 @@ def gather_state_dict(module: torch.nn.Module) -> dict:
     return out
 
 
+_RENAME_EXCHANGE = 2
+_libc = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the kernel, libc or filesystem lacks it."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.renameat2  # noqa: B018 (glibc >= 2.28)
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return False
+    at_fdcwd = -100
+    return _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """Flush every file and directory under ``root`` to disk (before publishing it by a rename)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put the finished directory ``new`` at ``target``, replacing what is there; at no moment is ``target`` a
+    half-written directory. ``new`` and ``target`` must be on one filesystem (siblings)."""
+    new, target = Path(new), Path(target)
+    if not target.exists():
+        os.rename(new, target)
+    elif _exchange(new, target):  # target now new; new holds the old contents
+        shutil.rmtree(new)
+    else:  # two renames: between them `target` is absent, never partial
+        old = target.with_name(f".old_{target.name}_{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(target, old)
+        os.rename(new, target)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(target.parent)
+
+
 def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write a Hugging Face ``save_pretrained`` directory from ``engine`` (collective: call on every rank)."""
     module = getattr(engine, "module", engine)
     state = gather_state_dict(module)
     out = Path(out_dir)
     if _rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if isinstance(module, CriticModel):
-            module.save_pretrained(out, state_dict=state)
-        elif isinstance(module, RewardModel):
-            weights = {k.removeprefix("model."): v for k, v in state.items()}
-            module.model.save_pretrained(out, state_dict=weights)
-        else:
-            base = unwrap(module, peft=True)
-            base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        config = getattr(engine, "ds_rlhf_config", None)
-        if config is not None:
-            save_resolved_config(config, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by an export that crashed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+        tmp.mkdir()
+        try:
+            _write_export(engine, module, state, tokenizer, tmp)
+            fsync_tree(tmp)
+            replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         logger.info("exported %s to %s", type(module).__name__, out)
     _barrier()
     return out
+
+
+def _write_export(engine, module, state: dict, tokenizer, out: Path) -> None:
+    if isinstance(module, CriticModel):
+        module.save_pretrained(out, state_dict=state)
+    elif isinstance(module, RewardModel):
+        weights = {k.removeprefix("model."): v for k, v in state.items()}
+        module.model.save_pretrained(out, state_dict=weights)
+    else:
+        base = unwrap(module, peft=True)
+        base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    config = getattr(engine, "ds_rlhf_config", None)
+    if config is not None:
+        save_resolved_config(config, out)

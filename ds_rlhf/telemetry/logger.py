@@ -2,6 +2,10 @@
 
 wandb never crashes a run: without an API key or network it runs in offline mode, and if it cannot start at all
 the run continues with a warning.
+
+`metrics.jsonl` survives crashes: a torn last line (the process died, or the disk filled, mid-write) is skipped
+with a warning by `read_metrics`, cut off before the logger appends to the file again, and dropped by
+`truncate_metrics`, which rewrites the log for a resume atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def _scalar(value):
@@ -38,7 +45,8 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # append: a resumed run continues the same log (it is truncated to the checkpoint step on resume)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        _cut_torn_tail(self.run_dir / METRICS_FILE)
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115 (closed in close())
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -104,6 +112,85 @@ class MetricsLogger:
         self._jsonl.close()
 
 
+def _parse_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) for each record of a metrics file; a torn last line is skipped with a warning, a bad line
+    elsewhere raises naming the file and line."""
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((line, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            if all(not rest.strip() for rest in lines[number:]):
+                warnings.warn(f"{path}: skipping a torn last line (line {number}, {len(line)} bytes: the run "
+                              "stopped mid-write)", stacklevel=3)
+                break
+            raise ValueError(f"{path}, line {number}: not a JSON record ({exc})") from None
+    return records
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Before appending: drop a partial last line so the next record does not glue onto it."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        block = min(size, 1 << 20)
+        f.seek(size - block)
+        tail = f.read(block)
+        cut = tail.rfind(b"\n")
+        keep = size - block + cut + 1 if cut >= 0 else 0
+        warnings.warn(f"{path}: dropping a torn last line ({size - keep} bytes: the run stopped mid-write)",
+                      stacklevel=3)
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """Every record of `<run_dir>/metrics.jsonl` (a torn last line is skipped with a warning)."""
+    return [record for _, record in _parse_lines(Path(run_dir) / METRICS_FILE)]
+
+
+def truncate_metrics(run_dir: str | Path, step: int) -> int:
+    """On resume, drop records after `step` (the checkpoint's) so the log matches an uninterrupted run.
+
+    Call on rank 0 only, before the MetricsLogger opens the file. The new file is written beside the old one, fsynced
+    and renamed over it, so a crash here leaves either log whole. Returns the number of records dropped.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    records = _parse_lines(path)
+    kept = [(line, r) for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
+    steps = [r["step"] for _, r in kept if isinstance(r.get("step"), int | float)]
+    if step > 0 and (not steps or max(steps) < step):
+        warnings.warn(f"{path} ends at step {max(steps) if steps else 0} but the checkpoint is at step {step}: "
+                      "the log has no records for the steps in between (they were not flushed before the crash)",
+                      stacklevel=2)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line, _ in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(records) - len(kept)

@@ -1,10 +1,15 @@
-"""Set-up shared by the SFT, RM and RL entry points: process group, run directory, tokenizer, ds_config."""
+"""Set-up shared by the SFT, RM and RL entry points: process group, run directory, tokenizer, ds_config.
+
+`setup_run` takes the run directory's lock (rank 0, before anything is written) and applies the fresh-run /
+resume / overwrite rules of `ds_rlhf.trainer.run_dir`; a refusal is raised on every rank with the same message.
+`RunContext.close()` releases the lock (process exit does too, however the process ends).
+"""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +17,7 @@ import torch
 
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
+from ds_rlhf.trainer.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,10 +56,22 @@ class RunContext:
     model_path: str
     tokenizer: object
     precision: str
+    lock: RunLock | None = field(default=None, repr=False)
 
     def print(self, text: str) -> None:
         if self.dist.is_main:
             print(text, flush=True)
+
+    def close(self) -> None:
+        """Release the run directory (idempotent); call when the run is over."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> RunContext:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def metrics_logger(self, *, total_steps: int, start_step: int, desc: str, postfix_keys: tuple[str, ...]):
         """The run's MetricsLogger, configured from the `run` section (one place for SFT, RM and RL)."""
@@ -94,17 +112,43 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
     dist = init_distributed(cfg)
     seed_everything(cfg.run.seed)
     run_dir = Path(cfg.run.output_dir)
-    model_path = resolve_model_path(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    precision = pick_precision(cfg.model.dtype)
+    lock = claim_run_dir(cfg, dist, kind)
+    try:
+        model_path = resolve_model_path(cfg.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        precision = pick_precision(cfg.model.dtype)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     ctx = RunContext(cfg=cfg, dist=dist, run_dir=run_dir, model_path=model_path, tokenizer=tokenizer,
-                     precision=precision)
+                     precision=precision, lock=lock)
     if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.json")
         ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
                   f"precision {precision} | model {model_path}")
         ctx.print(f"[{kind}] resolved config:\n{json.dumps(cfg.to_dict(), indent=1, sort_keys=True)}")
     return ctx
+
+
+def claim_run_dir(cfg: Config, dist: DistInfo, kind: str = "run") -> RunLock | None:
+    """Rank 0 locks the run directory and checks it (see `ds_rlhf.trainer.run_dir`); every rank raises the same
+    `RunDirError` when that fails. Returns rank 0's lock (None on the other ranks)."""
+    lock, error = None, None
+    if dist.is_main:
+        try:
+            lock = acquire_run_lock(cfg.run.output_dir)
+            prepare_run_dir(cfg.run.output_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                            log=lambda text: print(text.replace("[run]", f"[{kind}]", 1), flush=True))
+        except Exception as exc:  # every rank must hear of it, or the others wait for rank 0 forever
+            error = exc
+            if lock is not None:
+                lock.release()
+    reason = broadcast_from_main(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    if reason is not None:
+        raise RunDirError(reason[1])
+    return lock

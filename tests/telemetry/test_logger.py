@@ -59,3 +59,54 @@ def test_phase_timer():
     assert out["time/rollout"] >= 0.02 and out["time/train"] >= 0.02
     assert out["time/step"] == pytest.approx(out["time/rollout"] + out["time/train"])
     assert timer.pop() == {"time/step": 0}
+
+
+# ---- issue 17 (defect 11): a torn last line never blocks a resume ------------------------------------------------
+def _torn_log(path):
+    path.mkdir(parents=True, exist_ok=True)
+    whole = "".join(f'{{"step": {s}, "x": {s / 10}}}\n' for s in (1, 2, 3))
+    (path / "metrics.jsonl").write_text(whole + '{"step": 4, "x": 0.')  # died (or the disk filled) mid-write
+    return whole
+
+
+def test_read_metrics_skips_a_torn_last_line_with_a_warning(tmp_path):
+    _torn_log(tmp_path)
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_bad_line_before_the_end_is_an_error_naming_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2"):
+        read_metrics(tmp_path)
+
+
+def test_logger_appending_after_a_torn_line_keeps_the_log_readable(tmp_path):
+    _torn_log(tmp_path)
+    with pytest.warns(UserWarning, match="torn last line"):
+        logger = MetricsLogger(tmp_path, total_steps=5, tensorboard=False, progress=False)
+    logger.log(4, {"x": 0.4})
+    logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_truncate_metrics_drops_later_steps_and_a_torn_line_atomically(tmp_path, monkeypatch):
+    from ds_rlhf.telemetry.logger import truncate_metrics
+
+    whole = _torn_log(tmp_path)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+
+    def crash(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.replace", crash)  # the disk fills (or the process dies) before the rename
+    with pytest.warns(UserWarning, match="torn"), pytest.raises(OSError):
+        truncate_metrics(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before  # the old log is whole
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="torn"):
+        assert truncate_metrics(tmp_path, 2) == 1
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(whole.splitlines(keepends=True)[:2])
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left behind

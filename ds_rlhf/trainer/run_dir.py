@@ -1,0 +1,219 @@
+"""The run directory's safety rules: one run per directory (a lock), and no fresh run on top of an earlier one.
+
+`<run>/.lock` is a POSIX record lock (``fcntl.lockf``) taken by rank 0 before anything is written; the file holds the
+holder's pid, host and start time so a refused run can say who has the directory. The kernel drops the lock when
+the holding process exits, however it exits (``kill -9`` included), so a lock is never stale. Record locks belong
+to the process, not to a file descriptor, so a child the trainer forks (vLLM, data workers) never inherits them and
+cannot keep the directory locked after the trainer is gone; within one process the lock is re-entrant (tests build
+several trainers on one directory).
+
+`prepare_run_dir` refuses a fresh run (`run.resume` empty) in a directory that holds complete checkpoints: the new
+run's checkpoints would be mixed with the old ones (pruned by step, resumed from by `latest`) and its metrics
+appended to the old log. `--run.resume latest` continues the old run; `--run.overwrite true` deletes its
+checkpoints, metrics and TensorBoard events first.
+
+This module imports neither torch nor DeepSpeed (a lock check must be cheap).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+LOCK_NAME = ".lock"
+
+
+class RunDirError(Exception):
+    """A run-directory or checkpoint problem the user must act on; the message says what to do."""
+
+
+class RunDirLocked(RunDirError):
+    pass
+
+
+class ResumeNotFound(RunDirError, FileNotFoundError):
+    """`--run.resume <path>` that is not a complete checkpoint."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The published checkpoints (`step_XXXXXXXX/COMPLETE`) under a `checkpoints` directory, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()]
+    return sorted(found, key=step_of)
+
+
+def broadcast_from_main(obj):
+    """`obj` as rank 0 has it, on every rank (a no-op without a process group of more than one rank)."""
+    if "torch" not in sys.modules:
+        return obj
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- the lock --------------------------------------------------------------------------------------------------
+_held: dict[str, list] = {}  # resolved lock path -> [fd, holder count]
+_held_guard = threading.Lock()
+
+
+class RunLock:
+    """This process's hold on `<run>/.lock`; `release()` (idempotent) or process exit gives it up."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._released = False
+
+    def release(self) -> None:
+        with _held_guard:
+            if self._released:
+                return
+            self._released = True
+            entry = _held.get(str(self.path))
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _held[str(self.path)]
+                with contextlib.suppress(OSError):
+                    fcntl.lockf(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
+
+    @property
+    def held(self) -> bool:
+        return not self._released
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        info = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    except OSError:
+        info = {}
+    pid, host = info.get("pid", "?"), info.get("host", "?")
+    text = f"pid {pid} on host {host}"
+    if info.get("started"):
+        text += f", started {info['started']}"
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            text += (f"; that pid is gone, so another process still holds the lock (find it with "
+                     f"`fuser {path}`)")
+        except PermissionError:
+            pass
+    return text
+
+
+def acquire_run_lock(run_dir: str | Path) -> RunLock:
+    """Lock `run_dir` for this process (creating it); raise `RunDirLocked` naming the holder if another has it."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = (run_dir / LOCK_NAME).resolve()
+    with _held_guard:
+        entry = _held.get(str(path))
+        if entry is not None:  # this process holds it already
+            entry[1] += 1
+            return RunLock(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # we held no lock on it, so closing releases nothing of ours
+            raise RunDirLocked(f"run directory {run_dir} is in use by another run ({_holder_text(path)}); wait for "
+                               "it to finish or pass another --run.output_dir") from None
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid={os.getpid()}\nhost={socket.gethostname()}\nstarted={stamp}\n".encode(), 0)
+        _held[str(path)] = [fd, 1]
+    lock = RunLock(path)
+    atexit.register(lock.release)
+    return lock
+
+
+# ---- fresh run / resume / overwrite ------------------------------------------------------------------------------
+def _move_aside(path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.stem}.before-{stamp}-{n}{path.suffix}")
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+def check_resume_path(resume: str) -> Path:
+    """`--run.resume <path>` -> that checkpoint directory, or `ResumeNotFound` in one line naming the path."""
+    path = Path(resume)
+    if not path.is_dir():
+        raise ResumeNotFound(f"--run.resume {resume}: no such directory")
+    if (path / "COMPLETE").is_file():
+        return path
+    if complete_checkpoints(checkpoints_dir(path)) or complete_checkpoints(path):
+        runs = path if complete_checkpoints(checkpoints_dir(path)) else path.parent
+        raise ResumeNotFound(f"--run.resume {resume}: a run directory, not a checkpoint; pass --run.resume latest "
+                             f"--run.output_dir {runs}, or one of its checkpoints/step_* directories")
+    raise ResumeNotFound(f"--run.resume {resume}: not a complete checkpoint (no COMPLETE marker in it)")
+
+
+def prepare_run_dir(run_dir: str | Path, *, resume: str, overwrite: bool,
+                    log: Callable[[str], None] = print) -> None:
+    """Rank 0, with the lock held, before the run writes anything: refuse or clean up as the module docstring says."""
+    run_dir = Path(run_dir)
+    root = checkpoints_dir(run_dir)
+    done = complete_checkpoints(root)
+    own = resume == "latest" or (resume and Path(resume).resolve().parent == root.resolve())
+    if resume and resume != "latest":
+        check_resume_path(resume)
+    if overwrite and own:
+        raise RunDirError(f"--run.resume {resume} continues the run in {run_dir} and --run.overwrite true would "
+                          "delete it: pass one of the two")
+    if own:  # continuing this directory's run: its checkpoints and metrics are ours
+        if not done:  # nothing to resume (CheckpointManager.resolve says so): a fresh run, as below
+            _set_aside_old_logs(run_dir, log)
+        return
+    if done and not overwrite:
+        raise RunDirError(f"run directory {run_dir} holds checkpoints of an earlier run (newest: {done[-1]}); pass "
+                          "--run.resume latest to continue it, or --run.overwrite true to delete them and start fresh")
+    if overwrite:
+        removed = [p for p in (root, run_dir / "metrics.jsonl", run_dir / "tensorboard") if p.exists()]
+        for p in removed:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if removed:
+            log(f"[run] --run.overwrite: removed the earlier run's {', '.join(p.name for p in removed)} "
+                f"from {run_dir}" + (f" ({len(done)} checkpoints, newest {done[-1].name})" if done else ""))
+        return
+    _set_aside_old_logs(run_dir, log)
+
+
+def _set_aside_old_logs(run_dir: Path, log: Callable[[str], None]) -> None:
+    """A fresh run in a directory whose earlier run left metrics but no checkpoint (it died before the first
+    save): keep the old log under another name instead of appending to it."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        moved = _move_aside(metrics)
+        log(f"[run] {metrics} is from an earlier run without checkpoints: moved to {moved.name}")
