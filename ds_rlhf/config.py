@@ -22,6 +22,14 @@ class ConfigError(ValueError):
     """A config key or value the schema does not accept."""
 
 
+def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None) -> Any:
+    """A schema field with its rule: `choices` (a tuple, or the name of an algorithm registry in
+    `ds_rlhf.algos.registry.ALL`, read when checked so entries registered later count) and numeric bounds."""
+    rule = {k: v for k, v in dict(choices=choices, ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    return field(default=default, metadata={"rule": rule})
+
+
 @dataclass
 class ModelConfig:
     path: str = "tiny"  # HF directory; "tiny" / "tiny:small" build the offline tiny model
@@ -29,8 +37,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
     attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
     gradient_checkpointing: bool = False
-    lora_rank: int = 0  # 0 = full fine-tuning
-    lora_alpha: int = 16
+    lora_rank: int = opt(0, ge=0)  # 0 = full fine-tuning
+    lora_alpha: int = opt(16, gt=0)
     lora_targets: str = "all-linear"
 
 
@@ -38,83 +46,120 @@ class ModelConfig:
 class DataConfig:
     train: str = ""  # Arrow store directory written by data_prep/
     eval: str = ""
-    eval_fraction: float = 0.0  # hold out this share of `train` when `eval` is empty (SFT/RM)
-    max_prompt_len: int = 256
-    max_len: int = 512  # SFT/RM sequence length
-    micro_batch_tokens: int = 0  # token budget per micro-batch; 0 = fixed `optim.micro_batch_size`
+    eval_fraction: float = opt(0.0, ge=0, lt=1)  # hold out this share of `train` when `eval` is empty (SFT/RM)
+    max_prompt_len: int = opt(256, ge=1)  # RL prompt tokens; the store's longest is checked before training
+    overlong_prompts: str = opt("error", choices=("error", "drop"))  # RL prompts over max_prompt_len: refuse | skip
+    max_len: int = opt(512, ge=2)  # SFT/RM sequence length
+    micro_batch_tokens: int = opt(0, ge=0)  # token budget per micro-batch; 0 = fixed `optim.micro_batch_size`
     shuffle: bool = True
-    reader: str = "auto"  # auto | uring | mmap
+    reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    critic_lr: float = 5e-6
-    weight_decay: float = 0.0
+    lr: float = opt(1e-6, gt=0)
+    critic_lr: float = opt(5e-6, gt=0)
+    weight_decay: float = opt(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 4  # sequences per micro-batch (per rank) when no token budget is set
-    batch_size: int = 32  # SFT/RM: sequences (pairs) per optimizer step per rank
+    eps: float = opt(1e-8, gt=0)
+    warmup_steps: int = opt(0, ge=0)
+    grad_clip: float = opt(1.0, ge=0)  # 0 = no clipping
+    micro_batch_size: int = opt(4, ge=1)  # sequences per micro-batch (per rank) when no token budget is set
+    batch_size: int = opt(32, ge=1)  # SFT/RM: sequences (pairs) per optimizer step per rank
     rm_margin: float = 0.0  # RM: margin in the Bradley-Terry loss -log sigmoid(r_c - r_r - margin)
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = "auto"  # auto (vLLM if importable, else HF generate) | vllm | hf
-    placement: str = "colocated"  # colocated | disaggregated
-    n_samples: int = 4  # responses per prompt
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_model_len: int = 0  # 0 = max_prompt_len + max_new_tokens
-    gpu_memory_utilization: float = 0.5
+    backend: str = opt("auto", choices=("auto", "vllm", "hf"))  # auto (vLLM if importable, else HF generate)
+    placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
+    async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
+    max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
+    n_samples: int = opt(4, ge=1)  # responses per prompt
+    max_new_tokens: int = opt(128, ge=1)
+    temperature: float = opt(1.0, gt=0)
+    top_p: float = opt(1.0, gt=0, le=1)
+    top_k: int = opt(-1, ge=-1)  # -1 or 0 = off
+    max_model_len: int = opt(0, ge=0)  # 0 = max_prompt_len + max_new_tokens
+    gpu_memory_utilization: float = opt(0.5, gt=0, le=1)
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
-    sleep_level: int = 2  # 1: keep a CPU copy of the weights; 2: drop them (every wake is followed by a full sync)
+    sleep_level: int = opt(2, choices=(1, 2))  # 1: keep a CPU copy of the weights; 2: drop them (then a full sync)
     devices: str = ""  # disaggregated: GPU ids for the vLLM server, e.g. "4,5,6,7" (must not hold a training rank)
-    tensor_parallel_size: int = 1  # vLLM tensor parallelism (disaggregated: over `devices`; colocated: over ranks)
-    bucket_mb: int = 1024  # weight-sync gather bucket
-    canary_threshold: float = 0.0  # 0 = backend default; max |logp_trainer - logp_rollout| allowed after a sync
+    tensor_parallel_size: int = opt(1, ge=1)  # vLLM TP (disaggregated: over `devices`; colocated: over ranks)
+    bucket_mb: int = opt(1024, ge=1)  # weight-sync gather bucket
+    canary_threshold: float = opt(0.0, ge=0)  # 0 = backend default; max |logp trainer - rollout| after a sync
+
+    def check(self, cfg: Config) -> None:
+        if self.async_generation and cfg.rl.mismatch == "off":
+            raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
+                              "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")
+        if self.max_model_len and self.max_model_len < cfg.data.max_prompt_len + self.max_new_tokens:
+            raise ConfigError(f"rollout.max_model_len={self.max_model_len} is shorter than data.max_prompt_len + "
+                              f"rollout.max_new_tokens = {cfg.data.max_prompt_len + self.max_new_tokens}")
 
 
 @dataclass
 class RLConfig:
-    algo: str = "grpo"  # ppo | grpo | dr_grpo (with loss_agg const-norm) | rloo | reinforce_pp | reinforce_pp_baseline
-    prompts_per_step: int = 8
-    ppo_epochs: int = 1
-    mini_batch_size: int = 0  # rollouts per optimizer step; 0 = all of a step's rollouts
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 0.0  # 0 = off; else the dual-clip constant c > 1
-    value_clip: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    kl_in: str = "loss"  # loss | reward
-    kl_target: float = 0.0  # > 0 turns on the adaptive controller
-    kl_horizon: int = 10000
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | const-norm
-    mismatch: str = "tis"  # tis (token-level truncated IS) | mis (sequence masking) | off
-    tis_cap: float = 2.0
-    reward_fn: str = ""  # gsm8k | format | path/to/file.py:func (empty when reward_model is set)
+    algo: str = opt("grpo", choices="advantage")  # advantage estimator (dr_grpo: pair with loss_agg const-norm)
+    prompts_per_step: int = opt(8, ge=1)  # prompts per step per rank
+    ppo_epochs: int = opt(1, ge=1)
+    mini_batch_size: int = opt(0, ge=0)  # rollouts per optimizer step; 0 = all of a step's rollouts
+    policy_loss: str = opt("ppo", choices="policy_loss")  # policy-gradient loss
+    clip_low: float = opt(0.2, ge=0, lt=1)
+    clip_high: float = opt(0.2, ge=0)  # > clip_low: DAPO clip-higher
+    dual_clip: float = opt(0.0, ge=0)  # 0 = off; else the dual-clip constant c > 1
+    value_clip: float = opt(0.2, ge=0)  # 0 = off
+    gamma: float = opt(1.0, ge=0, le=1)
+    lam: float = opt(0.95, ge=0, le=1)
+    kl_coef: float = opt(0.0, ge=0)  # > 0 builds a frozen reference model
+    kl_estimator: str = opt("k3", choices="kl")  # k1 | k2 | k3
+    kl_in: str = opt("loss", choices=("loss", "reward"))  # loss | reward
+    kl_target: float = opt(0.0, ge=0)  # > 0 turns on the adaptive controller
+    kl_horizon: int = opt(10000, ge=1)  # adaptive KL: samples over which beta moves by the clipped error
+    entropy_coef: float = opt(0.0, ge=0)
+    loss_agg: str = opt("token-mean", choices="aggregation")  # how token losses are reduced
+    mismatch: str = opt("tis", choices="mismatch")  # rollout/trainer mismatch correction
+    tis_cap: float = opt(2.0, gt=0)
+    reward_fn: str = ""  # gsm8k | format | math_shaped | math_verify | file.py:func[@trl|@verl|@openrlhf], comma list
+    reward_weights: str = ""  # comma-separated weights, one per reward_fn entry (default 1 each)
+    reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
+    reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker; longer = a bad reward
+    reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start
     reward_model: str = ""  # HF dir of a sequence-classification reward model
-    on_bad_reward: str = "fail"  # fail | zero | drop
+    on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
     critic_path: str = ""  # default: reward_model if set, else the actor
-    critic_init: str = "auto"  # auto | reward | actor
+    critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor
+
+    def check(self, cfg: Config) -> None:
+        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, MISMATCH_MODES
+
+        r = cfg.rollout
+        if MISMATCH_MODES.get(self.mismatch).meta.get("correction", True) and (
+                r.temperature != 1.0 or r.top_p != 1.0 or r.top_k not in (-1, 0)):
+            raise ConfigError("rollout/trainer mismatch correction compares the rollout engine's log-probs of the "
+                              "raw distribution with the trainer's; with temperature/top_p/top_k sampling they "
+                              "differ by construction. Use temperature 1, top_p 1, top_k -1, or set --rl.mismatch off.")
+        if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("groups") and r.n_samples < 2:
+            raise ConfigError(f"rl.algo={self.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
+        if 0 < self.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (0 = off)")
+        if self.reward_fn and self.reward_model:
+            raise ConfigError(f"both rl.reward_fn={self.reward_fn!r} and rl.reward_model={self.reward_model!r} are "
+                              "set: give one (the other would be ignored)")
+        samples = self.prompts_per_step * r.n_samples
+        if self.mini_batch_size > samples:
+            raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
+                              "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
 
 
 @dataclass
 class RunConfig:
     output_dir: str = "runs/latest"
-    steps: int = 20  # RL steps, or optimizer steps for SFT/RM (0 = run `epochs`)
-    epochs: int = 1
-    save_every: int = 0  # 0 = only at the end
-    eval_every: int = 0
-    keep_last: int = 2  # complete checkpoints kept (>= 1; 0 = keep all); the newest is never deleted
+    steps: int = opt(20, ge=0)  # RL steps, or optimizer steps for SFT/RM (0 = run `epochs`)
+    epochs: int = opt(1, ge=1)
+    save_every: int = opt(0, ge=0)  # 0 = only at the end
+    eval_every: int = opt(0, ge=0)
+    keep_last: int = opt(2, ge=0)  # complete checkpoints kept (>= 1; 0 = keep all); the newest is never deleted
     resume: str = ""  # "" | latest | path to a checkpoint directory
     overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)
     resume_fallback: bool = False  # if the newest checkpoint fails verification, resume from the newest valid one
@@ -124,8 +169,8 @@ class RunConfig:
     wandb_project: str = "ds_rlhf"
     export_hf: bool = True
     progress: bool = True
-    log_every: int = 0  # also print a one-line summary every N steps (for logs that are not a terminal)
-    dist_timeout_minutes: float = 30.0  # a collective that waits longer fails the run loudly (lost rank or node)
+    log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
+    dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
 
 
 @dataclass
@@ -137,12 +182,24 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     run: RunConfig = field(default_factory=RunConfig)
     ds_config: str = "ds_configs/zero2.json"
-    zero_stage: int = -1  # -1 = as in ds_config
+    zero_stage: int = opt(-1, choices=(-1, 0, 1, 2, 3))  # -1 = as in ds_config
     offload: bool = False  # offload optimizer (and ZeRO-3 params) to CPU
     local_rank: int = -1  # set by the `deepspeed` launcher; accepted and ignored otherwise
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Every field's rule (choices, bounds), then each section's cross-field rules; raises ConfigError."""
+        for key, (section, name) in _all_keys().items():
+            target = getattr(self, section) if section else self
+            rule = _field_rules(type(target)).get(name)
+            if rule:
+                _check_rule(key, getattr(target, name), rule)
+        for section in SECTIONS:
+            check = getattr(getattr(self, section), "check", None)
+            if check is not None:
+                check(self)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
@@ -154,6 +211,39 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 SECTIONS = [name for name, typ in _field_types(Config).items() if dataclasses.is_dataclass(typ)]
+
+
+def _field_rules(cls) -> dict[str, dict]:
+    return {f.name: f.metadata["rule"] for f in dataclasses.fields(cls) if "rule" in f.metadata}
+
+
+def choices_of(rule: dict) -> tuple:
+    """The allowed values of a `choices` rule: a tuple as written, or a registry's names at this moment."""
+    choices = rule.get("choices")
+    if isinstance(choices, str):
+        import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
+        from ds_rlhf.algos.registry import ALL
+
+        return ALL[choices].names()
+    return tuple(choices or ())
+
+
+def _check_rule(key: str, value: Any, rule: dict) -> None:
+    if "choices" in rule:
+        allowed = choices_of(rule)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}")
+    bounds = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+              "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+    for name, (op, ok) in bounds.items():
+        if name in rule and not ok(value, rule[name]):
+            raise ConfigError(f"{key}={value!r}: must be {op} {rule[name]}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check a config built in code (parse_config checks what it parses); returns it."""
+    cfg.check()
+    return cfg
 
 
 def _all_keys() -> dict[str, tuple[str | None, str]]:
@@ -240,12 +330,13 @@ def load_file(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
+    import yaml
 
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
+    try:
+        data = (yaml.safe_load(text) or {}) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     return data
@@ -292,6 +383,7 @@ def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
                 raise ConfigError(f"--{key} needs a value")
             value = "true"
         set_value(cfg, key, value)
+    cfg.check()
     return cfg
 
 
@@ -304,6 +396,16 @@ def _field_comments(cls) -> dict[str, str]:
     return dict(found)
 
 
+def _choice_lines(rule: dict) -> list[str]:
+    """--help lines for a registry-backed choice: every registered name with its one-line doc."""
+    if not isinstance(rule.get("choices"), str):
+        return []
+    from ds_rlhf.algos.registry import ALL
+
+    choices_of(rule)  # imports the built-in entries
+    return [f"      {line}" for line in ALL[rule["choices"]].describe()]
+
+
 def help_text(cfg: Config | None = None) -> str:
     """Every key with its default (or current value) and its comment, grouped by section, for --help."""
     cfg = cfg or Config()
@@ -312,10 +414,11 @@ def help_text(cfg: Config | None = None) -> str:
     for name, typ in _field_types(Config).items():
         if dataclasses.is_dataclass(typ):
             lines.append(f"[{name}]")
-            notes = _field_comments(typ)
+            notes, rules = _field_comments(typ), _field_rules(typ)
             for sub, value in dataclasses.asdict(getattr(cfg, name)).items():
                 note = f"  # {notes[sub]}" if sub in notes else ""
                 lines.append(f"  --{name}.{sub} {value!r}{note}")
+                lines.extend(_choice_lines(rules.get(sub, {})))
         else:
             note = f"  # {top[name]}" if name in top else ""
             lines.append(f"--{name} {getattr(cfg, name)!r}{note}")

@@ -1,12 +1,13 @@
 """RL algorithm core: advantage estimators, KL estimators and controllers, losses, rollout/trainer mismatch
-correction, memory-lean log-probs. Pure functions on tensors: no I/O, no torch.distributed."""
+correction, memory-lean log-probs. Pure functions on tensors: no I/O, no torch.distributed. Every algorithmic
+choice is registered once in `registry` (name -> function + one-line doc); config choices and --help read it."""
 
 from ds_rlhf.algos.advantages import (
-    ALGOS,
     GROUP_MODES,
     broadcast_to_tokens,
     broadcast_to_tokens_packed,
     compute_advantages,
+    estimator_inputs,
     gae,
     gae_packed,
     group_advantages,
@@ -33,12 +34,20 @@ from ds_rlhf.algos.losses import (
     value_loss,
 )
 from ds_rlhf.algos.mismatch import IS_MODES, mismatch_metrics, truncated_is_weights
+from ds_rlhf.algos.registry import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    MISMATCH_MODES,
+    POLICY_LOSSES,
+    Registry,
+)
 
 __all__ = [
-    "AGG_MODES", "ALGOS", "GROUP_MODES", "IS_MODES", "KL_KINDS",
-    "AdaptiveKLController", "FixedKLController",
-    "aggregate", "broadcast_to_tokens", "broadcast_to_tokens_packed", "compute_advantages", "entropy_bonus",
-    "entropy_from_logits", "gae", "gae_packed", "group_advantages", "kl_loss", "kl_penalty", "logprobs_from_logits",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "AGG_MODES", "AdaptiveKLController", "FixedKLController", "GROUP_MODES",
+    "IS_MODES", "KL_ESTIMATORS", "KL_KINDS", "MISMATCH_MODES", "POLICY_LOSSES", "Registry", "aggregate",
+    "broadcast_to_tokens", "broadcast_to_tokens_packed", "compute_advantages", "entropy_bonus", "entropy_from_logits",
+    "estimator_inputs", "gae", "gae_packed", "group_advantages", "kl_loss", "kl_penalty", "logprobs_from_logits",
     "masked_token_mean", "masked_whiten", "mismatch_metrics", "naive_token_logprobs", "packed_to_padded",
     "padded_to_packed", "policy_loss", "reinforce_pp_advantages", "reinforce_pp_returns",
     "token_logprobs_from_hidden", "token_rewards_from_scores", "truncated_is_weights", "value_loss",

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from ds_rlhf.algos.cu_seqlens import packed_to_padded, padded_to_packed
+from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 
 GROUP_MODES = ("grpo", "grpo_no_std", "rloo")
-ALGOS = ("ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -223,8 +223,54 @@ def _unpack_inputs(inputs: dict, keys: tuple[str, ...]) -> torch.Tensor | None:
     return cu
 
 
+@ADVANTAGE_ESTIMATORS.register("ppo", "GAE over critic values, advantages whitened (Schulman et al. 2016/2017)",
+                               critic=True)
+def _ppo(*, rewards, values, mask, gamma: float = 1.0, lam: float = 0.95, whiten_advantages: bool = True):
+    adv, returns = gae(rewards, values, mask, gamma, lam)
+    return (masked_whiten(adv, mask) if whiten_advantages else adv), returns
+
+
+def _group(mode: str):
+    def estimator(*, scores, mask, group_size=None, group_ids=None, eps: float = 1e-6):
+        seq_adv = group_advantages(scores, group_size, mode, eps, group_ids=group_ids)
+        return broadcast_to_tokens(seq_adv, mask), None
+
+    return estimator
+
+
+ADVANTAGE_ESTIMATORS.register("grpo", "group-normalised score (s - mean) / std per prompt (Shao et al. 2024)",
+                              groups=True)(_group("grpo"))
+ADVANTAGE_ESTIMATORS.register("dr_grpo", "Dr.GRPO: s - mean, no std (Liu et al. 2025); pair with loss_agg const-norm",
+                              groups=True)(_group("grpo_no_std"))
+ADVANTAGE_ESTIMATORS.register("rloo", "leave-one-out baseline s - mean of the others (Ahmadian et al. 2024)",
+                              groups=True)(_group("rloo"))
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", "REINFORCE++: reward-to-go, global batch whitening (Hu 2025)")
+def _reinforce_pp(*, token_rewards, mask, gamma: float = 1.0):
+    return reinforce_pp_advantages(token_rewards, mask, gamma=gamma), None
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline", "REINFORCE++ with a per-prompt mean baseline (Hu 2025)",
+                               groups=True)
+def _reinforce_pp_baseline(*, token_rewards, mask, gamma: float = 1.0, group_size=None, group_ids=None,
+                           baseline_scores=None):
+    if group_size is None and group_ids is None:
+        raise TypeError("reinforce_pp_baseline needs group_size or group_ids")
+    return reinforce_pp_advantages(token_rewards, mask, gamma=gamma, group_size=group_size, group_ids=group_ids,
+                                   baseline_scores=baseline_scores), None
+
+
+def estimator_inputs(algo: str) -> tuple[str, ...]:
+    """The keyword inputs the estimator registered as `algo` takes (the trainer passes exactly those)."""
+    import inspect
+
+    fn = ADVANTAGE_ESTIMATORS.get(algo).fn
+    return tuple(inspect.signature(fn).parameters)
+
+
 def compute_advantages(algo: str, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One entry point for the trainer: ``(advantages, returns or None)`` for ``algo`` in ``ALGOS``.
+    """The one entry point: ``(advantages, returns or None)`` from the estimator registered as ``algo``.
 
     Inputs by algo (padded ``[B, T]`` with ``mask``; or packed 1-D with ``cu_seqlens`` and optional 1-D ``mask``):
     - ``ppo``: ``rewards, values, gamma=1.0, lam=0.95, whiten_advantages=True`` -> GAE advantages, returns.
@@ -232,34 +278,12 @@ def compute_advantages(algo: str, **inputs) -> tuple[torch.Tensor, torch.Tensor 
       advantages.
     - ``reinforce_pp``: ``token_rewards, gamma=1.0``; ``reinforce_pp_baseline``: also ``group_size or group_ids,
       baseline_scores=None``.
+    Unknown ``algo`` is a ValueError listing the registered ones; an input the estimator does not take, a TypeError.
     """
-    if algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    entry = ADVANTAGE_ESTIMATORS.get(algo)
     inputs = dict(inputs)
     cu = _unpack_inputs(inputs, ("rewards", "values", "token_rewards"))
-    mask = inputs.pop("mask")
-    returns = None
-    if algo == "ppo":
-        whiten_adv = inputs.pop("whiten_advantages", True)
-        adv, returns = gae(inputs.pop("rewards"), inputs.pop("values"), mask, inputs.pop("gamma", 1.0),
-                           inputs.pop("lam", 0.95))
-        if whiten_adv:
-            adv = masked_whiten(adv, mask)
-    elif algo in ("grpo", "dr_grpo", "rloo"):
-        mode = {"grpo": "grpo", "dr_grpo": "grpo_no_std", "rloo": "rloo"}[algo]
-        seq_adv = group_advantages(inputs.pop("scores"), inputs.pop("group_size", None), mode, inputs.pop("eps", 1e-6),
-                                   group_ids=inputs.pop("group_ids", None))
-        adv = broadcast_to_tokens(seq_adv, mask)
-    else:
-        kwargs = dict(gamma=inputs.pop("gamma", 1.0))
-        if algo == "reinforce_pp_baseline":
-            kwargs.update(group_size=inputs.pop("group_size", None), group_ids=inputs.pop("group_ids", None),
-                          baseline_scores=inputs.pop("baseline_scores", None))
-            if kwargs["group_size"] is None and kwargs["group_ids"] is None:
-                raise TypeError("reinforce_pp_baseline needs group_size or group_ids")
-        adv = reinforce_pp_advantages(inputs.pop("token_rewards"), mask, **kwargs)
-    if inputs:
-        raise TypeError(f"compute_advantages({algo!r}) got unexpected inputs {sorted(inputs)}")
+    adv, returns = entry.fn(**inputs)
     if cu is not None:
         adv = padded_to_packed(adv, cu)
         returns = None if returns is None else padded_to_packed(returns, cu)

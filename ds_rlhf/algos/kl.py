@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-KL_KINDS = ("k1", "k2", "k3")
+from ds_rlhf.algos.registry import KL_ESTIMATORS
+
+KL_ESTIMATORS.register("k1", "log(pi/ref): unbiased, can be negative")(lambda d: d)
+KL_ESTIMATORS.register("k2", "log(pi/ref)^2 / 2: low variance, biased")(lambda d: 0.5 * d.square())
+KL_ESTIMATORS.register("k3", "ref/pi - 1 - log(ref/pi): unbiased and >= 0 (Schulman 2020)")(
+    lambda d: torch.expm1(-d) + d)
+KL_KINDS = KL_ESTIMATORS.names()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3",
@@ -22,16 +28,11 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3",
     (joschu.net/blog/kl-approx.html). ``max_log_ratio`` optionally clamps ``d`` to ``[-m, m]`` first, which keeps
     ``k3`` finite when the policies drift far apart (at the cost of zero gradient beyond the clamp).
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    estimator = KL_ESTIMATORS.get(kind).fn
     log_ratio = logp - ref_logp
     if max_log_ratio is not None:
         log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    return torch.expm1(-log_ratio) + log_ratio
+    return estimator(log_ratio)
 
 
 class FixedKLController:

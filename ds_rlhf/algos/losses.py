@@ -10,9 +10,43 @@ from __future__ import annotations
 import torch
 
 from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.algos.registry import AGGREGATIONS, POLICY_LOSSES
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_AGG_ALIASES = {"const-norm": "seq-mean-token-sum-norm", "dr_grpo": "seq-mean-token-sum-norm"}
+
+def _token_mean(masked, valid, const_norm):
+    return masked.sum() / valid.sum().clamp(min=1)
+
+
+def _seq_parts(masked, valid):
+    tokens_per_seq = valid.sum(dim=-1)
+    return masked.sum(dim=-1), tokens_per_seq, (tokens_per_seq > 0).sum().clamp(min=1)
+
+
+def _seq_mean_token_sum(masked, valid, const_norm):
+    seq_sums, _, num_seqs = _seq_parts(masked, valid)
+    return seq_sums.sum() / num_seqs
+
+
+def _seq_mean_token_mean(masked, valid, const_norm):
+    seq_sums, tokens_per_seq, num_seqs = _seq_parts(masked, valid)
+    return (seq_sums / tokens_per_seq.clamp(min=1)).sum() / num_seqs
+
+
+def _seq_mean_token_sum_norm(masked, valid, const_norm):
+    seq_sums, _, num_seqs = _seq_parts(masked, valid)
+    norm = float(const_norm) if const_norm is not None else float(masked.shape[-1])
+    if norm <= 0:
+        raise ValueError(f"const_norm must be positive, got {norm}")
+    return seq_sums.sum() / (num_seqs * norm)
+
+
+AGGREGATIONS.register("token-mean", "every token weighs the same (DAPO)")(_token_mean)
+AGGREGATIONS.register("seq-mean-token-sum", "per-sequence token sums, averaged over sequences")(_seq_mean_token_sum)
+AGGREGATIONS.register("seq-mean-token-mean", "per-sequence token means, averaged (original GRPO)")(
+    _seq_mean_token_mean)
+AGGREGATIONS.register("seq-mean-token-sum-norm", "token sums over a constant, the generation budget (Dr.GRPO)",
+                      aliases=("const-norm", "dr_grpo"))(_seq_mean_token_sum_norm)
+AGG_MODES = AGGREGATIONS.names(with_aliases=False)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -26,25 +60,12 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     - ``seq-mean-token-sum-norm`` (alias ``const-norm``): ``(1/S) sum_i sum_t v / C`` with a constant ``C``
       (``const_norm``, default ``T``, e.g. the generation budget) instead of the length; Dr.GRPO, Liu et al.
       2025, "Understanding R1-Zero-Like Training", sec. 3.2.
+    Modes come from ``registry.AGGREGATIONS``.
     """
-    mode = _AGG_ALIASES.get(mode, mode)
-    if mode not in AGG_MODES:
-        raise ValueError(f"mode must be one of {AGG_MODES}, got {mode!r}")
+    reduce = AGGREGATIONS.get(mode).fn
     valid = mask.bool()
     masked = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    if mode == "token-mean":
-        return masked.sum() / valid.sum().clamp(min=1)
-    tokens_per_seq = valid.sum(dim=-1)
-    num_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
-    seq_sums = masked.sum(dim=-1)
-    if mode == "seq-mean-token-sum":
-        return seq_sums.sum() / num_seqs
-    if mode == "seq-mean-token-mean":
-        return (seq_sums / tokens_per_seq.clamp(min=1)).sum() / num_seqs
-    norm = float(const_norm) if const_norm is not None else float(values.shape[-1])
-    if norm <= 0:
-        raise ValueError(f"const_norm must be positive, got {norm}")
-    return seq_sums.sum() / (num_seqs * norm)
+    return reduce(masked, valid, const_norm)
 
 
 def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -61,6 +82,7 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch
     return filled.max() if largest else filled.min()
 
 
+@POLICY_LOSSES.register("ppo", "clipped surrogate, asymmetric clip (clip-higher) and optional dual clip")
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", const_norm: float | None = None,

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.algos.registry import MISMATCH_MODES
 
 IS_MODES = ("token", "token_mask", "sequence", "sequence_mask")
 RATIO_QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
@@ -118,3 +119,18 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
         out["token_frac_outside"] = ((tokens > log_cap) | (tokens < log_lower)).to(dtype).mean()
         out["seq_frac_outside"] = ((seq_log_ratio > log_cap) | (seq_log_ratio < log_lower)).to(dtype).mean()
     return {prefix + k: v for k, v in out.items()}
+
+
+def _is_mode(mode: str):
+    def weights(trainer_logp, rollout_logp, mask, cap: float):
+        return truncated_is_weights(trainer_logp, rollout_logp, mask, cap=cap, mode=mode)
+
+    return weights
+
+
+MISMATCH_MODES.register("tis", "token-level truncated importance weights min(rho_t, cap) (Yao et al. 2025)")(
+    _is_mode("token"))
+MISMATCH_MODES.register("mis", "sequence-level masked IS: sequences with rho > cap are dropped (Liu et al. 2025)")(
+    _is_mode("sequence_mask"))
+MISMATCH_MODES.register("off", "no correction: train as if the rollout engine sampled from the trainer's policy",
+                        correction=False)(lambda trainer_logp, rollout_logp, mask, cap: None)

@@ -58,7 +58,8 @@ def _mean(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/pipeline",
-                        help="run directory for all three steps (a relative path is under the current directory)")
+                        help="run directory for all three steps (a relative path is under the current directory); "
+                             "a previous pipeline's runs there are replaced")
     parser.add_argument("--preset", default="small", help="tiny model preset (tiny | small)")
     parser.add_argument("--sft_steps", type=int, default=200)
     parser.add_argument("--rm_steps", type=int, default=60)
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
 
     entry = [sys.executable, "-m", "ds_rlhf.entrypoints"]
     # Progress as one line every few steps: the steps run as child processes whose output is not a terminal.
-    common = ["--run.seed", str(args.seed), "--run.progress", "false", "--run.log_every", "10"]
+    # The demo rebuilds everything from scratch: each step replaces its previous run directory (run.overwrite).
+    common = ["--run.seed", str(args.seed), "--run.progress", "false", "--run.log_every", "10",
+              "--run.overwrite", "true"]
     times = {}
     times["sft"] = _run("sft", [*entry, "train-sft", "--model.path", str(model),
                                 "--data.train", str(stores["sft"]), "--run.output_dir", str(out / "sft"),

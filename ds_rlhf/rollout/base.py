@@ -84,6 +84,16 @@ class _Counters:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class RolloutTicket:
+    """A generation in flight (`RolloutEngine.submit`): finished (`samples`) or still running in the engine's
+    process (`pending` holds what the engine needs to collect it)."""
+
+    samples: list[RolloutSample] | None = None
+    pending: object = None
+    started: float = 0.0
+
+
 class RolloutEngine(ABC):
     """Generates rollouts and accepts new weights. Subclasses: vLLM (colocated / disaggregated) and HF."""
 
@@ -97,6 +107,17 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
         """`len(prompts) * spec.n` samples, prompt-major; see the module docstring for the conventions."""
+
+    def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
+        """Start generating and return at once where the engine runs elsewhere (its own process), so the caller
+        can train meanwhile; `collect(ticket)` returns the samples. In-process engines generate here, now. Only one
+        ticket may be outstanding, and no other call (sync, score, sleep) may be made until it is collected."""
+        return RolloutTicket(samples=self.generate(prompts, spec))
+
+    def collect(self, ticket: RolloutTicket) -> list[RolloutSample]:
+        if ticket.samples is None:
+            raise RolloutError(f"{type(self).__name__} cannot collect a ticket it did not finish")
+        return ticket.samples
 
     @abstractmethod
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

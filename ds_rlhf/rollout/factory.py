@@ -4,7 +4,8 @@ backend: "vllm", "hf", or "auto" (vLLM when a supported version imports, else HF
 run still works, only generation is much slower). placement: "colocated" (vLLM in this process, sharing the
 trainer's GPU(s); with several ranks vLLM's SPMD external_launcher, one replica per rank unless
 tensor_parallel_size > 1) or "disaggregated" (vLLM in its own process on
-`devices=[...]`, weights over a dedicated gloo/NCCL group; build it on trainer rank 0 only).
+`devices=[...]`, weights over a dedicated gloo/NCCL group; build it on trainer rank 0 only) or "sidecar" (that
+process on the trainer's own GPU, so generation can overlap training).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
                         seed: int = 0, enable_sleep: bool = False, **kw) -> RolloutEngine:
     """Build a RolloutEngine. Extra keywords go to the engine (e.g. tensor_parallel_size, sleep_level, devices,
     weight_backend, enforce_eager, load_format, skip_tokenizer_init, batch_size for HF)."""
-    if placement not in ("colocated", "disaggregated"):
-        raise ValueError(f"unknown placement {placement!r}: expected 'colocated' or 'disaggregated'")
+    if placement not in ("colocated", "sidecar", "disaggregated"):
+        raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     backend = resolve_backend(backend)
     common = dict(dtype=dtype, max_model_len=max_model_len, seed=seed)
     if backend == "hf":
@@ -56,7 +57,7 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
         from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
-    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+    from ds_rlhf.rollout.remote import RemoteVLLMEngine  # sidecar: the same engine, on the trainer's own GPU
 
     client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
     client = {k: kw.pop(k) for k in client_keys if k in kw}

@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import clean_dist_env, free_port, multi_rank
-from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, SamplingSpec, TensorMeta
+from ds_rlhf.rollout.base import (
+    BucketPlan,
+    RolloutEngine,
+    RolloutError,
+    RolloutSample,
+    RolloutTicket,
+    SamplingSpec,
+    TensorMeta,
+)
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
@@ -45,6 +53,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._group: WeightGroup | None = None
+        self._in_flight = False
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
@@ -102,24 +111,39 @@ class RemoteVLLMEngine(RolloutEngine):
         self._conn.send(msg)
         return self._recv()
 
-    def _collective(self, item, run):
-        """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""
+    def _gather_to_owner(self, item) -> list | None:
+        """Every rank's `item`, as a list on rank 0 (None elsewhere)."""
         if self._d is None:
-            return run([item])[0]
-        d, rank = self._d, self._d.get_rank()
-        items = [None] * d.get_world_size() if rank == 0 else None
-        d.gather_object(item, items, dst=0)
-        results, out = None, [None]
-        if rank == 0:
+            return [item]
+        items = [None] * self._d.get_world_size() if self.owner else None
+        self._d.gather_object(item, items, dst=0)
+        return items
+
+    def _scatter_from_owner(self, run) -> object:
+        """Rank 0 calls `run()` for a list with one result per rank and hands each rank its own; an error there
+        is raised on every rank."""
+        results = None
+        if self.owner:
             try:
-                results = [("ok", r) for r in run(items)]
+                results = [("ok", r) for r in run()]
             except Exception as e:  # noqa: BLE001  re-raised on every rank below
-                results = [("error", f"{type(e).__name__}: {e}")] * len(items)
-        d.scatter_object_list(out, results, src=0)
+                results = [("error", f"{type(e).__name__}: {e}")] * (self._d.get_world_size() if self._d else 1)
+        if self._d is None:
+            out = results
+        else:
+            out = [None]
+            self._d.scatter_object_list(out, results, src=0)
         status, payload = out[0]
         if status == "error":
             raise RolloutError(f"rollout (on trainer rank 0) failed: {payload}")
         return payload
+
+    def _collective(self, item, run):
+        """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""
+        if self._in_flight:
+            raise RolloutError("a generation is in flight: collect it before any other call")
+        items = self._gather_to_owner(item)
+        return self._scatter_from_owner(lambda: run(items))
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -131,6 +155,29 @@ class RemoteVLLMEngine(RolloutEngine):
         rows = self._collective((prompts, spec), lambda groups: self._call("generate_many", groups))
         samples = [RolloutSample(*s) for s in rows]
         self._record_generate(samples, time.perf_counter() - t0)
+        return samples
+
+    def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
+        """Send the request and return: the server generates while the trainer trains. Collective like `generate`
+        (every rank's prompts go to rank 0 now; the results come back in `collect`)."""
+        if self._in_flight:
+            raise RolloutError("a generation is already in flight: collect it first")
+        t0 = time.perf_counter()
+        groups = self._gather_to_owner((prompts, spec))
+        if self.owner:
+            self._conn.send(("generate_many", groups))
+        self._in_flight = True
+        return RolloutTicket(pending=groups is not None, started=t0)
+
+    def collect(self, ticket: RolloutTicket) -> list[RolloutSample]:
+        if ticket.samples is not None:
+            return ticket.samples
+        if not self._in_flight:
+            raise RolloutError("no generation in flight to collect")
+        self._in_flight = False
+        rows = self._scatter_from_owner(self._recv if self.owner else None)
+        samples = [RolloutSample(*s) for s in rows]
+        self._record_generate(samples, time.perf_counter() - ticket.started)
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

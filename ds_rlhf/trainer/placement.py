@@ -5,6 +5,9 @@ Supported layouts (one node or many; every training rank holds the actor, critic
   `rollout.tensor_parallel_size` k > 1, groups of k ranks share one vLLM engine (k must divide the world size).
 - disaggregated: vLLM runs in its own process on `rollout.devices` of the first node, which must not hold a
   training rank; one engine with tensor parallelism over exactly those GPUs (so `len(devices) == tp`).
+- sidecar (one rank, one GPU): vLLM in its own process on the training GPU, the memory split between the two by
+  `rollout.gpu_memory_utilization` (the trainer is capped at the rest), so generation can overlap training
+  (`rollout.async_generation`). On CPU it is a second process on the same cores.
 Impossible layouts fail here with a message that says what to change, not later as an out-of-memory or a hang.
 """
 
@@ -49,7 +52,7 @@ class Placement:
     def engine_kwargs(self) -> dict:
         """Keyword arguments for `make_rollout_engine`."""
         kw = {"tensor_parallel_size": self.tensor_parallel_size}
-        if self.mode == "disaggregated" and self.rollout_devices:
+        if self.mode in ("disaggregated", "sidecar") and self.rollout_devices:
             kw["devices"] = list(self.rollout_devices)
         return kw
 
@@ -86,8 +89,17 @@ def resolve_placement(cfg, *, world_size: int, local_world_size: int, gpus_on_no
             raise ConfigError(f"colocated vLLM with tensor_parallel_size={tp} groups ranks in {tp}s, but the world "
                               f"size is {world_size}: choose a tp that divides it")
         return Placement("colocated", train, (), tp)
+    if r.placement == "sidecar":
+        if devices:
+            raise ConfigError("rollout.placement=sidecar runs vLLM in its own process on the training GPU; "
+                              "rollout.devices is for disaggregated placement")
+        if world_size != 1 or tp != 1:
+            raise ConfigError("rollout.placement=sidecar is for one training rank and one GPU (its memory split "
+                              "between the trainer and vLLM by rollout.gpu_memory_utilization); with several GPUs "
+                              "use disaggregated placement")
+        return Placement("sidecar", train, train[:1], 1)
     if r.placement != "disaggregated":
-        raise ConfigError(f"rollout.placement={r.placement!r}: choose colocated or disaggregated")
+        raise ConfigError(f"rollout.placement={r.placement!r}: choose colocated, sidecar or disaggregated")
     if not gpus_on_node:
         if devices:
             raise ConfigError("rollout.devices lists GPUs, but this machine has none (on CPU the disaggregated "

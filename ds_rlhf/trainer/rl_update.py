@@ -9,16 +9,17 @@ micro-batch, `step()` once per mini-batch.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from ds_rlhf.algos.kl import kl_penalty
-from ds_rlhf.algos.losses import aggregate, policy_loss, value_loss
-from ds_rlhf.algos.mismatch import truncated_is_weights
-from ds_rlhf.config import Config
+from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
+from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
+from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
-from ds_rlhf.trainer.experience import Experience, micro_batches
+from ds_rlhf.trainer.batching import split_micro
 from ds_rlhf.trainer.policy_forward import sequence_logprobs
+from ds_rlhf.trainer.trajectory import Trajectory
 
 
 class _Mean:
@@ -37,19 +38,40 @@ class _Mean:
         return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
+def single_update(rl: RLConfig) -> bool:
+    """One optimizer update per rollout batch (one epoch, one mini-batch): that update's own forward pass gives
+    the pre-update policy's log-probs, so no separate old-policy pass is needed. Decided from settings only, never
+    from a rank's sample count, so every rank takes the same (collective) path."""
+    return rl.ppo_epochs == 1 and rl.mini_batch_size == 0
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    metrics: dict[str, float]
+    trainer_logp: torch.Tensor  # [B, L-1] the pre-update policy's log-probs (for the mismatch metrics)
+
+
+def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Split trajectory rows `rows` into padded micro-batches (lists of row indices; possibly empty, see
+    split_micro: the caller then runs its first row with zero weight to keep the collectives in step)."""
+    groups = split_micro(traj.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows, padded=True,
+                         device=traj.input_ids.device)
+    return [[rows[i] for i in group] for group in groups]
+
+
 def _agg_mode(cfg: Config) -> tuple[str, float | None]:
     if cfg.rl.loss_agg == "const-norm":  # Dr.GRPO: divide by a constant, the generation budget
         return "const-norm", float(cfg.rollout.max_new_tokens)
     return cfg.rl.loss_agg, None
 
 
-def _share(mb: Experience, mode: str, total_tokens: float, total_seqs: int) -> float:
+def _share(mb: Trajectory, mode: str, total_tokens: float, total_seqs: int) -> float:
     if mode == "token-mean":
         return float(mb.action_mask.sum()) / max(total_tokens, 1.0)
     return len(mb) / max(total_seqs, 1)
 
 
-def actor_micro_step(actor, mb: Experience, cfg: Config, kl_coef: float, share: float):
+def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: float):
     """Forward, loss and backward for one micro-batch; returns (metrics, detached log-probs)."""
     mode, const = _agg_mode(cfg)
     rl = cfg.rl
@@ -57,27 +79,24 @@ def actor_micro_step(actor, mb: Experience, cfg: Config, kl_coef: float, share: 
     logp, entropy = sequence_logprobs(actor, mb.input_ids, mb.attention_mask,
                                       temperature=cfg.rollout.temperature, with_entropy=True)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    is_weights = None
-    if rl.mismatch != "off":
-        is_weights = truncated_is_weights(old, mb.rollout_logp, mask, cap=rl.tis_cap,
-                                          mode="token" if rl.mismatch == "tis" else "sequence_mask")
-    loss, metrics = policy_loss(logp, old, mb.advantages, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
-                                dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights)
+    is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)
+    loss, metrics = POLICY_LOSSES.get(rl.policy_loss).fn(
+        logp, old, mb.advantages, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
+        dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights)
     metrics = {f"actor/{k}": v for k, v in metrics.items()}
     if rl.kl_in == "loss" and kl_coef > 0:
-        kl = aggregate(kl_penalty(logp, mb.ref_logp, rl.kl_estimator), mask, mode, const)
+        kl, _ = kl_loss(logp, mb.ref_logp, mask, rl.kl_estimator, agg=mode, const_norm=const)
         loss = loss + kl_coef * kl
         metrics["actor/kl_loss"] = kl.detach()
-    entropy_mean = aggregate(entropy, mask, "token-mean")
     if rl.entropy_coef > 0:
-        loss = loss - rl.entropy_coef * aggregate(entropy, mask, mode, const)
-    metrics["actor/entropy"] = entropy_mean.detach()
+        loss = loss - rl.entropy_coef * entropy_bonus(entropy, mask, mode, const)
+    metrics["actor/entropy"] = aggregate(entropy, mask, "token-mean").detach()
     metrics["actor/loss"] = loss.detach()
     actor.backward(loss * share, scale_wrt_gas=False)
     return metrics, logp.detach()
 
 
-def critic_micro_step(critic, mb: Experience, cfg: Config, share: float) -> dict:
+def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict:
     mode, const = _agg_mode(cfg)
     values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
@@ -86,13 +105,11 @@ def critic_micro_step(critic, mb: Experience, cfg: Config, share: float) -> dict
     return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
 
 
-def ppo_update(actor, critic, exp: Experience, cfg: Config, *, kl_coef: float,
-               generator: torch.Generator) -> dict[str, float]:
-    """Run the configured PPO epochs; returns averaged actor/critic metrics and the optimizer-step count.
-
-    When no separate old-policy pass was made (on-policy: one epoch, one mini-batch), the log-probs of that single
-    pass are the pre-update policy's; they are kept in `exp.extras["trainer_logp"]` for the mismatch metrics.
-    """
+def ppo_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
+               generator: torch.Generator) -> UpdateResult:
+    """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
+    pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single
+    update's own forward pass (`single_update`)."""
     n = len(exp)
     record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
     mini = cfg.rl.mini_batch_size or n
@@ -126,16 +143,14 @@ def ppo_update(actor, critic, exp: Experience, cfg: Config, *, kl_coef: float,
             if critic is not None:
                 critic.step()
             steps += 1
-    if record is not None:
-        exp.extras["trainer_logp"] = record
     out = stats.result()
     out["actor/optimizer_steps"] = steps
     out["actor/lr"] = actor.get_lr()[0] if hasattr(actor, "get_lr") else cfg.optim.lr
-    return out
+    return UpdateResult(metrics=out, trainer_logp=record if record is not None else exp.old_logp)
 
 
 @torch.no_grad()
-def score_logprobs(model, exp: Experience, cfg: Config) -> torch.Tensor:
+def forward_logprobs(model, exp: Trajectory, cfg: Config) -> torch.Tensor:
     """Log-probs of every row under `model` (old policy or reference), micro-batched like training."""
     model.eval()
     out = torch.zeros_like(exp.action_mask)
@@ -151,7 +166,7 @@ def score_logprobs(model, exp: Experience, cfg: Config) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_values(critic, exp: Experience, cfg: Config) -> torch.Tensor:
+def forward_values(critic, exp: Trajectory, cfg: Config) -> torch.Tensor:
     critic.eval()
     out = torch.zeros_like(exp.action_mask)
     for micro in micro_batches(exp, list(range(len(exp))), max_tokens=cfg.data.micro_batch_tokens,

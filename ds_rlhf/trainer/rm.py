@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds_rlhf.trainer.experience import pad_right
+from ds_rlhf.trainer.batching import pad_right
 from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.sft import token_budget_groups
 

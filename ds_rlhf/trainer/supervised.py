@@ -15,9 +15,11 @@ import torch
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
-from ds_rlhf.trainer import rl_setup
+from ds_rlhf.telemetry.logger import truncate_metrics
+from ds_rlhf.trainer.preflight import check_supervised_run
 from ds_rlhf.trainer.run_checkpoints import CheckpointManager
 from ds_rlhf.trainer.run_context import RunContext, setup_run
+from ds_rlhf.trainer.signals import GracefulStop
 
 
 class SupervisedTask(Protocol):
@@ -48,6 +50,7 @@ class SupervisedTrainer:
         from ds_rlhf.data.store import open_store
 
         self.cfg, self.task = cfg, task
+        check_supervised_run(cfg, task.store_kind)  # inputs on disk, before any process group or model
         self.ctx = ctx = setup_run(cfg, task.name)
         store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
         train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
@@ -67,7 +70,8 @@ class SupervisedTrainer:
         ds_config = ctx.ds_config(role=task.name, micro_batch_size=max(1, cfg.optim.micro_batch_size),
                                   lr=cfg.optim.lr, total_steps=self.total_steps)
         self.engine = task.build(ctx, ds_config)
-        self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last)
+        self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last,
+                                      resume_fallback=cfg.run.resume_fallback, log=ctx.print)
         self.step = 0
         self.timer = PhaseTimer(sync_cuda=ctx.dist.device.type == "cuda")
         resume_from = self.ckpt.resolve(cfg.run.resume)
@@ -75,7 +79,8 @@ class SupervisedTrainer:
             state = self.ckpt.load(resume_from, {task.name: self.engine})
             self.step = int(state["step"])
             self.loader.load_state_dict(state["loader"])
-            rl_setup.truncate_metrics(ctx, self.step)
+            if ctx.dist.is_main:
+                truncate_metrics(ctx.run_dir, self.step)
             ctx.print(f"[{task.name}] resumed from {resume_from} at step {self.step}")
         self.loader_iter = iter(self.loader)
 
@@ -107,28 +112,39 @@ class SupervisedTrainer:
             metrics = self.task.evaluate(self.engine, self.ctx, self.eval_rows)
         return all_reduce_mean(metrics, self.ctx.dist.device)
 
+    def _save(self) -> None:
+        self.ckpt.save(self.step, {self.task.name: self.engine}, {"loader": self.loader.state_dict()})
+
+    def _logged_step(self, logger) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        t0 = time.perf_counter()
+        metrics = self.train_step()
+        self.step += 1
+        metrics.update(self.timer.pop())
+        metrics["time/wall"] = time.perf_counter() - t0
+        metrics = all_reduce_mean(metrics, ctx.dist.device)
+        if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+            metrics.update(self.evaluate())
+        metrics.update(system_stats(ctx.dist.local_rank))
+        logger.log(self.step, metrics)
+
     def train(self) -> dict:
         cfg, ctx, task = self.cfg, self.ctx, self.task
         logger = ctx.metrics_logger(total_steps=self.total_steps, start_step=self.step, desc=task.name,
                                     postfix_keys=task.progress_keys)
         summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
         try:
-            while self.step < self.total_steps:
-                t0 = time.perf_counter()
-                metrics = self.train_step()
-                self.step += 1
-                metrics.update(self.timer.pop())
-                metrics["time/wall"] = time.perf_counter() - t0
-                metrics = all_reduce_mean(metrics, ctx.dist.device)
-                if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
-                    metrics.update(self.evaluate())
-                metrics.update(system_stats(ctx.dist.local_rank))
-                logger.log(self.step, metrics)
-                if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
-                    self.ckpt.save(self.step, {task.name: self.engine}, {"loader": self.loader.state_dict()})
+            with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+                while self.step < self.total_steps:
+                    self._logged_step(logger)
+                    if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
+                        self._save()
+                        stop.exit(signum, announce=ctx.print)
+                    if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
+                        self._save()
             summary["eval_after"] = self.evaluate()
             logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
-            self.ckpt.save(self.step, {task.name: self.engine}, {"loader": self.loader.state_dict()})
+            self._save()
             if cfg.run.export_hf:
                 out = Path(ctx.run_dir) / "export"
                 task.export(self.engine, ctx, out)
@@ -136,4 +152,5 @@ class SupervisedTrainer:
                 ctx.print(f"[{task.name}] exported to {out}")
         finally:
             logger.close()
+            ctx.close()  # releases the run directory's lock
         return summary

@@ -72,14 +72,14 @@ def test_save_round_trip_and_help(tmp_path):
     (["--rollout.sleep_level", "3"], "rollout.sleep_level"),
 ])
 def test_rl_settings_that_would_train_on_wrong_numbers_are_refused(argv, message):
-    from ds_rlhf.trainer.rl_setup import check_rl_settings
+    from ds_rlhf.config import validate as check_rl_settings
 
     with pytest.raises(ConfigError, match=message):
         check_rl_settings(parse_config(argv))
 
 
 def test_default_rl_settings_pass_the_check():
-    from ds_rlhf.trainer.rl_setup import check_rl_settings
+    from ds_rlhf.config import validate as check_rl_settings
 
     check_rl_settings(parse_config([]))
     check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rl.mismatch", "off"]))

@@ -7,8 +7,9 @@ import torch
 
 from ds_rlhf.config import RLConfig
 from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.experience import build_experience
-from ds_rlhf.trainer.rl_math import compute_advantages, token_rewards
+from ds_rlhf.trainer.trajectory import pad_trajectory as build_experience
+from ds_rlhf.trainer.trajectory import shaped_token_rewards as token_rewards
+from ds_rlhf.trainer.trajectory import with_advantages
 
 
 def _exp(scores, groups=(0, 0, 1, 1)):
@@ -28,7 +29,7 @@ def test_score_lands_on_the_last_response_token():
 
 def test_kl_in_reward_is_subtracted_per_token():
     exp = _exp([1.0, 0.0, 0.0, 0.0])
-    exp.ref_logp = exp.rollout_logp - 0.5 * exp.action_mask  # log(pi/ref) = 0.5 on every action token
+    exp = exp.replace(ref_logp=exp.rollout_logp - 0.5 * exp.action_mask)  # log(pi/ref) = 0.5 on every action token
     rl = RLConfig(kl_in="reward", kl_estimator="k1")
     rewards = token_rewards(exp, rl, kl_coef=0.1)
     expected = -0.05 * exp.action_mask.sum(1) + exp.scores
@@ -37,7 +38,7 @@ def test_kl_in_reward_is_subtracted_per_token():
 
 def test_grpo_advantages_are_group_relative_and_constant_per_sequence():
     exp = _exp([1.0, 0.0, 5.0, 5.0])
-    compute_advantages(exp, RLConfig(algo="grpo"), kl_coef=0.0)
+    exp = with_advantages(exp, RLConfig(algo="grpo"), kl_coef=0.0)
     adv = exp.advantages
     first = [adv[r][exp.action_mask[r].bool()] for r in range(4)]
     assert all(torch.allclose(a, a[0].expand_as(a)) for a in first)
@@ -48,7 +49,7 @@ def test_grpo_advantages_are_group_relative_and_constant_per_sequence():
 
 def test_a_group_that_lost_all_but_one_sample_gets_no_signal():
     exp = _exp([1.0, 0.0, 7.0], groups=(0, 0, 1))
-    compute_advantages(exp, RLConfig(algo="rloo"), kl_coef=0.0)
+    exp = with_advantages(exp, RLConfig(algo="rloo"), kl_coef=0.0)
     assert exp.advantages[2].abs().sum() == 0
     assert exp.advantages[0].sum() > 0
 
@@ -56,9 +57,9 @@ def test_a_group_that_lost_all_but_one_sample_gets_no_signal():
 def test_ppo_needs_values_and_fills_returns():
     exp = _exp([1.0, 0.0, 0.5, 0.2])
     with pytest.raises(ValueError, match="critic values"):
-        compute_advantages(exp, RLConfig(algo="ppo"), kl_coef=0.0)
-    exp.values = torch.zeros_like(exp.action_mask)
-    compute_advantages(exp, RLConfig(algo="ppo", gamma=1.0, lam=1.0), kl_coef=0.0)
+        with_advantages(exp, RLConfig(algo="ppo"), kl_coef=0.0)
+    exp = exp.replace(values=torch.zeros_like(exp.action_mask))
+    exp = with_advantages(exp, RLConfig(algo="ppo", gamma=1.0, lam=1.0), kl_coef=0.0)
     # gamma = lambda = 1 and zero values: the return at every action token is the sequence score
     for row in range(4):
         valid = exp.action_mask[row].bool()
@@ -67,4 +68,4 @@ def test_ppo_needs_values_and_fills_returns():
 
 def test_unknown_algo_is_rejected():
     with pytest.raises(ValueError, match="unknown rl.algo"):
-        compute_advantages(_exp([0.0] * 4), RLConfig(algo="dpo"), kl_coef=0.0)
+        with_advantages(_exp([0.0] * 4), RLConfig(algo="dpo"), kl_coef=0.0)

@@ -1,0 +1,122 @@
+"""Checks of a run's inputs that need the filesystem, made before any process group, model or vLLM engine starts.
+
+The schema (`ds_rlhf.config`) already refused bad keys, bad choices, out-of-range numbers and conflicting options.
+What is left needs to look at files: the prompt store and its manifest, the reward function file, the reward
+model and resume directories, the DeepSpeed config. Each problem is one `ConfigError` naming the key, the value
+and what to do, so a run that would fail hours in (a prompt longer than the rollout budget, say) fails at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ds_rlhf.config import Config, ConfigError
+
+
+def _manifest(store_dir: str, key: str) -> dict:
+    path = Path(store_dir) / "manifest.json"
+    if not Path(store_dir).is_dir():
+        raise ConfigError(f"{key}={store_dir!r}: no such directory (prepare one with data_prep/prep_*.py)")
+    if not path.is_file():
+        raise ConfigError(f"{key}={store_dir!r} is not a data store: {path} is missing (prepare it with "
+                          "data_prep/prep_*.py)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}={store_dir!r}: unreadable manifest {path}: {exc}") from None
+
+
+PREP_SCRIPTS = {"prompts": "prep_prompts.py or prep_gsm8k.py", "sft": "prep_sft.py, or prep_gsm8k.py --kind sft",
+                "preference": "prep_preferences.py"}
+
+
+def check_store(store_dir: str, key: str, kind: str) -> dict:
+    """The store at `store_dir` (the value of config key `key`) exists, is of `kind` and has rows; its manifest."""
+    if not store_dir:
+        raise ConfigError(f"{key} is empty: pass --{key} <{kind} store dir> (data_prep/{PREP_SCRIPTS[kind]})")
+    manifest = _manifest(store_dir, key)
+    if manifest.get("kind") != kind:
+        raise ConfigError(f"{key}={store_dir!r} holds a {manifest.get('kind')!r} store; this run needs a {kind!r} "
+                          f"store (data_prep/{PREP_SCRIPTS[kind]})")
+    if not manifest.get("rows"):
+        raise ConfigError(f"{key}={store_dir!r} holds no rows")
+    return manifest
+
+
+def check_prompt_store(cfg: Config) -> None:
+    """The prompt store exists, holds prompts, and none is longer than data.max_prompt_len (unless dropped)."""
+    manifest = check_store(cfg.data.train, "data.train", "prompts")
+    longest = manifest.get("token_stats", {}).get("input_ids", {}).get("max")
+    if longest is None:  # stores written by `write_store` carry no stats: read the lengths file
+        from ds_rlhf.data.store import open_store
+
+        with open_store(cfg.data.train, reader="mmap") as store:
+            longest = int(store.column_lengths("input_ids").max())
+    if longest > cfg.data.max_prompt_len and cfg.data.overlong_prompts == "error":
+        raise ConfigError(
+            f"data.train={cfg.data.train!r} has prompts of up to {longest} tokens but data.max_prompt_len is "
+            f"{cfg.data.max_prompt_len}: raise --data.max_prompt_len to {longest} (the rollout context grows with "
+            "it), re-run data prep with a lower --max-prompt-len, or pass --data.overlong_prompts drop")
+
+
+def check_reward(cfg: Config) -> None:
+    rl = cfg.rl
+    if not rl.reward_fn and not rl.reward_model:
+        raise ConfigError("no reward: set --rl.reward_fn (gsm8k | format | math_shaped | file.py:func) or "
+                          "--rl.reward_model <HF dir of a reward model>")
+    if rl.reward_model and not rl.reward_model.startswith("tiny") and not Path(rl.reward_model).is_dir():
+        raise ConfigError(f"rl.reward_model={rl.reward_model!r}: no such directory")
+    if rl.reward_fn:
+        from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+        from ds_rlhf.rewards.loading import check_spec, split_style
+        from ds_rlhf.rewards.reward_set import parse_weights
+
+        parts = [split_style(p.strip())[0] for p in rl.reward_fn.split(",") if p.strip()]
+        try:  # file exists, weights parse; the file itself is imported where it runs (worker pool or trainer)
+            for part in parts:
+                if part not in BUILTIN_REWARDS:
+                    check_spec(part)
+            parse_weights(rl.reward_weights or None, len(parts))
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"rl.reward_fn={rl.reward_fn!r}: {exc}") from None
+
+
+def check_resume(cfg: Config) -> None:
+    resume = cfg.run.resume
+    if resume and resume != "latest" and not Path(resume).is_dir():
+        raise ConfigError(f"run.resume={resume!r}: no such checkpoint directory (use 'latest' or a path to "
+                          f"{cfg.run.output_dir}/checkpoints/step_XXXXXXXX)")
+
+
+def check_ds_config(cfg: Config) -> None:
+    from ds_rlhf.engines.ds_config import load_ds_config
+    from ds_rlhf.trainer.run_context import find_ds_config
+
+    try:
+        path = find_ds_config(cfg.ds_config)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"ds_config={cfg.ds_config!r}: {exc}") from None
+    try:
+        load_ds_config(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"ds_config={cfg.ds_config!r}: {path} is not valid JSON: {exc}") from None
+
+
+def check_rl_run(cfg: Config) -> None:
+    """Everything an RL run needs, checked before set-up."""
+    if cfg.run.steps < 1:
+        raise ConfigError(f"run.steps={cfg.run.steps}: an RL run needs at least one step")
+    check_prompt_store(cfg)
+    check_reward(cfg)
+    check_resume(cfg)
+    check_ds_config(cfg)
+
+
+def check_supervised_run(cfg: Config, kind: str) -> None:
+    """Everything an SFT (`kind` "sft") or reward-model ("preference") run needs, checked before set-up."""
+    check_store(cfg.data.train, "data.train", kind)
+    if cfg.data.eval:
+        check_store(cfg.data.eval, "data.eval", kind)
+    check_resume(cfg)
+    check_ds_config(cfg)

@@ -1,0 +1,92 @@
+"""The reward stage of an RL step: RolloutBatch -> ScoredBatch.
+
+Scores rollout samples with the reward model or the reward function(s), applies the bad-reward policy (fail /
+zero / drop, see `rewards.py`) and computes the reward metrics. It builds nothing: the reward model (a frozen
+DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_rlhf.distributed import agree_max
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.trainer.batching import pad_right
+from ds_rlhf.trainer.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
+from ds_rlhf.trainer.run_context import RunContext
+from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch
+
+
+class RewardStage:
+    """Scores rollout samples with the reward model or a reward function and applies the bad-reward policy."""
+
+    def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
+        if (fn is None) == (model is None):
+            raise ValueError("RewardStage needs exactly one of a reward function and a reward model")
+        self.ctx, self.fn, self.model = ctx, fn, model
+        self.bad_total = 0
+
+    def __call__(self, batch: RolloutBatch, step: int) -> ScoredBatch:
+        samples, rows = batch.samples, batch.rows
+        tok = self.ctx.tokenizer
+        texts = [tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]  # decoded once per step
+        if self.model is not None:
+            scores = self._model_scores(samples)
+            keep = [True] * len(samples)
+            bad = []
+        else:
+            items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "", "response": text,
+                      "ground_truth": rows[s.prompt_index].get("ground_truth"),
+                      "metadata": {"data_source": rows[s.prompt_index].get("data_source"),
+                                   "finish_reason": s.finish_reason},
+                      "id": f"step{step}/rank{self.ctx.dist.rank}/row{rows[s.prompt_index].get('row_id')}"
+                            f"/sample{s.sample_index}"} for s, text in zip(samples, texts)]
+            report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
+            scores, keep, bad = report.scores, report.keep, report.bad
+        self._stop_if_all_bad(bad, len(samples))
+        self.bad_total += len(bad)
+        for sample_id, reason in bad[:3]:
+            print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.rl.on_bad_reward})")
+        exact = self._exact_match(samples, texts, rows)
+        kept = [s for s, k in zip(samples, keep) if k]
+        kept_scores = [v for v, k in zip(scores, keep) if k]
+        t = torch.tensor(kept_scores) if kept_scores else torch.zeros(1)
+        metrics = {"reward/mean": t.mean(), "reward/std": t.std() if len(t) > 1 else 0.0,
+                   "reward/max": t.max(), "reward/min": t.min(),
+                   "reward/bad": float(len(bad)), "reward/bad_total": float(self.bad_total),
+                   "reward/dropped": float(len(samples) - len(kept))}
+        if self.model is None and isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1:
+            metrics.update(report.means())  # reward/<function> for each of several functions
+        if exact is not None:
+            metrics["reward/exact_match"] = exact
+        return ScoredBatch(rollout=batch, samples=kept, scores=kept_scores, metrics=metrics)
+
+    def close(self) -> None:
+        if isinstance(self.fn, RewardSet):
+            self.fn.close()
+
+    def _stop_if_all_bad(self, bad: list, n: int) -> None:
+        """A step whose every reward is bad has nothing to learn from (any policy): stop, on every rank together."""
+        everything_bad = int(n > 0 and len(bad) == n)
+        if agree_max(everything_bad, self.ctx.dist.device):
+            where = f"all {n} samples on this rank" if everything_bad else "every sample on another rank"
+            example = f"; e.g. {bad[0][0]}: {bad[0][1]}" if bad else ""
+            raise BadRewardError(f"every reward of this step was bad ({where}){example}: stopping "
+                                 "(fix the reward function; no policy can train on this)")
+
+    def _exact_match(self, samples, texts: list[str], rows: list[dict]) -> float | None:
+        """GSM8K-style exact-match rate, logged whenever the prompts carry ground truth (monitoring only)."""
+        truths = [rows[s.prompt_index].get("ground_truth") for s in samples]
+        if not samples or any(t is None for t in truths):
+            return None
+        return sum(gsm8k_reward("", text, truth, {}) for text, truth in zip(texts, truths)) / len(samples)
+
+    @torch.no_grad()
+    def _model_scores(self, samples) -> list[float]:
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+        bs = max(1, self.ctx.cfg.optim.micro_batch_size)
+        out = []
+        for i in range(0, len(seqs), bs):
+            ids, attn = pad_right(seqs[i : i + bs], self.ctx.tokenizer.pad_token_id, self.ctx.dist.device)
+            out.extend(self.model(input_ids=ids, attention_mask=attn).float().cpu().tolist())
+        return out

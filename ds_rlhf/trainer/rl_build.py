@@ -1,0 +1,182 @@
+"""Building what an RL run needs from its config, once: engines per role, the rollout engine, weight sync, the
+prompt loader and the reward stage. Nothing here runs per step (that is `rl_step.py`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+from ds_rlhf.trainer.reward_stage import RewardStage
+from ds_rlhf.trainer.run_context import RunContext, resolve_model_path
+
+if TYPE_CHECKING:
+    from ds_rlhf.data.loader import StoreLoader
+    from ds_rlhf.rewards.reward_set import RewardSet
+    from ds_rlhf.rollout.base import RolloutEngine
+    from ds_rlhf.rollout.sync import WeightSync
+
+PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30?"},
+                  {"role": "assistant", "content": "12 + 30 = 42. #### 42"}]
+Engine = Any  # a deepspeed.DeepSpeedEngine (not imported here: importing DeepSpeed is slow)
+
+
+@dataclass
+class RLParts:
+    actor: Engine
+    critic: Engine | None
+    reference: Engine | None
+    rollout: RolloutEngine
+    sync: WeightSync
+    loader: StoreLoader
+    loader_iter: Iterator[list[dict]]
+    reward: RewardStage
+    owns_rollout: bool = True
+
+    def engines_to_checkpoint(self) -> dict[str, Engine]:
+        """The trained engines (frozen ones are rebuilt from their model paths)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def close(self) -> None:
+        self.loader.close()
+        self.reward.close()
+        if self.owns_rollout:
+            self.rollout.close()
+
+
+def _micro_size(cfg) -> int:
+    return max(1, cfg.optim.micro_batch_size)
+
+
+def build_parts(ctx: RunContext, rollout=None) -> RLParts:
+    """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
+    from ds_rlhf.data.loader import StoreLoader
+    from ds_rlhf.data.store import open_store
+    from ds_rlhf.engines.builder import build_actor, build_critic, build_reference
+    from ds_rlhf.rollout import make_rollout_engine
+    from ds_rlhf.rollout.canary import SyncCanary
+    from ds_rlhf.rollout.sync import WeightSync
+    from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
+
+    cfg, dist = ctx.cfg, ctx.dist
+    rl = cfg.rl
+    functions = reward_functions(cfg) if rl.reward_fn else None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
+    placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
+                                  gpus_on_node=physical_gpu_count())
+    store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind="prompts")
+    loader = StoreLoader(store, batch_size=rl.prompts_per_step, rank=dist.rank, world_size=dist.world_size,
+                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, reader=cfg.data.reader,
+                         indices=_prompt_rows(ctx, store))
+    samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
+    mini = rl.mini_batch_size or samples_per_step
+    steps_total = cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
+    if placement.mode == "sidecar" and dist.device.type == "cuda":
+        # the explicit split: vLLM's process takes gpu_memory_utilization of the GPU, this process the rest
+        torch.cuda.set_per_process_memory_fraction(max(0.05, 1.0 - cfg.rollout.gpu_memory_utilization - 0.02))
+    model_opts = dict(attn_impl=cfg.model.attn_impl,
+                      gradient_checkpointing=cfg.model.gradient_checkpointing, lora=_lora(cfg))
+    actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
+                                                      lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
+    critic = None
+    if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
+        critic_path, init = _critic_source(ctx)
+        critic = build_critic(critic_path, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
+                                                         lr=cfg.optim.critic_lr, total_steps=steps_total),
+                              init_from=init, **model_opts)
+    reference = None
+    if rl.kl_coef > 0 or rl.kl_target > 0:
+        reference = build_reference(ctx.model_path, ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg),
+                                                                  lr=0.0, total_steps=1, frozen=True),
+                                    attn_impl=cfg.model.attn_impl)
+    max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    owns_rollout = rollout is None
+    if rollout is None:
+        rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
+                                      dtype=ctx.precision, max_model_len=max_len,
+                                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
+                                      enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
+                                                    and cfg.rollout.placement == "colocated"),
+                                      sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs())
+    probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
+    canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
+    sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
+    reward = _reward_stage(ctx, functions)
+    return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
+                   loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
+
+
+def _prompt_rows(ctx: RunContext, store) -> list[int] | None:
+    """All rows, or (data.overlong_prompts=drop) those that fit data.max_prompt_len, with the count said."""
+    if ctx.cfg.data.overlong_prompts != "drop":
+        return None
+    lengths = store.column_lengths("input_ids")
+    keep = [i for i, n in enumerate(lengths.tolist()) if n <= ctx.cfg.data.max_prompt_len]
+    ctx.print(f"[rl] data.overlong_prompts=drop: {len(lengths) - len(keep)} of {len(lengths)} prompts are longer "
+              f"than data.max_prompt_len={ctx.cfg.data.max_prompt_len} and are skipped")
+    if not keep:
+        raise ValueError(f"every prompt in {ctx.cfg.data.train} is longer than data.max_prompt_len")
+    return keep
+
+
+def reward_functions(cfg) -> RewardSet:
+    """The run's reward function(s), started before any model is built: a user file that fails to import, or a
+    worker pool that cannot start, stops the run in seconds."""
+    from ds_rlhf.config import ConfigError
+    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+    from ds_rlhf.rewards.loading import split_style
+    from ds_rlhf.rewards.reward_set import RewardSet
+
+    rl = cfg.rl
+    workers = rl.reward_workers
+    if workers < 0:  # built-in rules are ours and cannot hang; user code runs in workers with a timeout
+        user = [p for p in rl.reward_fn.split(",") if p.strip() and split_style(p.strip())[0] not in BUILTIN_REWARDS]
+        workers = 2 if user else 0
+    try:
+        return RewardSet.from_spec(rl.reward_fn, rl.reward_weights or None, workers=workers,
+                                   timeout=rl.reward_timeout, mp_context=rl.reward_mp_context)
+    except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
+        hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
+                "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")
+        raise ConfigError(f"rl.reward_fn={rl.reward_fn!r} cannot be loaded: {type(exc).__name__}: {exc}{hint}") \
+            from None
+
+
+def _reward_stage(ctx: RunContext, functions: RewardSet | None) -> RewardStage:
+    from ds_rlhf.engines.builder import build_reward
+
+    if functions is not None:
+        return RewardStage(ctx, fn=functions)
+    model = build_reward(resolve_model_path(ctx.cfg.rl.reward_model),
+                         ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
+                                       frozen=True), attn_impl=ctx.cfg.model.attn_impl)
+    return RewardStage(ctx, model=model)
+
+
+def _lora(cfg) -> dict | None:
+    if cfg.model.lora_rank <= 0:
+        return None
+    return {"r": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": cfg.model.lora_targets}
+
+
+def _critic_source(ctx: RunContext) -> tuple[str, str]:
+    rl = ctx.cfg.rl
+    path = rl.critic_path or rl.reward_model or ctx.model_path
+    init = rl.critic_init
+    if init == "auto":
+        init = "reward" if (rl.critic_path or rl.reward_model) and path != ctx.model_path else "actor"
+    return resolve_model_path(path), init
+
+
+def export(ctx: RunContext, parts: RLParts) -> None:
+    from ds_rlhf.engines.engine_io import export_hf
+
+    export_hf(parts.actor, ctx.tokenizer, Path(ctx.run_dir) / "export" / "actor")
+    if parts.critic is not None:
+        export_hf(parts.critic, ctx.tokenizer, Path(ctx.run_dir) / "export" / "critic")
+    ctx.print(f"[rl] exported Hugging Face model(s) to {Path(ctx.run_dir) / 'export'}")

@@ -1,0 +1,85 @@
+"""One RL step, top to bottom. Each stage takes values and returns a new value; none writes into another's:
+
+    prompt rows -> rollout -> RolloutBatch -> rewards -> ScoredBatch -> trajectory (pad, old / reference
+    log-probs, values, advantages) -> Trajectory -> update -> UpdateResult -> weight sync -> sync report
+
+The rollout of a step depends only on its prompt rows and a weights version, so it can start before the previous
+step's update ends: `rollout_schedule.py` generates and syncs (in lockstep, or one step ahead), this file turns a
+generated batch into an update. Building the parts is `rl_build.py`; the loop (checkpoints, resume, logging) is
+`rl_trainer.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.algos.mismatch import mismatch_metrics
+from ds_rlhf.rollout.base import SamplingSpec
+from ds_rlhf.telemetry import PhaseTimer
+from ds_rlhf.trainer.rl_build import RLParts
+from ds_rlhf.trainer.rl_update import UpdateResult, forward_logprobs, forward_values, ppo_update, single_update
+from ds_rlhf.trainer.run_context import RunContext
+from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
+
+
+def sampling_spec(ctx: RunContext, step: int) -> SamplingSpec:
+    r = ctx.cfg.rollout
+    # Distinct, reproducible seeds per (run seed, step, rank); the engine adds the prompt index.
+    seed = ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
+    return SamplingSpec(n=r.n_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                        top_k=r.top_k, stop_token_ids=(ctx.tokenizer.eos_token_id,), seed=seed)
+
+
+def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_coef: float,
+                    timer: PhaseTimer) -> Trajectory:
+    """Pad the kept samples, add the forward passes the settings need, then the advantages."""
+    cfg = ctx.cfg
+    traj = pad_trajectory(scored.samples, scored.scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device,
+                          weights_version=scored.rollout.weights_version)
+    with timer.phase("old_logp"):
+        if not single_update(cfg.rl):  # several updates per rollout batch need the pre-update policy's log-probs
+            traj = traj.replace(old_logp=forward_logprobs(parts.actor, traj, cfg))
+    with timer.phase("reference"):
+        if parts.reference is not None:
+            traj = traj.replace(ref_logp=forward_logprobs(parts.reference, traj, cfg))
+    with timer.phase("critic"):
+        if parts.critic is not None:
+            traj = traj.replace(values=forward_values(parts.critic, traj, cfg))
+    return with_advantages(traj, cfg.rl, kl_coef)
+
+
+def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update: UpdateResult,
+                 kl_coef: float) -> dict:
+    mask = traj.action_mask
+    lens = traj.response_lens.float()
+    out = {**scored.metrics, **update.metrics,
+           "response/len_mean": lens.mean(), "response/len_max": lens.max(),
+           "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
+           "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+    out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))
+    if traj.ref_logp is not None:
+        kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, "k1")
+        out["kl/mean"] = (kl * mask).sum() / mask.sum().clamp(min=1)
+    return out
+
+
+def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch, *, step: int, kl_coef: float,
+             generator: torch.Generator, timer: PhaseTimer) -> dict:
+    """One step's training on a generated batch (`rollout_schedule.RolloutSchedule.next_batch` makes it):
+    rewards -> trajectory -> update; returns the step's metrics on this rank."""
+    with timer.phase("reward"):
+        scored = parts.reward(batch, step=step)
+    traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
+    with timer.phase("train"):
+        update = ppo_update(parts.actor, parts.critic, traj, ctx.cfg, kl_coef=kl_coef, generator=generator)
+    metrics = step_metrics(ctx, scored, traj, update, kl_coef)
+    metrics["rollout/staleness"] = step - batch.weights_version
+    return metrics
+
+
+def update_kl_controller(kl_ctl, metrics: dict, world_size: int) -> float:
+    """Move the KL coefficient after a step: Ziegler et al. 2019's n is the number of samples the step trained
+    on over all ranks (`metrics` are already averaged over ranks). Returns the new coefficient."""
+    samples = int(round(float(metrics.get("rollout/samples", 0.0)) * world_size))
+    return kl_ctl.update(float(metrics.get("kl/mean", 0.0)), n_steps=samples)

@@ -1,0 +1,54 @@
+"""SIGTERM / SIGINT during training: finish the current step, save a checkpoint, exit with 128 + the signal.
+
+A scheduler's SIGTERM (preemption, `scancel`, `kill`) or a Ctrl-C then loses no finished step: the loop asks
+`stop.pending()` after every step, and all ranks agree (one tiny collective), so they save the same step together.
+A second signal exits at once (`os._exit(128 + signal)`), for when the current step itself is what hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from ds_rlhf.distributed import agree_max
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
+
+    def __init__(self, device="cpu", announce=print):
+        self.device, self.announce = device, announce
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum:  # the second signal: no more waiting
+            os._exit(128 + signum)
+        self.signum = signum
+        self.announce(f"[signal] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                      "(send it again to exit at once)")
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def pending(self) -> int:
+        """The signal number any rank received (0 = none); the same answer on every rank."""
+        return agree_max(self.signum, self.device)
+
+    @staticmethod
+    def exit(signum: int, announce=print) -> None:
+        announce(f"[signal] checkpoint saved; exiting with {128 + signum}")
+        sys.stdout.flush()
+        raise SystemExit(128 + signum)

@@ -1,0 +1,145 @@
+"""The values that flow through one RL step, each made by one stage and never written to by another:
+
+    prompt rows --rollout--> RolloutBatch --rewards--> ScoredBatch --pad + forward passes + advantages--> Trajectory
+
+A `Trajectory` is frozen: a stage that adds log-probs, values or advantages returns a new one (`replace`).
+
+Layout: each row is prompt + response, right-padded to the batch's longest row. Per-token tensors have length
+L-1 and are indexed by the position that *predicts* the token: position t scores token t+1, so
+`action_mask[:, t]` is 1 exactly when token t+1 is a response token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ds_rlhf.algos.advantages import compute_advantages, estimator_inputs, token_rewards_from_scores
+from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.config import RLConfig
+from ds_rlhf.rollout.base import RolloutSample
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What the rollout engine generated for one step's prompts, and with which weights."""
+
+    rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
+    samples: list[RolloutSample]
+    weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """The samples that go on to training (the bad-reward policy may drop some), their rewards and reward metrics."""
+
+    rollout: RolloutBatch
+    samples: list[RolloutSample]
+    scores: list[float]  # one sequence reward per kept sample
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    action_mask: torch.Tensor  # [B, L-1] float
+    rollout_logp: torch.Tensor  # [B, L-1] float, log-probs the rollout engine sampled with
+    scores: torch.Tensor  # [B] float, sequence rewards
+    prompt_lens: torch.Tensor  # [B] long
+    response_lens: torch.Tensor  # [B] long
+    group_ids: torch.Tensor  # [B] long, index of the prompt the sample answers
+    old_logp: torch.Tensor | None = None  # the pre-update policy's (only when several updates use one batch)
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    weights_version: int = 0
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def replace(self, **changes) -> Trajectory:
+        return dataclasses.replace(self, **changes)
+
+    def behaviour_logp(self) -> torch.Tensor:
+        """The behaviour policy's log-probs: the trainer's own when computed, else the rollout engine's."""
+        return self.old_logp if self.old_logp is not None else self.rollout_logp
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prompt_lens + self.response_lens
+
+    def select(self, index: list[int] | torch.Tensor) -> Trajectory:
+        """Rows `index`, trimmed to their own longest sequence (less padding per micro-batch)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        width = int(self.seq_lens[index].max())
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[index.to(value.device)]
+                if value.dim() == 2:
+                    value = value[:, : width if value.shape[1] == self.input_ids.shape[1] else width - 1]
+            out[f.name] = value
+        return Trajectory(**out)
+
+    def to(self, device) -> Trajectory:
+        return Trajectory(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                             for f in fields(self)})
+
+
+def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: int, device="cpu",
+                   weights_version: int = 0) -> Trajectory:
+    """Pad `RolloutSample`s (prompt_ids, response_ids, logprobs, prompt_index) into a Trajectory."""
+    if not samples:
+        raise ValueError("no rollout samples to train on")
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    batch = len(samples)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    action_mask = torch.zeros((batch, width - 1))
+    rollout_logp = torch.zeros((batch, width - 1))
+    for row, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        if len(s.logprobs) != r:
+            raise ValueError(f"sample {row}: {r} response tokens but {len(s.logprobs)} log-probs")
+        input_ids[row, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+        attention_mask[row, : p + r] = 1
+        action_mask[row, p - 1 : p + r - 1] = 1.0
+        rollout_logp[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return Trajectory(
+        input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
+        scores=torch.tensor(scores, dtype=torch.float32),
+        prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
+        response_lens=torch.tensor([len(s.response_ids) for s in samples]),
+        group_ids=torch.tensor([s.prompt_index for s in samples]), weights_version=weights_version,
+    ).to(device)
+
+
+def shaped_token_rewards(traj: Trajectory, rl: RLConfig, kl_coef: float) -> torch.Tensor:
+    """Sequence score on the last response token, minus the per-token KL penalty when KL is in the reward."""
+    kl = None
+    if rl.kl_in == "reward" and kl_coef > 0 and traj.ref_logp is not None:
+        kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, rl.kl_estimator)
+    return token_rewards_from_scores(traj.scores, traj.action_mask, kl=kl, kl_coef=kl_coef)
+
+
+def with_advantages(traj: Trajectory, rl: RLConfig, kl_coef: float) -> Trajectory:
+    """A new Trajectory with token rewards, advantages (and returns, for estimators with a critic), computed by
+    the estimator registered as `rl.algo` from exactly the inputs it declares."""
+    mask = traj.action_mask
+    names = estimator_inputs(rl.algo)  # unknown algo: ValueError naming the registered ones
+    if "values" in names and traj.values is None:
+        raise ValueError(f"rl.algo={rl.algo} needs critic values (the critic pass did not run)")
+    token_rewards = shaped_token_rewards(traj, rl, kl_coef)
+    # KL-in-reward for sequence-level estimators: the summed token penalty is folded into the sequence score.
+    available = {"rewards": token_rewards, "token_rewards": token_rewards, "scores": (token_rewards * mask).sum(1),
+                 "values": traj.values, "mask": mask, "gamma": rl.gamma, "lam": rl.lam,
+                 # group_ids, not a fixed group size: groups may have lost samples to the `drop` policy.
+                 "group_ids": traj.group_ids}
+    advantages, returns = compute_advantages(rl.algo, **{k: available[k] for k in names if k in available})
+    return traj.replace(token_rewards=token_rewards, advantages=advantages, returns=returns)

@@ -1,0 +1,96 @@
+"""Issue 17: numeric ranges, conflicting options and inputs on disk are refused before any model loads, each with
+one error naming the key, the value and what is allowed. Each case below trained nothing, trained backwards,
+was silently ignored or failed late before."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.trainer.preflight import check_rl_run, check_supervised_run
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rl.ppo_epochs", "0"], "rl.ppo_epochs=0: must be >= 1"),
+    (["--rl.mini_batch_size", "-5"], "rl.mini_batch_size=-5: must be >= 0"),
+    (["--optim.lr", "-1"], "optim.lr=-1.0: must be > 0"),
+    (["--optim.micro_batch_size", "0"], "optim.micro_batch_size=0: must be >= 1"),
+    (["--run.keep_last", "-1"], "run.keep_last=-1: must be >= 0"),
+    (["--data.max_prompt_len", "-5"], "data.max_prompt_len=-5: must be >= 1"),
+    (["--rollout.top_p", "1.5"], "rollout.top_p=1.5: must be <= 1"),
+    (["--rollout.gpu_memory_utilization", "0"], "rollout.gpu_memory_utilization=0.0: must be > 0"),
+    (["--rl.dual_clip", "0.5"], "dual-clip constant must be > 1"),
+    (["--rl.mini_batch_size", "999"], "larger than the 32 rollouts"),
+    (["--rl.reward_fn", "gsm8k", "--rl.reward_model", "/some/rm"], "both rl.reward_fn='gsm8k' and rl.reward_model"),
+    (["--zero_stage", "4"], "zero_stage=4: choose one of -1, 0, 1, 2, 3"),
+    (["--rollout.max_model_len", "100", "--rollout.max_new_tokens", "128"], "rollout.max_model_len=100"),
+])
+def test_out_of_range_and_conflicting_settings_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.").replace("+", r"\+")):
+        parse_config(argv)
+
+
+@pytest.mark.parametrize("suffix, text, kind", [(".yaml", "rl: [unclosed", "YAML"), (".json", "{\"rl\": ", "JSON")])
+def test_malformed_config_file_names_the_file(tmp_path, suffix, text, kind):
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"config file {path} is not valid {kind}"):
+        parse_config(["--config", str(path)])
+
+
+def _store(tmp_path, tiny_model_path, longest: int):
+    from transformers import AutoTokenizer
+
+    from ds_rlhf.data.store import tokenizer_fingerprint
+    from ds_rlhf.data.writer import write_store
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = [{"input_ids": list(range(3, 3 + n)), "ground_truth": "1"} for n in (4, longest, 6)]
+    out = tmp_path / "prompts"
+    write_store(out, "prompts", rows, tokenizer_name=str(tiny_model_path),
+                tokenizer_fingerprint=tokenizer_fingerprint(tok))
+    return out
+
+
+def _rl(tmp_path, store, *extra):
+    return parse_config(["--data.train", str(store), "--rl.reward_fn", "gsm8k", "--run.output_dir",
+                         str(tmp_path / "run"), *extra])
+
+
+def test_prompts_longer_than_max_prompt_len_are_refused_with_both_numbers(tmp_path, tiny_model_path):
+    store = _store(tmp_path, tiny_model_path, longest=40)
+    with pytest.raises(ConfigError, match="prompts of up to 40 tokens but data.max_prompt_len is 32"):
+        check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "32"))
+    check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "32", "--data.overlong_prompts", "drop"))
+    check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "40"))
+
+
+def test_rl_inputs_on_disk_are_checked_before_set_up(tmp_path, tiny_model_path):
+    store = _store(tmp_path, tiny_model_path, longest=8)
+    with pytest.raises(ConfigError, match="run.steps=0: an RL run needs at least one step"):
+        check_rl_run(_rl(tmp_path, store, "--run.steps", "0"))
+    with pytest.raises(ConfigError, match="data.train='/no/such/store': no such directory"):
+        check_rl_run(_rl(tmp_path, "/no/such/store"))
+    with pytest.raises(ConfigError, match="run.resume='/bad/ckpt': no such checkpoint directory"):
+        check_rl_run(_rl(tmp_path, store, "--run.resume", "/bad/ckpt"))
+    with pytest.raises(ConfigError, match="reward function file not found: /no/reward.py"):
+        check_rl_run(_rl(tmp_path, store, "--rl.reward_fn", "/no/reward.py:score"))
+    with pytest.raises(ConfigError, match="no reward"):
+        check_rl_run(_rl(tmp_path, store, "--rl.reward_fn", ""))
+    bad_ds = tmp_path / "ds.json"
+    bad_ds.write_text("{\"zero_optimization\": ")
+    with pytest.raises(ConfigError, match=f"{bad_ds} is not valid JSON"):
+        check_rl_run(_rl(tmp_path, store, "--ds_config", str(bad_ds)))
+    check_rl_run(_rl(tmp_path, store))
+
+
+def test_supervised_run_needs_a_store_of_its_kind(tmp_path, tiny_model_path):
+    store = _store(tmp_path, tiny_model_path, longest=8)
+    cfg = parse_config(["--data.train", str(store)])
+    with pytest.raises(ConfigError, match="holds a 'prompts' store; this run needs a 'sft' store"):
+        check_supervised_run(cfg, "sft")
+    with pytest.raises(ConfigError, match="data.train is empty"):
+        check_supervised_run(parse_config([]), "preference")
+    assert json.loads((store / "manifest.json").read_text())["kind"] == "prompts"
