@@ -1,0 +1,147 @@
+"""SampleLogger: a few rollouts every N steps, as text, beside the metrics: JSONL always, TensorBoard, wandb.
+
+Rank 0 only. `samples.jsonl` in the run directory gets one JSON object per sample, `{"step": ..., **row}`, flushed
+after each step's rows (a torn last line from a crash is cut before the next append, as for `metrics.jsonl`;
+`truncate_samples` drops the records after a resumed checkpoint's step). TensorBoard gets one markdown table per
+step under the text tag `samples`, wandb a `wandb.Table` under `samples`; both come from the MetricsLogger's own
+writer and run (pass them in), so wandb's offline mode and "never crash the run" hold here too.
+
+A row is a dict with these keys (the caller builds them; more keys are kept in the JSONL, not in the tables):
+
+    prompt             str    the prompt text
+    response           str    the decoded response
+    reward             float  the sequence reward the update used
+    reward_components  dict   each reward function's own score ({name: float | None}; {} for a reward model)
+    ground_truth       str | None
+    advantage          float  the sample's advantage (e.g. its first response token's, or the sequence's)
+    weights_version    int    trainer steps applied to the weights that generated it
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines
+
+SAMPLES_FILE = "samples.jsonl"
+ROW_KEYS = ("prompt", "response", "reward", "reward_components", "ground_truth", "advantage", "weights_version")
+TABLE_COLUMNS = ("step", *ROW_KEYS)
+
+
+def _plain(value):
+    """JSON-safe: tensors/numpy scalars to Python, non-finite floats to strings (as metrics.jsonl does)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _cell(value, max_chars: int) -> str:
+    if isinstance(value, dict):
+        value = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, float):
+        value = f"{value:.4g}"
+    text = "" if value is None else str(value)
+    if len(text) > max_chars:
+        text = text[:max_chars] + f"... ({len(text) - max_chars} more chars)"
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
+def markdown_table(step: int, records: list[dict], max_chars: int = 2000) -> str:
+    """The records as a markdown table, one row per sample (TensorBoard renders it)."""
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    for rec in records:
+        lines.append("| " + " | ".join(_cell(rec.get(c), max_chars) for c in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+class SampleLogger:
+    """`maybe_log(step, rows)` logs the first `k` rows every `every` steps (`every=0`: never)."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, every: int, k: int, tensorboard_writer=None,
+                 wandb_run=None, max_chars: int = 2000):
+        if every < 0 or k < 0:
+            raise ValueError(f"every and k must be >= 0, got every={every}, k={k}")
+        self.every, self.k, self.max_chars = int(every), int(k), int(max_chars)
+        self.active = rank == 0 and self.every > 0 and self.k > 0
+        self.path = Path(run_dir) / SAMPLES_FILE
+        self._tb, self._wandb, self._file = tensorboard_writer, wandb_run, None
+        if self.active:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_torn_tail(self.path)
+            self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+
+    def due(self, step: int) -> bool:
+        """Whether `maybe_log(step, ...)` would write: lets the caller skip building rows on other steps."""
+        return self.active and step % self.every == 0
+
+    def maybe_log(self, step: int, rows: list[dict]) -> int:
+        """Write the first `k` of `rows` when `step` is a multiple of `every` (rank 0); returns how many."""
+        if not self.due(step) or not rows:
+            return 0
+        records = []
+        for row in rows[: self.k]:
+            missing = [key for key in ROW_KEYS if key not in row]
+            if missing:
+                raise ValueError(f"sample row lacks {missing} (a row needs {list(ROW_KEYS)})")
+            records.append({"step": step, **{str(k): _plain(v) for k, v in row.items()}})
+        self._file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.add_text("samples", markdown_table(step, records, self.max_chars), step)
+        if self._wandb is not None:
+            self._log_wandb(step, records)
+        return len(records)
+
+    def _log_wandb(self, step: int, records: list[dict]) -> None:
+        try:
+            import wandb
+
+            data = [[json.dumps(r[c], ensure_ascii=False) if isinstance(r.get(c), dict) else r.get(c)
+                     for c in TABLE_COLUMNS] for r in records]
+            self._wandb.log({"samples": wandb.Table(columns=list(TABLE_COLUMNS), data=data)}, step=step)
+        except Exception as exc:  # a sample table never stops a run
+            print(f"[telemetry] wandb sample table skipped at step {step}: {exc}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_samples(run_dir: str | os.PathLike) -> list[dict]:
+    """Every record of `<run_dir>/samples.jsonl` (a torn last line is skipped with a warning)."""
+    return [record for _, record in _parse_lines(Path(run_dir) / SAMPLES_FILE)]
+
+
+def truncate_samples(run_dir: str | os.PathLike, step: int) -> int:
+    """On resume (rank 0, before the SampleLogger opens the file): drop records after `step`, atomically (temp
+    file, fsync, rename). Returns the number dropped."""
+    path = Path(run_dir) / SAMPLES_FILE
+    if not path.exists():
+        return 0
+    records = _parse_lines(path)
+    kept = [line for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(records) - len(kept)
+
+
+__all__ = ["ROW_KEYS", "SAMPLES_FILE", "SampleLogger", "markdown_table", "read_samples", "truncate_samples"]

@@ -1,0 +1,367 @@
+"""Held-out evaluation during RL: generate on a prompt store the policy never trains on, score, report pass@k.
+
+`evaluate` uses the run's own rollout engine (`RolloutEngine.generate`, so it sees the weights of the last sync)
+and the run's reward function(s) (`rewards.scoring.score_samples`). It touches no training state: no optimizer, no
+training data loader, and every RNG a resume restores (Python, NumPy, torch CPU, the current CUDA device) is put
+back as it was, so a run with evaluation resumes exactly like one without.
+
+Metrics (each also per data source as `eval/<source>/<name>`; a prompt's n samples are its n responses, c of them
+correct, "correct" meaning reward >= `threshold`):
+
+- `eval/reward_mean`: the mean reward over all samples (every prompt has n, so also the mean of prompt means).
+- `eval/pass@k`: the mean over prompts of the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+  "Evaluating Large Language Models Trained on Code"): the chance that k samples drawn without replacement from
+  the n contain a correct one. `eval/pass@1` is the mean of c / n.
+- `eval/mean@k`: the mean over prompts of the average reward of the prompt's *first* k samples (the first k of n
+  are as random as any k: samples are independent draws). `mean@n` equals `reward_mean`.
+- overall only: `eval/prompts`, `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0),
+  `eval/response_len_mean`, `eval/truncated_frac`, `eval/seconds`.
+
+Greedy evaluation (`greedy=True`) decodes at temperature 0 with one sample per prompt (vLLM refuses n > 1 at
+temperature 0, and greedy samples would be identical anyway), so only k = 1 is reported. A k larger than the
+samples per prompt is skipped.
+
+With several ranks each rank evaluates its shard (`load_eval_rows(rank=, world_size=)`) and `evaluate` gathers the
+per-source sums, so every rank returns the same metrics over the whole eval set. It is collective, like
+`RolloutEngine.generate`: every rank calls it at the same step. `load_eval_rows` gives every rank the same number
+of rows (padding with repeats that are generated but not counted) so that no rank calls `generate` with nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.rewards.scoring import score_samples
+from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+
+PAD_KEY = "eval_pad"  # rows added by load_eval_rows so every rank has as many: generated, never counted
+BEST_DIR = "best"
+BEST_INFO = "BEST.json"
+_OVERALL = ""  # the tally key of the whole eval set
+
+
+# ---- the estimators ---------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a product (no huge binomials).
+
+    C(n-c, k) / C(n, k) = prod_{i=0}^{k-1} (n-c-i) / (n-i) = prod_{j=n-c+1}^{n} (1 - k/j).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    miss = 1.0
+    for j in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / j
+    return 1.0 - miss
+
+
+def prompt_stats(rewards: Sequence[float], threshold: float, ks: Sequence[int]) -> dict[str, float]:
+    """One prompt's `reward_mean`, `pass@k` and `mean@k` (k in `ks`, each <= len(rewards)) from its n rewards."""
+    n = len(rewards)
+    c = sum(1 for r in rewards if r >= threshold)
+    out = {"reward_mean": sum(rewards) / n}
+    for k in ks:
+        out[f"pass@{k}"] = pass_at_k(n, c, k)
+        out[f"mean@{k}"] = sum(rewards[:k]) / k
+    return out
+
+
+# ---- loading the held-out prompts -------------------------------------------------------------------------------
+def load_eval_rows(store_dir: str | os.PathLike, tokenizer, max_prompts: int = 0, *, rank: int = 0,
+                   world_size: int = 1, max_prompt_len: int = 0, overlong: str = "error") -> list[dict]:
+    """This rank's eval prompt rows: the store's first `max_prompts` rows (0 = all), rank r taking r, r + world, ...
+
+    The store must be a prompts store tokenized with `tokenizer` (`open_store(expect_kind="prompts")` refuses
+    others). With `max_prompt_len` > 0, longer prompts raise (`overlong="error"`) or are left out, said in a warning
+    (`"drop"`). Every rank gets ceil(rows / world_size) rows; the shorter shards are topped up with repeats of
+    their own first row marked `eval_pad=True`, which `evaluate` generates (so every rank calls `generate`) but
+    does not count.
+    """
+    from ds_rlhf.data.store import open_store
+
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if overlong not in ("error", "drop"):
+        raise ValueError(f"overlong must be 'error' or 'drop', got {overlong!r}")
+    with open_store(store_dir, tokenizer=tokenizer, expect_kind="prompts") as store:
+        total = len(store)
+        indices = list(range(total if max_prompts <= 0 else min(total, max_prompts)))
+        if max_prompt_len > 0:
+            lengths = store.column_lengths("input_ids")
+            long = [i for i in indices if lengths[i] > max_prompt_len]
+            if long and overlong == "error":
+                raise ValueError(f"{store_dir}: {len(long)} of {len(indices)} eval prompts are longer than "
+                                 f"{max_prompt_len} tokens (e.g. row {long[0]}, {int(lengths[long[0]])} tokens); "
+                                 "drop them or raise the limit")
+            if long:
+                warnings.warn(f"{store_dir}: leaving out {len(long)} of {len(indices)} eval prompts longer than "
+                              f"{max_prompt_len} tokens", stacklevel=2)
+                indices = [i for i in indices if lengths[i] <= max_prompt_len]
+        if not indices:
+            raise ValueError(f"{store_dir}: no eval prompts (store rows {total}, max_prompts {max_prompts})")
+        per_rank = -(-len(indices) // world_size)
+        mine = indices[rank::world_size]
+        rows = store.rows(mine) if mine else []
+        if not rows:  # fewer prompts than ranks: this rank only pads
+            rows = [{**store.row(indices[0]), PAD_KEY: True}]
+    for row in rows:
+        row["input_ids"] = list(row["input_ids"])
+        row.setdefault("row_id", row.get("index"))
+    while len(rows) < per_rank:
+        rows.append({**rows[0], PAD_KEY: True})
+    return rows
+
+
+# ---- evaluation -------------------------------------------------------------------------------------------------
+def eval_spec(*, greedy: bool, samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
+              seed: int | None, stop_token_ids: Sequence[int] = (), top_k: int = -1) -> SamplingSpec:
+    """The SamplingSpec of an evaluation: greedy = temperature 0, n = 1, no seed (argmax draws nothing)."""
+    if greedy:
+        return SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=-1,
+                            stop_token_ids=tuple(stop_token_ids), seed=None)
+    if temperature <= 0:
+        raise ValueError(f"sampled evaluation needs temperature > 0 (got {temperature}); use greedy=True")
+    return SamplingSpec(n=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, stop_token_ids=tuple(stop_token_ids), seed=seed)
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Put back every RNG a checkpoint saves (Python, NumPy, torch CPU, the current CUDA device if initialised)."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
+             reward_fn: RewardSet | Callable, samples_per_prompt: int = 1, greedy: bool = False,
+             max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+             seed: int | None = 0, k_values: Sequence[int] = (1,), threshold: float = 1.0,
+             stop_token_ids: Sequence[int] | None = None, on_bad_reward: str = "zero",
+             sleep_after: bool = False) -> dict[str, float]:
+    """Generate for `eval_rows`, score each response, return the `eval/...` metrics (see the module docstring).
+
+    Rows are prompt-store rows (`input_ids`, `prompt_text`, `ground_truth`, `data_source`); rows with `eval_pad`
+    are generated but not counted. `reward_fn`: a RewardSet, a reward function of any supported calling style, or
+    a spec string such as "gsm8k" (as `score_samples` takes them). `stop_token_ids` defaults to the tokenizer's
+    EOS, as in training. A bad reward is scored 0 and counted in `eval/bad` (`on_bad_reward="fail"` raises
+    instead). The engine is woken first (a no-op when awake) and put to sleep after only with `sleep_after`.
+    Collective over ranks (see above).
+    """
+    t0 = time.perf_counter()
+    stops = (tokenizer.eos_token_id,) if stop_token_ids is None else tuple(stop_token_ids)
+    spec = eval_spec(greedy=greedy, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops)
+    ks = sorted(k for k in set(k_values) | {1} if 1 <= k <= spec.n)
+    with preserved_rng():
+        rollout_engine.wake()
+        samples = rollout_engine.generate([list(r["input_ids"]) for r in eval_rows], spec)
+        if sleep_after:
+            rollout_engine.sleep()
+        if len(samples) != len(eval_rows) * spec.n:
+            raise RuntimeError(f"rollout engine returned {len(samples)} samples for {len(eval_rows)} prompts x "
+                               f"n={spec.n}")
+        counted = [s for s in samples if not eval_rows[s.prompt_index].get(PAD_KEY)]
+        rewards, bad = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
+    tally = _tally(counted, rewards, bad, eval_rows, threshold, ks, spec)
+    metrics = _metrics(_merge(_all_gather(tally)))
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    return metrics
+
+
+def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
+           on_bad: str) -> tuple[list[float], list[bool]]:
+    items = []
+    for s in samples:
+        row = rows[s.prompt_index]
+        items.append({"prompt": row.get("prompt_text") or "",
+                      "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                      "ground_truth": row.get("ground_truth"),
+                      "metadata": {"data_source": row.get("data_source"), "finish_reason": s.finish_reason},
+                      "id": f"eval/row{row.get('row_id', row.get('index', s.prompt_index))}/sample{s.sample_index}"})
+    report = score_samples(reward_fn, items, on_bad)
+    bad_ids = {sid for sid, _ in report.bad}
+    return [float(v) for v in report.scores], [it["id"] in bad_ids for it in items]
+
+
+def _tally(samples, rewards, bad, rows, threshold, ks, spec) -> dict[str, dict[str, float]]:
+    """Per data source ("" = all): sums of the per-prompt stats and of the per-sample counts, mergeable over ranks."""
+    by_prompt: dict[int, list[int]] = {}
+    for pos, s in enumerate(samples):
+        by_prompt.setdefault(s.prompt_index, []).append(pos)
+    tally: dict[str, dict[str, float]] = {}
+    for prompt_index, positions in by_prompt.items():
+        positions.sort(key=lambda p: samples[p].sample_index)
+        stats = prompt_stats([rewards[p] for p in positions], threshold, ks)
+        stats["prompts"] = 1.0
+        stats["samples"] = float(len(positions))
+        stats["bad"] = float(sum(bad[p] for p in positions))
+        stats["response_len"] = float(sum(len(samples[p].response_ids) for p in positions))
+        stats["truncated"] = float(sum(samples[p].finish_reason == "length" for p in positions))
+        source = str(rows[prompt_index].get("data_source") or "unknown")
+        for key in (_OVERALL, source):
+            acc = tally.setdefault(key, {})
+            for name, value in stats.items():
+                acc[name] = acc.get(name, 0.0) + value
+    return tally
+
+
+def _all_gather(tally: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [tally]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, tally)
+    return out
+
+
+def _merge(tallies: list[dict]) -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, float]] = {}
+    for tally in tallies:
+        for source, sums in tally.items():
+            acc = merged.setdefault(source, {})
+            for name, value in sums.items():
+                acc[name] = acc.get(name, 0.0) + value
+    return merged
+
+
+_PER_PROMPT = ("reward_mean",)  # plus every pass@k / mean@k
+
+
+def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for source in sorted(merged):
+        sums = merged[source]
+        prompts = sums.get("prompts", 0.0)
+        if not prompts:
+            continue
+        prefix = "eval/" if source == _OVERALL else f"eval/{source}/"
+        for name, value in sums.items():
+            if name in _PER_PROMPT or name.startswith(("pass@", "mean@")):
+                out[prefix + name] = value / prompts
+        out[prefix + "prompts"] = prompts
+        if source == _OVERALL:
+            samples = max(sums["samples"], 1.0)
+            out.update({"eval/samples": sums["samples"], "eval/bad": sums["bad"],
+                        "eval/response_len_mean": sums["response_len"] / samples,
+                        "eval/truncated_frac": sums["truncated"] / samples})
+    return out
+
+
+# ---- the best checkpoint ----------------------------------------------------------------------------------------
+class BestCheckpointTracker:
+    """The best value of one eval metric so far and its step; `update` says whether a new eval is the best.
+
+    Strictly better only (a tie keeps the earlier step); a missing or non-finite value is never the best.
+    `state_dict()` holds plain Python values (for the trainer state, `torch.load(weights_only=True)`-safe).
+    """
+
+    def __init__(self, metric_key: str, mode: str = "max"):
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        self.metric_key, self.mode = metric_key, mode
+        self.best_step: int | None = None
+        self.best_value: float | None = None
+
+    def is_better(self, value) -> bool:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.mode == "max" else value < self.best_value
+
+    def update(self, step: int, metrics: dict) -> bool:
+        """Record `metrics[metric_key]` at `step` if it is the best so far; True when it is."""
+        value = metrics.get(self.metric_key)
+        if not self.is_better(value):
+            return False
+        self.best_step, self.best_value = int(step), float(value)
+        return True
+
+    def state_dict(self) -> dict:
+        return {"metric_key": self.metric_key, "mode": self.mode, "best_step": self.best_step,
+                "best_value": self.best_value}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore; a state recorded for another metric or mode is not comparable: dropped, with a warning."""
+        if state.get("metric_key") != self.metric_key or state.get("mode") != self.mode:
+            warnings.warn(f"best-checkpoint state is for {state.get('metric_key')!r} ({state.get('mode')}), this "
+                          f"run tracks {self.metric_key!r} ({self.mode}): starting the best over", stacklevel=2)
+            self.best_step = self.best_value = None
+            return
+        step, value = state.get("best_step"), state.get("best_value")
+        self.best_step = None if step is None else int(step)
+        self.best_value = None if value is None else float(value)
+
+
+def _link_or_copy(src: str, dst: str) -> str:
+    """Hard-link (checkpoint files are never rewritten in place: a re-save renames a new directory in); copy where
+    links are impossible (another filesystem, no link support)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
+def keep_best(run_dir: str | os.PathLike, step_dir: str | os.PathLike, info: dict | None = None) -> Path:
+    """Make `run_dir/checkpoints/best` a copy (hard links where possible) of the complete checkpoint `step_dir`,
+    replacing the previous best; returns its path. Rank 0 only; outside `keep_last` rotation (not a step_* name).
+
+    Built in `checkpoints/.tmp_best_<pid>` and renamed into place (`engine_io.replace_dir`), so `best` is always a
+    whole checkpoint: the old one or the new one. `info` (e.g. step, metric, value) is written to `best/BEST.json`.
+    The `COMPLETE` manifest comes along, so `--run.resume <run>/checkpoints/best` verifies it like any checkpoint.
+    """
+    from ds_rlhf.engines.engine_io import fsync_tree, replace_dir
+
+    step_dir = Path(step_dir)
+    root = Path(run_dir) / "checkpoints"
+    best = root / BEST_DIR
+    if not (step_dir / "COMPLETE").is_file():
+        raise ValueError(f"{step_dir} is not a complete checkpoint (no COMPLETE marker): nothing to keep as best")
+    if best.exists() and step_dir.resolve() == best.resolve():
+        return best
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp_best_*"):  # left by a keep_best that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp_best_{os.getpid()}"
+    try:
+        shutil.copytree(step_dir, tmp, copy_function=_link_or_copy, symlinks=True)
+        if info is not None:
+            (tmp / BEST_INFO).write_text(json.dumps({"source": step_dir.name, **info}, sort_keys=True) + "\n")
+        fsync_tree(tmp)
+        replace_dir(tmp, best)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return best
+
+
+__all__ = ["BestCheckpointTracker", "eval_spec", "evaluate", "keep_best", "load_eval_rows", "pass_at_k",
+           "preserved_rng", "prompt_stats"]
