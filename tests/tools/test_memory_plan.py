@@ -1,0 +1,156 @@
+"""`ds-rlhf memory`: the plan's model states match a real AdamW step; roles, ZeRO, LoRA, vLLM and the fit verdict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds_rlhf.config import parse_config
+from ds_rlhf.engines.memory import activation_bytes
+from ds_rlhf.tools import memory_cli
+from ds_rlhf.tools.memory_plan import GiB, kv_bytes_per_token, plan_memory
+
+# In a fresh process: load the model as the trainer's actor is loaded (fp32), take one AdamW step, then report
+# (a) the bytes of every parameter, gradient and optimizer-state tensor (unique storages) and (b) the growth of
+# the resident set over the build + step, measured after a warm-up step on the tiny model so lazy imports, thread
+# pools and allocator set-up are not counted.
+MEASURE = r"""
+import gc, json, sys
+import torch
+from ds_rlhf.engines.models import load_causal_lm
+from ds_rlhf.trainer.run_context import resolve_model_path
+torch.set_num_threads(1)
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+def step(path):
+    model = load_causal_lm(path, dtype="fp32", attn_impl="sdpa").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return model, opt
+
+warm = step(resolve_model_path("tiny"))
+del warm
+gc.collect()
+before = rss()
+model, opt = step(resolve_model_path(sys.argv[1]))
+gc.collect()
+grown = rss() - before
+storages = {}
+for t in [p for p in model.parameters()] + [p.grad for p in model.parameters()] + [
+        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]:
+    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+print(json.dumps({"tensor_bytes": sum(storages.values()), "rss_growth": grown}))
+"""
+
+
+def _plan(*args, device="cpu", capacity=16 * GiB, world_size=1, kind="rl"):
+    return plan_memory(parse_config(list(args)), kind=kind, device=device, capacity=capacity, world_size=world_size)
+
+
+def _tiny():
+    from ds_rlhf.engines.tiny_models import build_tiny_model
+
+    return build_tiny_model()
+
+
+def _roles(plan):
+    return {r.role: r for r in plan.roles}
+
+
+@pytest.mark.parametrize("model", ["tiny:small"])
+def test_actor_states_match_a_real_adamw_step(model):
+    """Tolerances: the tensor bytes within 0.1% (the only difference is AdamW's 4-byte `step` counters);
+    the resident-set growth between 95% and 125% of the plan (allocator slack and autograd buffers come on top)."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, model], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    actor = _roles(_plan("--model.path", model, "--zero_stage", "0", "--model.dtype", "fp32"))["actor"]
+    assert actor.params == actor.grads and actor.optimizer_states == 2 * actor.params  # fp32: 4 + 4 + 8 bytes
+    assert abs(measured["tensor_bytes"] - actor.states) <= 0.001 * actor.states, (measured, actor)
+    assert 0.95 * actor.states <= measured["rss_growth"] <= 1.25 * actor.states, (measured, actor.states)
+
+
+def test_roles_follow_the_algorithm():
+    assert set(_roles(_plan("--rollout.backend", "hf"))) == {"actor", "rollout (HF)"}
+    ppo = _roles(_plan("--rl.algo", "ppo", "--rl.kl_coef", "0.05", "--rl.reward_model", "tiny",
+                       "--rollout.backend", "hf"))
+    assert set(ppo) == {"actor", "critic", "reference", "reward", "rollout (HF)"}
+    hidden = __import__("transformers").AutoConfig.from_pretrained(_tiny()).hidden_size
+    assert ppo["critic"].num_params == ppo["actor"].num_params + hidden  # the tied LM head adds none, a value head h
+    assert ppo["reference"].grads == ppo["reference"].optimizer_states == 0
+    assert set(_roles(_plan(kind="sft"))) == {"actor"}
+    assert set(_roles(_plan(kind="rm"))) == {"reward"} and _roles(_plan(kind="rm"))["reward"].grads > 0
+
+
+def test_zero_stages_divide_by_world_size():
+    one = _roles(_plan("--zero_stage", "0", "--model.dtype", "bf16", "--rl.kl_coef", "0.1", world_size=4))
+    two = _roles(_plan("--zero_stage", "2", "--model.dtype", "bf16", "--rl.kl_coef", "0.1", world_size=4))
+    three = _roles(_plan("--zero_stage", "3", "--model.dtype", "bf16", "--rl.kl_coef", "0.1", world_size=4))
+    n = one["actor"].num_params
+    assert one["actor"].params == 2 * n and one["actor"].optimizer_states == 12 * n
+    assert two["actor"].grads == 2 * n // 4 and two["actor"].optimizer_states == 12 * n // 4
+    assert two["reference"].params == 2 * n  # frozen at ZeRO-2: a full replica (builder.frozen_config)
+    assert three["actor"].params == 2 * n // 4 and three["reference"].params == 2 * n // 4
+    off = _roles(_plan("--zero_stage", "3", "--offload", "true", "--model.dtype", "bf16", world_size=4))["actor"]
+    assert off.optimizer_states == 0 and off.params == 0 and off.host == 2 * n // 4 + 12 * n // 4
+
+
+def test_lora_trains_only_the_adapters():
+    full = _roles(_plan("--zero_stage", "0"))["actor"]
+    lora = _roles(_plan("--zero_stage", "0", "--model.lora_rank", "4"))["actor"]
+    assert lora.num_params > full.num_params and 0 < lora.grads < full.grads / 10
+    assert "trainable" in lora.detail
+
+
+def test_chunked_head_keeps_no_full_logits(tmp_path):
+    """The actor's log-prob head costs one chunk's logits plus 12 bytes a token, not [tokens x vocab] fp32."""
+    from transformers import AutoConfig, Qwen2Config
+
+    Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True).save_pretrained(tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    heads = {}
+    for tokens in (16384, 32768):
+        plan = _plan("--model.path", str(tmp_path), "--data.micro_batch_tokens", str(tokens), "--rollout.backend",
+                     "hf", device="cuda", capacity=80 * GiB)
+        body = activation_bytes(cfg, tokens, 2, gradient_checkpointing=False, lm_head=False)
+        heads[tokens] = _roles(plan)["actor"].activations - body
+        assert 0 < heads[tokens] < tokens * cfg.vocab_size * 4 / 2
+    assert heads[32768] - heads[16384] == 16384 * 12
+
+
+def test_vllm_budget_and_kv_cache(tmp_path, monkeypatch):
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False).save_pretrained(tmp_path)
+    args = ("--model.path", str(tmp_path), "--rollout.backend", "vllm", "--rollout.gpu_memory_utilization", "0.4")
+    plan = _plan(*args, "--zero_stage", "3", device="cuda", capacity=80 * GiB, world_size=8)
+    vllm = _roles(plan)["vllm"]
+    assert vllm.params + vllm.activations + vllm.kv_cache == int(0.4 * 80 * GiB)  # the budget vLLM claims
+    assert kv_bytes_per_token(__import__("transformers").AutoConfig.from_pretrained(tmp_path), 2) == 57344
+    assert plan.fits and plan.phases["rollout"] > plan.phases["train"]  # vLLM sleeps while DeepSpeed trains
+    crowded = _plan(*args, "--zero_stage", "2", "--rl.algo", "ppo", "--rl.kl_coef", "0.1", device="cuda",
+                    capacity=80 * GiB, world_size=8)
+    assert not crowded.fits and any("zero_stage 3" in n or "gpu_memory_utilization" in n for n in crowded.notes)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    cpu = _roles(_plan("--rollout.backend", "vllm"))["vllm"]
+    assert cpu.kv_cache == GiB
+
+
+def test_cli_table_json_and_exit_status(tmp_path, capsys):
+    assert memory_cli.main(["--device", "cpu", "--rollout.backend", "hf", "--world-size", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "actor" in table and "FITS" in table and "train phase peak" in table
+    assert memory_cli.main(["--gpu-memory-gb", "0.001", "--json", "--rollout.backend", "hf"]) == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and plan["settings"]["device"] == "cuda" and plan["roles"][0]["role"] == "actor"
+    assert memory_cli.main(["--rl.algo", "nonsense"]) == 2
