@@ -1,0 +1,152 @@
+"""Health warnings over a run's recent metrics: a pure function of the history (a list of `metrics.jsonl`
+records, oldest first), for the trainer loop to call after each step and for the run report to replay.
+
+The newest record is compared with the running median of the `window` records before it:
+
+- step time (`time/wall`, else `time/step`) more than `step_time_ratio` (1.2) x the median;
+- throughput (`throughput/tokens_per_s`) below `throughput_ratio` (0.8) x the median;
+- GPU utilisation (`sys/gpu_util_pct` or `gpu/util`) below `gpu_util_min` (70 %).
+
+Each warning names its likely cause from the phase timers: the phase group that grew the most against its own
+median (for a slowdown) or the largest non-training share of the step (for an idle GPU): rollout-bound,
+training-bound (old log-probs, reference, critic, update), reward-bound, sync-bound, or waiting on data (wall time
+outside every phase: the prompt loader and host work between phases).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+PHASE_GROUPS = {
+    "rollout": ("time/rollout",),
+    "training": ("time/train", "time/old_logp", "time/reference", "time/critic"),
+    "reward": ("time/reward",),
+    "sync": ("time/sync",),
+}
+CAUSES = {
+    "rollout": "rollout-bound: generation takes the time (longer responses, KV cache too small for one wave, "
+               "or vLLM woken/slept every step)",
+    "training": "training-bound: forward/backward/optimizer (micro-batches too small or too large, ZeRO "
+                "communication, offload)",
+    "reward": "reward-bound: reward functions or the reward model (slow user code, worker timeouts)",
+    "sync": "sync-bound: the weight sync to the rollout engine (bucket size, ZeRO-3 gathers, interconnect)",
+    "data": "waiting on data: time outside every phase (the prompt loader, storage reads, host work)",
+}
+GPU_UTIL_KEYS = ("sys/gpu_util_pct", "gpu/util", "gpu/util_pct")
+
+
+@dataclass(frozen=True)
+class HealthWarning:
+    kind: str  # step_time | throughput | gpu_util
+    step: int
+    value: float
+    baseline: float  # the running median (or the threshold, for gpu_util)
+    cause: str  # a key of CAUSES, or "" when the phase timers are missing
+    message: str
+
+
+def _num(record: dict, key: str) -> float | None:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def step_seconds(record: dict) -> float | None:
+    wall = _num(record, "time/wall")
+    return wall if wall is not None else _num(record, "time/step")
+
+
+def phase_times(record: dict) -> dict[str, float]:
+    """Seconds per phase group of one record; `data` is the wall time that no phase accounts for."""
+    out = {}
+    for group, keys in PHASE_GROUPS.items():
+        values = [v for k in keys if (v := _num(record, k)) is not None]
+        if values:
+            out[group] = sum(values)
+    wall = _num(record, "time/wall")
+    if wall is not None and out:
+        out["data"] = max(0.0, wall - sum(out.values()))
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def slowdown_cause(record: dict, history: list[dict]) -> str:
+    """The phase group whose time grew the most (seconds) against its median over `history`."""
+    now = phase_times(record)
+    growth = {}
+    for group, seconds in now.items():
+        base = _median([t[group] for r in history if group in (t := phase_times(r))])
+        growth[group] = seconds - (base if base is not None else seconds)
+    if not growth:
+        return ""
+    group = max(growth, key=growth.get)
+    return group if growth[group] > 0 else ""
+
+
+def idle_cause(record: dict) -> str:
+    """Why the GPU idles: the largest share of the step outside training; training itself when nothing else."""
+    now = phase_times(record)
+    if not now:
+        return ""
+    others = {g: t for g, t in now.items() if g != "training"}
+    if others and max(others.values()) >= now.get("training", 0.0):
+        return max(others, key=others.get)
+    return "training"
+
+
+def health_warnings(history: list[dict], *, window: int = 20, min_history: int = 5, step_time_ratio: float = 1.2,
+                    throughput_ratio: float = 0.8, gpu_util_min: float = 70.0) -> list[HealthWarning]:
+    """Warnings for the newest record of `history` (empty with fewer than `min_history` earlier records, so the
+    first, slower steps (compilation, warm-up) set no baseline)."""
+    if not history:
+        return []
+    last, before = history[-1], history[-1 - window:-1] if window else history[:-1]
+    step = int(last.get("step", len(history)))
+    out = []
+    if len(before) >= min_history:
+        out += _slow_step(last, before, step, step_time_ratio) + _low_throughput(last, before, step, throughput_ratio)
+    out += _idle_gpu(last, step, gpu_util_min)
+    return out
+
+
+def _slow_step(last: dict, before: list[dict], step: int, ratio: float) -> list[HealthWarning]:
+    now, base = step_seconds(last), _median([s for r in before if (s := step_seconds(r)) is not None])
+    if now is None or not base or now <= ratio * base:
+        return []
+    cause = slowdown_cause(last, before)
+    text = f"step {step} took {now:.2f}s, {now / base:.2f}x the running median {base:.2f}s"
+    return [HealthWarning("step_time", step, now, base, cause, _with_cause(text, cause))]
+
+
+def _low_throughput(last: dict, before: list[dict], step: int, ratio: float) -> list[HealthWarning]:
+    key = "throughput/tokens_per_s"
+    now, base = _num(last, key), _median([v for r in before if (v := _num(r, key)) is not None])
+    if now is None or not base or now >= ratio * base:
+        return []
+    cause = slowdown_cause(last, before)
+    text = f"step {step}: {now:.0f} tokens/s, {now / base:.0%} of the running median {base:.0f}"
+    return [HealthWarning("throughput", step, now, base, cause, _with_cause(text, cause))]
+
+
+def _idle_gpu(last: dict, step: int, threshold: float) -> list[HealthWarning]:
+    util = next((v for k in GPU_UTIL_KEYS if (v := _num(last, k)) is not None), None)
+    if util is None or util >= threshold:
+        return []
+    cause = idle_cause(last)
+    text = f"step {step}: GPU utilisation {util:.0f}% (< {threshold:.0f}%)"
+    return [HealthWarning("gpu_util", step, util, threshold, cause, _with_cause(text, cause))]
+
+
+def _with_cause(text: str, cause: str) -> str:
+    return f"{text}; likely {CAUSES[cause]}" if cause else f"{text} (no phase timers to say why)"
+
+
+def replay(history: list[dict], **kwargs) -> list[HealthWarning]:
+    """Every warning the trainer would have raised step by step over a whole run (for the run report)."""
+    return [w for i in range(len(history)) for w in health_warnings(history[: i + 1], **kwargs)]
