@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep-sft": ("ds_rlhf.entrypoints.prep:main_sft", "SFT demonstrations -> `sft` store with assistant-only masks"),
     "prep-preferences": ("ds_rlhf.entrypoints.prep:main_preferences", "chosen/rejected pairs (HH-RLHF, "
                                                                       "UltraFeedback) -> `preference` store"),
+    "doctor": ("ds_rlhf.tools.doctor:main", "is this machine ready? versions vs the pinned set, GPUs, vLLM, "
+                                            "DeepSpeed builds, I/O, NCCL"),
+    "memory": ("ds_rlhf.tools.memory_cli:main", "per-role memory plan of a config, before loading any weight"),
+    "report": ("ds_rlhf.tools.report:main", "PNG plots and an HTML summary of a run directory"),
 }
 
 PROG = "ds-rlhf"
