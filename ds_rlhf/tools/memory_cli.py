@@ -20,7 +20,7 @@ import sys
 from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, fmt_bytes, plan_memory
 
 COLUMNS = (("weights", "params"), ("grads", "grads"), ("optim", "optimizer_states"), ("activ", "activations"),
-           ("KV", "kv_cache"), ("device", "device_total"), ("host", "host"))
+           ("bucket", "buffers"), ("KV", "kv_cache"), ("device", "device_total"), ("host", "host"))
 
 
 def build_parser() -> argparse.ArgumentParser:

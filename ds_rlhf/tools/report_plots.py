@@ -66,12 +66,14 @@ def _figure(title: str, ylabel: str):
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7.0, 3.6), dpi=100)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     return fig, ax
 
 
@@ -146,7 +148,7 @@ def gpu_plot(records: list[dict], out_dir: Path) -> Path | None:
         return None
     fig, ax = _figure(title, "utilisation %" if util_keys else "GiB")
     for key in util_keys:
-        ax.plot(*series(records, key), label=key, color="tab:green")
+        ax.plot(*series(records, key), label=key, color="black")
     mem_ax = ax.twinx() if util_keys and mem_keys else ax
     if mem_ax is not ax:
         mem_ax.set_ylabel("GiB")
