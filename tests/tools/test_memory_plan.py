@@ -99,6 +99,7 @@ def test_zero_stages_divide_by_world_size():
     assert two["actor"].grads == 2 * n // 4 and two["actor"].optimizer_states == 12 * n // 4
     assert two["reference"].params == 2 * n  # frozen at ZeRO-2: a full replica (builder.frozen_config)
     assert three["actor"].params == 2 * n // 4 and three["reference"].params == 2 * n // 4
+    assert three["actor"].grads == 2 * (2 * n // 4) and three["actor"].resident == three["actor"].states  # fp32, kept
     # ZeRO's gradient-reduction bucket (reduce_bucket_size "auto" -> DeepSpeed's 5e8 elements) for trained roles
     assert two["actor"].buffers == 500_000_000 * 2 and one["actor"].buffers == two["reference"].buffers == 0
     plan = _plan("--zero_stage", "2", "--model.dtype", "bf16", "--rollout.backend", "hf", world_size=4)
