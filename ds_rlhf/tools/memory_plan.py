@@ -1,9 +1,9 @@
 """Memory plan of an RL (or SFT / RM) run per rank, before any weight is loaded.
 
 Only each model's `config.json` is read: the models are instantiated on PyTorch's `meta` device (shapes without
-storage), so parameter counts are exact for any architecture transformers knows, LoRA included, in well under a
-second. The per-role byte counts come from `ds_rlhf.engines.memory` (ZeRO formulas, activation estimate); this
-module adds what an RL step holds on top of them:
+storage; `meta_models.py`), so parameter counts are exact for any architecture transformers knows, LoRA included,
+in well under a second. The per-role byte counts come from `ds_rlhf.engines.memory` (ZeRO formulas, activation
+estimate); this module adds what an RL step holds on top of them:
 
 - roles as the trainer builds them: the actor; a critic when the algorithm needs one
   (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
@@ -35,13 +35,13 @@ ZeRO-3 17.69 GB against 18.44 (12.22 against 13.55); between steps ZeRO-2 held 6
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import os
 from dataclasses import dataclass, field
 
 from ds_rlhf.engines.memory import activation_bytes, memory_breakdown
+from ds_rlhf.tools import meta_models
 
 GiB = 1024 ** 3
 VLLM_PROFILE_TOKENS = 8192  # vLLM's profiling forward (its max_num_batched_tokens; an assumption, not read from vLLM)
@@ -124,59 +124,6 @@ class MemoryPlan:
             role.update(states=plan.states, device_total=plan.device_total)
         out["peak"] = self.peak
         return out
-
-
-# ---- models on the meta device -----------------------------------------------------------------------------------
-def _hf_config(path: str):
-    from transformers import AutoConfig
-
-    from ds_rlhf.trainer.run_context import resolve_model_path
-
-    return AutoConfig.from_pretrained(resolve_model_path(path))
-
-
-def _lora(cfg) -> dict | None:
-    m = cfg.model
-    return {"r": m.lora_rank, "lora_alpha": m.lora_alpha, "target_modules": m.lora_targets} if m.lora_rank else None
-
-
-def meta_model(role: str, hf_config, lora: dict | None = None):
-    """The role's module (as `engines.models` builds it) with meta tensors: shapes, no storage."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from ds_rlhf.engines.models import CriticModel, apply_lora
-
-    with torch.device("meta"):
-        if role in ("actor", "reference"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-            return apply_lora(model, lora, "CAUSAL_LM") if lora and role == "actor" else model
-        scored = copy.deepcopy(hf_config)
-        scored.num_labels = 1  # one score, as engines.models loads it
-        seqcls = AutoModelForSequenceClassification.from_config(scored)
-        if role == "reward":
-            return seqcls
-        backbone = getattr(seqcls, seqcls.base_model_prefix)
-        return CriticModel(apply_lora(backbone, lora, None) if lora else backbone)
-
-
-def role_sources(cfg, kind: str) -> dict[str, str]:
-    """role -> model path, for the roles this run builds (the same rules as `trainer/rl_build.py`)."""
-    from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
-
-    rl = cfg.rl
-    if kind == "sft":
-        return {"actor": cfg.model.path}
-    if kind == "rm":
-        return {"reward": cfg.model.path}
-    out = {"actor": cfg.model.path}
-    if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
-        out["critic"] = rl.critic_path or rl.reward_model or cfg.model.path
-    if rl.kl_coef > 0 or rl.kl_target > 0:
-        out["reference"] = cfg.model.path
-    if rl.reward_model:
-        out["reward"] = rl.reward_model
-    return out
 
 
 # ---- per-role bytes ----------------------------------------------------------------------------------------------
@@ -367,9 +314,10 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
                  cfg.rollout.sleep_level, zero["prefetch"], zero["reduce_bucket"])
     notes = [] if zero["optimizer_type"] in ("adam", "adamw", "onebitadam") else [
         f"optimizer {zero['optimizer_type']}: planned with Adam-sized states (two fp32 values per parameter)"]
-    configs = {role: _hf_config(path) for role, path in role_sources(cfg, kind).items()}
-    roles = [plan_role(role, meta_model(role, hf, _lora(cfg)), hf, s, zero["frozen_stage"], zero["frozen_offload"])
-             for role, hf in configs.items()]
+    configs = {role: meta_models.hf_config(path) for role, path in meta_models.role_sources(cfg, kind).items()}
+    lora = meta_models.lora_settings(cfg)
+    roles = [plan_role(role, meta_models.meta_model(role, hf, lora), hf, s, zero["frozen_stage"],
+                       zero["frozen_offload"]) for role, hf in configs.items()]
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)

@@ -1,0 +1,58 @@
+"""The roles of a run as modules on PyTorch's `meta` device: exact shapes and parameter counts from each model's
+`config.json`, no storage, no weights read (for `memory_plan.py`)."""
+
+from __future__ import annotations
+
+import copy
+
+
+def hf_config(path: str):
+    from transformers import AutoConfig
+
+    from ds_rlhf.trainer.run_context import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(path))
+
+
+def lora_settings(cfg) -> dict | None:
+    m = cfg.model
+    return {"r": m.lora_rank, "lora_alpha": m.lora_alpha, "target_modules": m.lora_targets} if m.lora_rank else None
+
+
+def meta_model(role: str, config, lora: dict | None = None):
+    """The role's module (as `engines.models` builds it) with meta tensors: shapes, no storage."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ds_rlhf.engines.models import CriticModel, apply_lora
+
+    with torch.device("meta"):
+        if role in ("actor", "reference"):
+            model = AutoModelForCausalLM.from_config(config)
+            return apply_lora(model, lora, "CAUSAL_LM") if lora and role == "actor" else model
+        scored = copy.deepcopy(config)
+        scored.num_labels = 1  # one score, as engines.models loads it
+        seqcls = AutoModelForSequenceClassification.from_config(scored)
+        if role == "reward":
+            return seqcls
+        backbone = getattr(seqcls, seqcls.base_model_prefix)
+        return CriticModel(apply_lora(backbone, lora, None) if lora else backbone)
+
+
+def role_sources(cfg, kind: str) -> dict[str, str]:
+    """role -> model path, for the roles this run builds (the same rules as `trainer/rl_build.py`)."""
+    from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+
+    rl = cfg.rl
+    if kind == "sft":
+        return {"actor": cfg.model.path}
+    if kind == "rm":
+        return {"reward": cfg.model.path}
+    out = {"actor": cfg.model.path}
+    if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
+        out["critic"] = rl.critic_path or rl.reward_model or cfg.model.path
+    if rl.kl_coef > 0 or rl.kl_target > 0:
+        out["reference"] = cfg.model.path
+    if rl.reward_model:
+        out["reward"] = rl.reward_model
+    return out
