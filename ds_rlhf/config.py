@@ -129,6 +129,17 @@ class RLConfig:
     on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
     critic_path: str = ""  # default: reward_model if set, else the actor
     critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor
+    eval_max_prompts: int = opt(0, ge=0)  # held-out eval (data.eval): its first N prompts; 0 = all
+    eval_samples: int = opt(1, ge=1)  # eval responses per prompt (sampled eval; greedy decodes one)
+    eval_greedy: bool = True  # eval decodes greedily (temperature 0, one response per prompt)
+    eval_temperature: float = opt(1.0, gt=0)  # sampled eval (eval_greedy false): temperature
+    eval_top_p: float = opt(1.0, gt=0, le=1)  # sampled eval: nucleus top_p
+    eval_max_new_tokens: int = opt(0, ge=0)  # eval response budget; 0 = rollout.max_new_tokens
+    eval_k: str = "1"  # comma list of k for eval/pass@k and eval/mean@k (each <= the eval responses per prompt)
+    eval_threshold: float = 1.0  # an eval response is correct when its reward >= this (for pass@k)
+    eval_reward_fn: str = ""  # eval reward, as rl.reward_fn; "" = rl.reward_fn (needed with rl.reward_model)
+    best_metric: str = ""  # keep checkpoints/best at the best value of this eval metric (e.g. eval/pass@1); "" = off
+    best_mode: str = opt("max", choices=("max", "min"))  # best_metric: higher (max) or lower (min) is better
 
     def check(self, cfg: Config) -> None:
         from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, MISMATCH_MODES
@@ -150,6 +161,41 @@ class RLConfig:
         if self.mini_batch_size > samples:
             raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
                               "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
+        self._check_eval(cfg)
+
+    def eval_ks(self) -> list[int]:
+        """`eval_k` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
+        try:
+            ks = [int(k) for k in self.eval_k.split(",") if k.strip()]
+        except ValueError:
+            ks = []
+        if not ks or min(ks) < 1:
+            raise ConfigError(f"rl.eval_k={self.eval_k!r}: give a comma list of integers >= 1, e.g. 1,4")
+        return ks
+
+    def _check_eval(self, cfg: Config) -> None:
+        r, run = cfg.rollout, cfg.run
+        per_prompt = 1 if self.eval_greedy else self.eval_samples
+        if self.eval_greedy and self.eval_samples > 1:
+            raise ConfigError(f"rl.eval_samples={self.eval_samples} with rl.eval_greedy true: greedy decoding gives "
+                              "one response per prompt; set --rl.eval_greedy false to sample several")
+        if max(self.eval_ks()) > per_prompt:
+            raise ConfigError(f"rl.eval_k={self.eval_k!r}: k cannot exceed the {per_prompt} eval response(s) per "
+                              "prompt (rl.eval_samples, with rl.eval_greedy false)")
+        context = r.max_model_len or (cfg.data.max_prompt_len + r.max_new_tokens)
+        if cfg.data.max_prompt_len + self.eval_max_new_tokens > context:
+            raise ConfigError(f"rl.eval_max_new_tokens={self.eval_max_new_tokens}: data.max_prompt_len + it exceeds "
+                              f"the rollout context of {context} tokens; raise --rollout.max_model_len")
+        if self.best_metric and not self.best_metric.startswith("eval/"):
+            raise ConfigError(f"rl.best_metric={self.best_metric!r}: must be an eval metric (eval/pass@1, "
+                              "eval/reward_mean, eval/<data source>/pass@1, ...)")
+        if self.best_metric and run.eval_every <= 0:
+            raise ConfigError(f"rl.best_metric={self.best_metric!r} needs evaluations: set --run.eval_every N > 0")
+        if (run.eval_every > 0 or run.eval_before_train) and r.async_generation and r.max_staleness > 1:
+            raise ConfigError("evaluation reports the weights of its step, but with rollout.async_generation and "
+                              f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "
+                              "it for the evaluation would change the weights later batches are generated with: "
+                              "use --rollout.max_staleness 1, or turn evaluation off")
 
 
 @dataclass
@@ -158,7 +204,10 @@ class RunConfig:
     steps: int = opt(20, ge=0)  # RL steps, or optimizer steps for SFT/RM (0 = run `epochs`)
     epochs: int = opt(1, ge=1)
     save_every: int = opt(0, ge=0)  # 0 = only at the end
-    eval_every: int = opt(0, ge=0)
+    eval_every: int = opt(0, ge=0)  # evaluate every N steps (SFT/RM: the eval split; RL: data.eval); 0 = off
+    eval_before_train: bool = False  # RL: also evaluate before the first step (logged at step 0)
+    sample_log_every: int = opt(0, ge=0)  # RL: log sample rollouts (samples.jsonl, TensorBoard, wandb) every N steps
+    sample_log_k: int = opt(4, ge=1)  # RL: rollouts per sample log
     keep_last: int = opt(2, ge=0)  # complete checkpoints kept (>= 1; 0 = keep all); the newest is never deleted
     resume: str = ""  # "" | latest | path to a checkpoint directory
     overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)

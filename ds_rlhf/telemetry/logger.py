@@ -72,6 +72,17 @@ class MetricsLogger:
             print(f"[telemetry] wandb disabled: {exc}", file=sys.stderr)
             return None
 
+    @property
+    def tensorboard_writer(self):
+        """The run's TensorBoard SummaryWriter (rank 0 with run.tensorboard), else None: for other writers
+        (e.g. `telemetry.samples.SampleLogger`) to add to the same event files."""
+        return self._tb
+
+    @property
+    def wandb_run(self):
+        """The run's wandb run (rank 0 with run.wandb, when it started), else None."""
+        return self._wandb
+
     def log(self, step: int, metrics: dict) -> None:
         if not self.active:
             return

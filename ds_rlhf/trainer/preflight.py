@@ -1,9 +1,10 @@
 """Checks of a run's inputs that need the filesystem, made before any process group, model or vLLM engine starts.
 
 The schema (`ds_rlhf.config`) already refused bad keys, bad choices, out-of-range numbers and conflicting options.
-What is left needs to look at files: the prompt store and its manifest, the reward function file, the reward
-model and resume directories, the DeepSpeed config. Each problem is one `ConfigError` naming the key, the value
-and what to do, so a run that would fail hours in (a prompt longer than the rollout budget, say) fails at once.
+What is left needs to look at files: the prompt store and its manifest (and the held-out eval store when RL
+evaluation is on), the reward function file, the reward model and resume directories, the DeepSpeed config. Each
+problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
+longer than the rollout budget, say) fails at once.
 """
 
 from __future__ import annotations
@@ -44,20 +45,41 @@ def check_store(store_dir: str, key: str, kind: str) -> dict:
     return manifest
 
 
-def check_prompt_store(cfg: Config) -> None:
-    """The prompt store exists, holds prompts, and none is longer than data.max_prompt_len (unless dropped)."""
-    manifest = check_store(cfg.data.train, "data.train", "prompts")
+def check_prompt_store(cfg: Config, key: str = "data.train") -> None:
+    """The prompt store of config key `key` (data.train, or data.eval for RL evaluation) exists, holds prompts,
+    and none is longer than data.max_prompt_len (unless data.overlong_prompts drops them)."""
+    store_dir = getattr(cfg.data, key.split(".", 1)[1])
+    manifest = check_store(store_dir, key, "prompts")
     longest = manifest.get("token_stats", {}).get("input_ids", {}).get("max")
     if longest is None:  # stores written by `write_store` carry no stats: read the lengths file
         from ds_rlhf.data.store import open_store
 
-        with open_store(cfg.data.train, reader="mmap") as store:
+        with open_store(store_dir, reader="mmap") as store:
             longest = int(store.column_lengths("input_ids").max())
     if longest > cfg.data.max_prompt_len and cfg.data.overlong_prompts == "error":
         raise ConfigError(
-            f"data.train={cfg.data.train!r} has prompts of up to {longest} tokens but data.max_prompt_len is "
+            f"{key}={store_dir!r} has prompts of up to {longest} tokens but data.max_prompt_len is "
             f"{cfg.data.max_prompt_len}: raise --data.max_prompt_len to {longest} (the rollout context grows with "
             "it), re-run data prep with a lower --max-prompt-len, or pass --data.overlong_prompts drop")
+
+
+def rl_eval_on(cfg: Config) -> bool:
+    """Whether an RL run evaluates on held-out prompts (run.eval_every > 0 or run.eval_before_train)."""
+    return cfg.run.eval_every > 0 or cfg.run.eval_before_train
+
+
+def check_rl_eval(cfg: Config) -> None:
+    """With evaluation on: data.eval is a prompts store whose prompts fit, and there is a reward function for it."""
+    if not rl_eval_on(cfg):
+        return
+    why = (f"run.eval_every={cfg.run.eval_every}" if cfg.run.eval_every > 0 else "run.eval_before_train=true")
+    if not cfg.data.eval:
+        raise ConfigError(f"{why} evaluates on held-out prompts: pass --data.eval <prompts store dir> "
+                          f"(data_prep/{PREP_SCRIPTS['prompts']}), or turn evaluation off")
+    check_prompt_store(cfg, "data.eval")
+    if cfg.rl.reward_model and not cfg.rl.eval_reward_fn:
+        raise ConfigError(f"{why} with rl.reward_model: evaluation scores with a reward function (pass@k needs a "
+                          "verifiable reward): set --rl.eval_reward_fn (gsm8k | math_shaped | file.py:func)")
 
 
 def check_reward(cfg: Config) -> None:
@@ -68,18 +90,24 @@ def check_reward(cfg: Config) -> None:
     if rl.reward_model and not rl.reward_model.startswith("tiny") and not Path(rl.reward_model).is_dir():
         raise ConfigError(f"rl.reward_model={rl.reward_model!r}: no such directory")
     if rl.reward_fn:
-        from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-        from ds_rlhf.rewards.loading import check_spec, split_style
-        from ds_rlhf.rewards.reward_set import parse_weights
+        _check_reward_spec("rl.reward_fn", rl.reward_fn, rl.reward_weights)
+    if rl.eval_reward_fn and rl_eval_on(cfg):
+        _check_reward_spec("rl.eval_reward_fn", rl.eval_reward_fn, "")
 
-        parts = [split_style(p.strip())[0] for p in rl.reward_fn.split(",") if p.strip()]
-        try:  # file exists, weights parse; the file itself is imported where it runs (worker pool or trainer)
-            for part in parts:
-                if part not in BUILTIN_REWARDS:
-                    check_spec(part)
-            parse_weights(rl.reward_weights or None, len(parts))
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"rl.reward_fn={rl.reward_fn!r}: {exc}") from None
+
+def _check_reward_spec(key: str, spec: str, weights: str) -> None:
+    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+    from ds_rlhf.rewards.loading import check_spec, split_style
+    from ds_rlhf.rewards.reward_set import parse_weights
+
+    parts = [split_style(p.strip())[0] for p in spec.split(",") if p.strip()]
+    try:  # file exists, weights parse; the file itself is imported where it runs (worker pool or trainer)
+        for part in parts:
+            if part not in BUILTIN_REWARDS:
+                check_spec(part)
+        parse_weights(weights or None, len(parts))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{key}={spec!r}: {exc}") from None
 
 
 def check_resume(cfg: Config) -> None:
@@ -108,6 +136,7 @@ def check_rl_run(cfg: Config) -> None:
     if cfg.run.steps < 1:
         raise ConfigError(f"run.steps={cfg.run.steps}: an RL run needs at least one step")
     check_prompt_store(cfg)
+    check_rl_eval(cfg)
     check_reward(cfg)
     check_resume(cfg)
     check_ds_config(cfg)

@@ -33,7 +33,7 @@ class RewardStage:
         if self.model is not None:
             scores = self._model_scores(samples)
             keep = [True] * len(samples)
-            bad = []
+            bad, components = [], {}
         else:
             items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "", "response": text,
                       "ground_truth": rows[s.prompt_index].get("ground_truth"),
@@ -42,7 +42,7 @@ class RewardStage:
                       "id": f"step{step}/rank{self.ctx.dist.rank}/row{rows[s.prompt_index].get('row_id')}"
                             f"/sample{s.sample_index}"} for s, text in zip(samples, texts)]
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
-            scores, keep, bad = report.scores, report.keep, report.bad
+            scores, keep, bad, components = report.scores, report.keep, report.bad, report.components
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
@@ -59,7 +59,10 @@ class RewardStage:
             metrics.update(report.means())  # reward/<function> for each of several functions
         if exact is not None:
             metrics["reward/exact_match"] = exact
-        return ScoredBatch(rollout=batch, samples=kept, scores=kept_scores, metrics=metrics)
+        return ScoredBatch(rollout=batch, samples=kept, scores=kept_scores, metrics=metrics,
+                           texts=[t for t, k in zip(texts, keep) if k],
+                           components={name: [v for v, k in zip(values, keep) if k]
+                                       for name, values in components.items()})
 
     def close(self) -> None:
         if isinstance(self.fn, RewardSet):

@@ -25,6 +25,9 @@ With several ranks each rank evaluates its shard (`load_eval_rows(rank=, world_s
 per-source sums, so every rank returns the same metrics over the whole eval set. It is collective, like
 `RolloutEngine.generate`: every rank calls it at the same step. `load_eval_rows` gives every rank the same number
 of rows (padding with repeats that are generated but not counted) so that no rank calls `generate` with nothing.
+
+In a run: `RunEvaluation` holds what the `rl.eval_*` settings configure (rows, reward, sampling) and the trainer
+(`rl_trainer.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
 """
 
 from __future__ import annotations
@@ -270,6 +273,61 @@ def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
+# ---- evaluation as an RL run configures it ---------------------------------------------------------------------
+def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable, bool]:
+    """The eval reward: a RewardSet from `rl.eval_reward_fn` (started here; the bool says the caller must close
+    it), else the training reward stage's functions `training_fn` (not ours to close)."""
+    from ds_rlhf.config import ConfigError
+
+    rl = cfg.rl
+    if not rl.eval_reward_fn:
+        if training_fn is None:
+            raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
+        return training_fn, False
+    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+    from ds_rlhf.rewards.loading import split_style
+
+    user = any(split_style(p.strip())[0] not in BUILTIN_REWARDS for p in rl.eval_reward_fn.split(",") if p.strip())
+    workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user else 0)
+    try:
+        return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
+                                   mp_context=rl.reward_mp_context), True
+    except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
+        raise ConfigError(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+class RunEvaluation:
+    """Held-out evaluation of an RL run: its eval rows (`data.eval`, this rank's shard, loaded once), its reward
+    (`eval_reward_fn`) and its `rl.eval_*` settings; `run(engine)` evaluates whatever weights the engine holds.
+
+    The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
+    weights. `close()` stops an eval reward's workers (a reward shared with training is closed by training).
+    """
+
+    def __init__(self, ctx, training_fn: RewardSet | Callable | None):
+        cfg, dist = ctx.cfg, ctx.dist
+        rl = cfg.rl
+        self.rows = load_eval_rows(cfg.data.eval, ctx.tokenizer, rl.eval_max_prompts, rank=dist.rank,
+                                   world_size=dist.world_size, max_prompt_len=cfg.data.max_prompt_len,
+                                   overlong=cfg.data.overlong_prompts)
+        self.tokenizer = ctx.tokenizer
+        self.reward, self._owns_reward = eval_reward_fn(cfg, training_fn)
+        self.options = dict(samples_per_prompt=rl.eval_samples, greedy=rl.eval_greedy,
+                            max_new_tokens=rl.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+                            temperature=rl.eval_temperature, top_p=rl.eval_top_p,
+                            seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003,
+                            k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero")
+
+    def run(self, engine: RolloutEngine) -> dict[str, float]:
+        """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step)."""
+        return evaluate(engine, self.rows, tokenizer=self.tokenizer, reward_fn=self.reward, **self.options)
+
+    def close(self) -> None:
+        if self._owns_reward and isinstance(self.reward, RewardSet):
+            self.reward.close()
+
+
 # ---- the best checkpoint ----------------------------------------------------------------------------------------
 class BestCheckpointTracker:
     """The best value of one eval metric so far and its step; `update` says whether a new eval is the best.
@@ -363,5 +421,5 @@ def keep_best(run_dir: str | os.PathLike, step_dir: str | os.PathLike, info: dic
     return best
 
 
-__all__ = ["BestCheckpointTracker", "eval_spec", "evaluate", "keep_best", "load_eval_rows", "pass_at_k",
-           "preserved_rng", "prompt_stats"]
+__all__ = ["BestCheckpointTracker", "RunEvaluation", "eval_reward_fn", "eval_spec", "evaluate", "keep_best",
+           "load_eval_rows", "pass_at_k", "preserved_rng", "prompt_stats"]

@@ -2,6 +2,7 @@
 
     prompt rows -> rollout -> RolloutBatch -> rewards -> ScoredBatch -> trajectory (pad, old / reference
     log-probs, values, advantages) -> Trajectory -> update -> UpdateResult -> weight sync -> sync report
+    (and, on the steps the sample log is due, a few samples as rows: `sample_rows`)
 
 The rollout of a step depends only on its prompt rows and a weights version, so it can start before the previous
 step's update ends: `rollout_schedule.py` generates and syncs (in lockstep, or one step ahead), this file turns a
@@ -64,10 +65,33 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
     return out
 
 
+def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) -> list[dict]:
+    """Up to `k` kept samples as `telemetry.samples.SampleLogger` rows: every prompt's first sample before any
+    prompt's second. `advantage` is the masked mean of the sample's token advantages."""
+    samples, rows = scored.samples, scored.rollout.rows
+    chosen = sorted(range(len(samples)), key=lambda i: (samples[i].sample_index, i))[:k]
+    if not chosen:
+        return []
+    index = torch.tensor(chosen, device=traj.action_mask.device)
+    mask = traj.action_mask[index]
+    advantages = ((traj.advantages[index] * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    out = []
+    for i, advantage in zip(chosen, advantages):
+        s, row = samples[i], rows[samples[i].prompt_index]
+        out.append({"prompt": row.get("prompt_text") or ctx.tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                    "response": scored.texts[i], "reward": float(scored.scores[i]),
+                    "reward_components": {name: values[i] for name, values in scored.components.items()},
+                    "ground_truth": row.get("ground_truth"), "advantage": float(advantage),
+                    "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
+                    "sample_index": s.sample_index, "finish_reason": s.finish_reason})
+    return out
+
+
 def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch, *, step: int, kl_coef: float,
-             generator: torch.Generator, timer: PhaseTimer) -> dict:
+             generator: torch.Generator, timer: PhaseTimer, samples: int = 0) -> tuple[dict, list[dict]]:
     """One step's training on a generated batch (`rollout_schedule.RolloutSchedule.next_batch` makes it):
-    rewards -> trajectory -> update; returns the step's metrics on this rank."""
+    rewards -> trajectory -> update; returns the step's metrics on this rank and `samples` sample rows for the
+    sample log (none when `samples` is 0: rows are built only when the log is due)."""
     with timer.phase("reward"):
         scored = parts.reward(batch, step=step)
     traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
@@ -75,7 +99,7 @@ def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch, *, step: int,
         update = ppo_update(parts.actor, parts.critic, traj, ctx.cfg, kl_coef=kl_coef, generator=generator)
     metrics = step_metrics(ctx, scored, traj, update, kl_coef)
     metrics["rollout/staleness"] = step - batch.weights_version
-    return metrics
+    return metrics, (sample_rows(ctx, scored, traj, samples) if samples > 0 else [])
 
 
 def update_kl_controller(kl_ctl, metrics: dict, world_size: int) -> float:

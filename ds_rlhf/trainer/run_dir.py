@@ -10,7 +10,7 @@ several trainers on one directory).
 `prepare_run_dir` refuses a fresh run (`run.resume` empty) in a directory that holds complete checkpoints: the new
 run's checkpoints would be mixed with the old ones (pruned by step, resumed from by `latest`) and its metrics
 appended to the old log. `--run.resume latest` continues the old run; `--run.overwrite true` deletes its
-checkpoints, metrics and TensorBoard events first.
+checkpoints (the best one too), metrics, sample logs and TensorBoard events first.
 
 This module imports neither torch nor DeepSpeed (a lock check must be cheap).
 """
@@ -200,7 +200,8 @@ def prepare_run_dir(run_dir: str | Path, *, resume: str, overwrite: bool,
         raise RunDirError(f"run directory {run_dir} holds checkpoints of an earlier run (newest: {done[-1]}); pass "
                           "--run.resume latest to continue it, or --run.overwrite true to delete them and start fresh")
     if overwrite:
-        removed = [p for p in (root, run_dir / "metrics.jsonl", run_dir / "tensorboard") if p.exists()]
+        removed = [p for p in (root, run_dir / "metrics.jsonl", run_dir / "samples.jsonl", run_dir / "tensorboard")
+                   if p.exists()]
         for p in removed:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         if removed:
@@ -211,9 +212,10 @@ def prepare_run_dir(run_dir: str | Path, *, resume: str, overwrite: bool,
 
 
 def _set_aside_old_logs(run_dir: Path, log: Callable[[str], None]) -> None:
-    """A fresh run in a directory whose earlier run left metrics but no checkpoint (it died before the first
-    save): keep the old log under another name instead of appending to it."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        moved = _move_aside(metrics)
-        log(f"[run] {metrics} is from an earlier run without checkpoints: moved to {moved.name}")
+    """A fresh run in a directory whose earlier run left metrics (or sample logs) but no checkpoint (it died before
+    the first save): keep the old logs under another name instead of appending to them."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if path.is_file() and path.stat().st_size > 0:
+            moved = _move_aside(path)
+            log(f"[run] {path} is from an earlier run without checkpoints: moved to {moved.name}")

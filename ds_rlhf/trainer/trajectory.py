@@ -39,6 +39,8 @@ class ScoredBatch:
     samples: list[RolloutSample]
     scores: list[float]  # one sequence reward per kept sample
     metrics: dict = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # the kept samples' decoded responses (decoded once, for rewards)
+    components: dict[str, list] = field(default_factory=dict)  # each reward function's score per kept sample
 
 
 @dataclass(frozen=True)
