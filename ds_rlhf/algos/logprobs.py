@@ -19,14 +19,59 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(hidden_chunk, weight, bias, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """``(h W^T + b) / temperature`` for one chunk, matmul in the parameters' dtype, result in ``dtype``."""
-    logits = (hidden_chunk @ weight.t()).to(dtype)  # a fresh buffer either way, so in-place below is safe
+def _low_precision(weight: torch.Tensor) -> bool:
+    """bf16/fp16 head weights: the backward GEMMs run in that dtype (fp32 accumulation inside each GEMM, chunks
+    summed in fp32) instead of fp32 GEMMs, which run at a small fraction of the tensor-core rate on GPUs."""
+    return weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _chunk_stats(raw, bias, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+    """One chunk's (logp of the targets, logsumexp, entropy or None) from its raw logits ``h W^T``.
+
+    All the per-logit work of the forward in one function, so that on GPUs `torch.compile` fuses it into a few
+    kernels that read the ``[chunk, V]`` logits once or twice instead of a dozen fp32 passes (see `_fused`)."""
+    z = raw.to(dtype)
     if bias is not None:
-        logits.add_(bias.to(dtype))
+        z = z + bias.to(dtype)
     if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(dim=-1) if with_entropy else None
+    return logp, lse, entropy
+
+
+def _chunk_grad(raw, bias, targets, lse, grad_logp, grad_entropy, expected_logit, temperature: float,
+                dtype: torch.dtype, out_dtype: torch.dtype):
+    """``d loss / d (h W^T)`` for one chunk: ``onehot(y) g_lp - p (g_lp + g_H (z - E_p[z]))``, over temperature,
+    in ``out_dtype`` (the dtype of the backward GEMMs)."""
+    z = raw.to(dtype)
+    if bias is not None:
+        z = z + bias.to(dtype)
+    if temperature != 1.0:
+        z = z / temperature
+    probs = torch.exp(z - lse[:, None])
+    g_lp = grad_logp[:, None]
+    if grad_entropy is not None:
+        grad_z = -probs * (g_lp + grad_entropy[:, None] * (z - expected_logit[:, None]))
+    else:
+        grad_z = -probs * g_lp
+    grad_z = grad_z.scatter_add(1, targets[:, None], g_lp)
+    if temperature != 1.0:
+        grad_z = grad_z / temperature
+    return grad_z.to(out_dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _fused(fn, device: torch.device):
+    """`fn` compiled with torch.compile (Inductor) on CUDA devices, `fn` itself elsewhere (CPU runs stay eager)."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):
@@ -42,17 +87,15 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         logp = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_zeros(())
+        stats = _fused(_chunk_stats, hidden.device)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logits = _chunk_logits(hidden[start:end], weight, bias, temperature, dtype)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[start:end] = chunk_lse
-            logp[start:end] = logits.gather(1, safe_targets[start:end, None]).squeeze(1) - chunk_lse
+            raw = hidden[start:end] @ weight.t()
+            lp, chunk_lse, ent = stats(raw, bias, safe_targets[start:end], temperature, with_entropy, dtype)
+            logp[start:end], lse[start:end] = lp, chunk_lse
             if with_entropy:
-                probs = torch.exp(logits - chunk_lse[:, None])
-                entropy[start:end] = chunk_lse - probs.mul_(logits).sum(dim=-1)
-                del probs
-            del logits
+                entropy[start:end] = ent
+            del raw
         logp = torch.where(valid, logp, 0.0)
         if with_entropy:
             entropy = torch.where(valid, entropy, 0.0)
@@ -70,34 +113,29 @@ class _ChunkedLinearLogProbs(torch.autograd.Function):
         dtype = lse.dtype
         grad_logp = torch.where(valid, grad_logp.to(dtype), 0.0)
         use_entropy = with_entropy and grad_entropy is not None
+        expected_logit = None
         if use_entropy:
             grad_entropy = torch.where(valid, grad_entropy.to(dtype), 0.0)
             expected_logit = lse - entropy
+        low = _low_precision(weight)
+        gemm_dtype = weight.dtype if low else dtype
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias else None
+        grad_of_chunk = _fused(_chunk_grad, hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end]
-            logits = _chunk_logits(h, weight, bias, temperature, dtype)
-            probs = torch.exp(logits - lse[start:end, None])
-            g_lp = grad_logp[start:end, None]
-            if use_entropy:
-                # dz = -p * (g_logp + g_H * (z - E[z])), computed in place in the logits buffer
-                grad_z = logits.sub_(expected_logit[start:end, None]).mul_(grad_entropy[start:end, None])
-                grad_z.add_(g_lp).mul_(probs).neg_()
-            else:
-                grad_z = probs.mul_(g_lp).neg_()
-            grad_z.scatter_add_(1, targets[start:end, None], g_lp)
-            if temperature != 1.0:
-                grad_z.div_(temperature)
+            gz = grad_of_chunk(h @ weight.t(), bias, targets[start:end], lse[start:end], grad_logp[start:end],
+                               grad_entropy[start:end] if use_entropy else None,
+                               expected_logit[start:end] if use_entropy else None, temperature, dtype, gemm_dtype)
             if need_hidden:
-                grad_hidden[start:end] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_weight:
-                grad_weight.addmm_(grad_z.t(), h.to(dtype))
+                grad_hidden[start:end] = (gz @ weight.to(gemm_dtype)).to(hidden.dtype)
+            if need_weight:  # bf16/fp16: a tensor-core GEMM per chunk, summed over chunks in fp32
+                grad_weight.add_(gz.t() @ h.to(gemm_dtype))
             if need_bias:
-                grad_bias.add_(grad_z.sum(dim=0))
-            del logits, probs, grad_z
+                grad_bias.add_(gz.sum(dim=0, dtype=dtype))
+            del gz
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
