@@ -7,7 +7,13 @@ what they cost on the real model. Rewards come from a cheap deterministic rule (
 advantages are not all zero. Reports per-phase medians over the steps after warm-up and completions/s.
 
     python3 bench/rl_step_gpu.py --steps 22 --out $OUT [--sleep] [--micro-batch-tokens 16384]
+    python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: vLLM sidecar process, one step off
+    python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
+
+An NVML sampler (100 ms) runs through the whole run; the JSON reports its mean over the steady steps and per
+phase, and a PNG timeline with the phases shaded is written beside it (`bench/gpu_timeline.py` renders it later
+where matplotlib is missing). `mfu` is the training phase's 6*N*tokens / time over the 790 TFLOP/s bf16 peak.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parents[1]
 
-QWEN2_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=4096)
+SHAPES = {  # Qwen2 shapes, vocab 151936
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=4096),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=4096),
+}
 
 
-def build_model(workdir: Path, tiny: bool) -> Path:
-    """Random-init Qwen2 (0.5B shape, or the tiny one) saved with the offline tiny tokenizer."""
+def build_model(workdir: Path, tiny: bool, shape: str = "0.5b") -> Path:
+    """Random-init Qwen2 (0.5B / 1.5B shape, or the tiny one) saved with the offline tiny tokenizer."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -37,11 +47,11 @@ def build_model(workdir: Path, tiny: bool) -> Path:
     tiny_dir = build_tiny_model()
     if tiny:
         return tiny_dir
-    out = workdir / "qwen2-0.5b-shape"
+    out = workdir / f"qwen2-{shape}-shape"
     if (out / "config.json").exists():
         return out
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    config = Qwen2Config(**QWEN2_05B, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=shape == "0.5b", eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -95,6 +105,11 @@ def main() -> None:
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
+    p.add_argument("--model", choices=sorted(SHAPES), default="0.5b", help="Qwen2 shape")
+    p.add_argument("--algo", default="grpo", help="rl.algo (ppo adds a critic of the same shape)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="generate step k+1 while step k trains (vLLM as a sidecar process on the same GPU)")
+    p.add_argument("--placement", default="", help="rollout.placement (default: colocated, sidecar with --async)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="")
@@ -106,14 +121,18 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    model = build_model(workdir, args.tiny)
+    model = build_model(workdir, args.tiny, args.model)
     prompts = build_prompts(workdir, model, args.prompts * (args.steps + 1), args.prompt_len)
     print(f"[rl_step_gpu] model {model}, prompts {prompts} ({time.time() - t0:.1f}s)", flush=True)
-    tag = args.tag or ("sleep" if args.sleep else "nosleep")
+    placement = args.placement or ("sidecar" if args.asynchronous else "colocated")
+    tag = args.tag or "-".join([args.model, args.algo, "async" if args.asynchronous else "sync", placement,
+                                "sleep" if args.sleep else "nosleep"])
     run_dir = workdir / f"run-{tag}"
     cfg = parse_config([
         "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
-        "--run.steps", str(args.steps), "--rl.algo", "grpo", "--rl.kl_coef", "0",
+        "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
+        "--rollout.placement", placement, "--rollout.async_generation", str(args.asynchronous),
+        "--run.overwrite", "true",
         "--rl.reward_fn", f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio",
         "--rl.prompts_per_step", str(args.prompts), "--rollout.n_samples", str(args.samples),
         "--rollout.max_new_tokens", str(args.new_tokens), "--rollout.sleep", str(args.sleep),
@@ -121,16 +140,67 @@ def main() -> None:
         "--data.micro_batch_tokens", str(args.micro_batch_tokens), "--model.gradient_checkpointing",
         str(args.grad_ckpt), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
         "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1"])
+    from gpu_timeline import Sampler, render
+    from gpu_timeline import summarize as summarize_gpu
+
     t1 = time.time()
-    trainer = RLTrainer(cfg)
-    setup_s = time.time() - t1
-    history = trainer.train()
+    with Sampler(0.1) as sampler:
+        trainer = RLTrainer(cfg)
+        setup_s = time.time() - t1
+        step_ends = []
+        history = []
+        t_train = time.time()
+        for record in _train_recording_step_ends(trainer, step_ends):
+            history.append(record)
+    window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
+    events = list(trainer.timer.events)
     result = {"tag": tag, "config": vars(args), "setup_seconds": setup_s, "total_seconds": time.time() - t0,
-              **summarize(history, args.warmup_steps, args.prompts * args.samples), "history": history}
+              **summarize(history, args.warmup_steps, args.prompts * args.samples),
+              "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
+              "gpu": summarize_gpu(sampler.samples, events, window), "history": history,
+              "timeline": {"samples": sampler.samples, "events": events, "window": window}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rl_step_{tag}.json").write_text(json.dumps(result, indent=1, default=float))
-    print(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=1, default=float), flush=True)
+    render(sampler.samples, events, str(out / f"rl_step_{tag}.png"), title=tag, window=window)
+    shown = {k: v for k, v in result.items() if k not in ("history", "timeline")}
+    print(json.dumps(shown, indent=1, default=float), flush=True)
+
+
+def _train_recording_step_ends(trainer, step_ends: list):
+    """`trainer.train()`, noting the wall time each step ended (the steady-state window for the GPU means)."""
+    original = trainer.train_step
+
+    def timed():
+        metrics = original()
+        step_ends.append(time.time())
+        return metrics
+
+    trainer.train_step = timed
+    yield from trainer.train()
+
+
+def train_mfu_params(model_dir: Path) -> int:
+    """N for 6*N FLOPs per token: every weight matrix, the (tied) embedding / head once."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * (h // c.num_attention_heads)
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
+    return layers * per_layer + v * h * (1 if c.tie_word_embeddings else 2)
+
+
+def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops: float = 790.0) -> dict:
+    """Training-phase MFU: 6 N FLOPs per trained token over the measured bf16 matmul peak of the H200
+    (790 TFLOP/s, device notes), per the issue's definition."""
+    n = train_mfu_params(model_dir)
+    tokens = statistics.median(h_["throughput/tokens_per_s"] * h_["time/wall"] for h_ in steady)
+    train_s = statistics.median(h_.get("time/train", 0.0) for h_ in steady)
+    flops = 6 * n * tokens
+    return {"params": n, "tokens_per_step": tokens, "train_seconds": train_s,
+            "train_tflops": flops / train_s / 1e12 if train_s else None,
+            "mfu": flops / train_s / (peak_tflops * 1e12) if train_s else None}
 
 
 if __name__ == "__main__":

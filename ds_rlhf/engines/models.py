@@ -53,6 +53,13 @@ def _hf_kwargs(dtype, attn_impl, compute_dtype) -> dict:
     return {"dtype": dtype, "attn_implementation": impl}
 
 
+def lora_settings(model_cfg) -> dict | None:
+    """peft LoraConfig keywords from the config's `model` section (None for full fine-tuning)."""
+    if model_cfg.lora_rank <= 0:
+        return None
+    return {"r": model_cfg.lora_rank, "lora_alpha": model_cfg.lora_alpha, "target_modules": model_cfg.lora_targets}
+
+
 def apply_lora(model: nn.Module, lora: dict, task_type: str | None):
     """Wrap ``model`` with peft LoRA adapters; only the adapters stay trainable."""
     from peft import LoraConfig, get_peft_model

@@ -39,7 +39,7 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
+from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
 
 
 class RemoteVLLMEngine(RolloutEngine):
@@ -51,9 +51,11 @@ class RemoteVLLMEngine(RolloutEngine):
                  log_path: str | None = None, host: str = "127.0.0.1", **engine_kwargs) -> None:
         super().__init__()
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
+        # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._group: WeightGroup | None = None
         self._in_flight = False
+        self._ipc_buf: torch.Tensor | None = None
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
@@ -218,6 +220,10 @@ class RemoteVLLMEngine(RolloutEngine):
             buckets = [b for b in buckets if b]
             plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
         t0 = time.perf_counter()
+        if self.weight_backend == "ipc":
+            nbytes = self._update_through_ipc(buckets, plan)
+            self._record_update(nbytes, time.perf_counter() - t0)
+            return
         self._ensure_group()
         self._conn.send(("update", plan_to_wire(plan)))
         nbytes, pending, n_sent = 0, None, 0
@@ -238,6 +244,25 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
         self._recv()
         self._record_update(nbytes, time.perf_counter() - t0)
+
+    def _update_through_ipc(self, buckets, plan) -> int:
+        """Sidecar on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed into a
+        CUDA buffer the server maps through CUDA IPC once, then one message per bucket; the server loads from its
+        view and answers after its copies finished, so the next bucket may overwrite the buffer."""
+        nbytes = 0
+        for bucket, metas in zip(buckets, plan):
+            size = bucket_nbytes(metas)
+            if self._ipc_buf is None or self._ipc_buf.numel() < size:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                self._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+                self._call("init_ipc", reduce_tensor(self._ipc_buf))
+            pack_bucket([t for _, t in bucket], metas, out=self._ipc_buf)
+            torch.cuda.current_stream().synchronize()
+            self._call("update_ipc", plan_to_wire([metas]))
+            nbytes += size
+        self._call("update_done")
+        return nbytes
 
     def _ensure_group(self) -> None:
         if self._group is not None:
@@ -283,6 +308,7 @@ class RemoteVLLMEngine(RolloutEngine):
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+        self._ipc_buf = None
         for attr in ("_group", "_listener", "_log"):
             obj = getattr(self, attr)
             if obj is not None:

@@ -16,7 +16,9 @@ from multiprocessing.connection import Client
 
 import torch
 
-from ds_rlhf.rollout.weight_group import plan_from_wire
+from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
+
+_IPC: dict = {}  # the trainer's shared CUDA buffer (sidecar placement), mapped once
 
 
 def _handle(engine, cmd: str, args: tuple):
@@ -50,6 +52,20 @@ def _handle(engine, cmd: str, args: tuple):
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
                      for bucket in plan_from_wire(args[0]) for m in bucket)
         engine._record_update(nbytes, time.perf_counter() - t0)
+        return engine, None
+    if cmd == "init_ipc":  # the trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)
+        rebuild, rebuild_args = args[0]
+        _IPC["buffer"] = rebuild(*rebuild_args)
+        return engine, None
+    if cmd == "update_ipc":
+        t0 = time.perf_counter()
+        metas = plan_from_wire(args[0])[0]
+        engine.handle.load_weights(unpack_bucket(_IPC["buffer"][: bucket_nbytes(metas)], metas))
+        torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
+        engine._record_update(bucket_nbytes(metas), time.perf_counter() - t0)
+        return engine, None
+    if cmd == "update_done":
+        engine.reset_cache()
         return engine, None
     if cmd == "sleep":
         engine.sleep()

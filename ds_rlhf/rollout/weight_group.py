@@ -65,13 +65,18 @@ def bucket_nbytes(metas: Sequence[TensorMeta]) -> int:
 
 
 def pack_bucket(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta],
-                device: torch.device | None = None) -> torch.Tensor:
-    """Flatten tensors (cast to the plan's dtype) into one uint8 buffer, checking them against the plan."""
+                device: torch.device | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flatten tensors (cast to the plan's dtype) into one uint8 buffer, checking them against the plan; into the
+    front of `out` (a larger uint8 buffer, e.g. one shared with the rollout process) when given."""
     if len(tensors) != len(metas):
         raise RuntimeError(f"bucket has {len(tensors)} tensors but the plan announced {len(metas)}")
     dtype = metas[0].dtype
     device = device or tensors[0].device
-    flat = torch.empty(sum(m.numel for m in metas), dtype=dtype, device=device)
+    numel = sum(m.numel for m in metas)
+    if out is not None:
+        flat = out[: numel * _itemsize(dtype)].view(dtype)
+    else:
+        flat = torch.empty(numel, dtype=dtype, device=device)
     offset = 0
     for t, m in zip(tensors, metas):
         if tuple(t.shape) != tuple(m.shape):

@@ -54,6 +54,8 @@ class Placement:
         kw = {"tensor_parallel_size": self.tensor_parallel_size}
         if self.mode in ("disaggregated", "sidecar") and self.rollout_devices:
             kw["devices"] = list(self.rollout_devices)
+        if self.mode == "sidecar" and self.rollout_devices:
+            kw["weight_backend"] = "ipc"  # same GPU: CUDA IPC (NCCL refuses two ranks on one device)
         return kw
 
 

@@ -58,6 +58,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.data.store import open_store
     from ds_rlhf.engines.builder import build_actor, build_critic, build_reference
+    from ds_rlhf.engines.models import lora_settings
     from ds_rlhf.rollout import make_rollout_engine
     from ds_rlhf.rollout.canary import SyncCanary
     from ds_rlhf.rollout.sync import WeightSync
@@ -80,7 +81,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         # the explicit split: vLLM's process takes gpu_memory_utilization of the GPU, this process the rest
         torch.cuda.set_per_process_memory_fraction(max(0.05, 1.0 - cfg.rollout.gpu_memory_utilization - 0.02))
     model_opts = dict(attn_impl=cfg.model.attn_impl,
-                      gradient_checkpointing=cfg.model.gradient_checkpointing, lora=_lora(cfg))
+                      gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora_settings(cfg.model))
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
     critic = None
@@ -156,12 +157,6 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None) -> RewardStage:
                          ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
                                        frozen=True), attn_impl=ctx.cfg.model.attn_impl)
     return RewardStage(ctx, model=model)
-
-
-def _lora(cfg) -> dict | None:
-    if cfg.model.lora_rank <= 0:
-        return None
-    return {"r": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": cfg.model.lora_targets}
 
 
 def _critic_source(ctx: RunContext) -> tuple[str, str]:

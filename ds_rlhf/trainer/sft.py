@@ -54,10 +54,10 @@ class SFTTask:
 
     def build(self, ctx: RunContext, ds_config: dict):
         from ds_rlhf.engines.builder import build_actor
+        from ds_rlhf.engines.models import lora_settings
 
         cfg = ctx.cfg
-        lora = ({"r": cfg.model.lora_rank, "alpha": cfg.model.lora_alpha, "targets": cfg.model.lora_targets}
-                if cfg.model.lora_rank > 0 else None)
+        lora = lora_settings(cfg.model)
         return build_actor(ctx.model_path, ds_config, attn_impl=cfg.model.attn_impl,
                            gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora)
 

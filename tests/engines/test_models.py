@@ -90,3 +90,15 @@ def test_gradient_checkpointing_is_non_reentrant_and_exact(tiny_model_path, ids)
     assert GC_KWARGS == {"use_reentrant": False}
     for name in grads[False]:
         torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-6, rtol=0)
+
+
+def test_lora_settings_from_the_config_build_a_lora_actor(tiny_model_path):
+    """Regression: the config's LoRA keys reached peft as 'alpha'/'targets' (TypeError for any lora_rank > 0)."""
+    from ds_rlhf.config import parse_config
+    from ds_rlhf.engines.models import lora_settings
+
+    cfg = parse_config(["--model.lora_rank", "4", "--model.lora_alpha", "8"])
+    actor = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa", lora=lora_settings(cfg.model))
+    trainable = [n for n, p in actor.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert lora_settings(parse_config([]).model) is None

@@ -30,6 +30,9 @@ HELP_TEXT = {
     "prep-gsm8k": "--kind",
     "prep-sft": "--messages_key",
     "prep-preferences": "--chosen_key",
+    "doctor": "--data-dir",
+    "memory": "--gpu-memory-gb",
+    "report": "--no-doctor",
 }
 
 

@@ -1,0 +1,130 @@
+"""Training-phase benchmark: `ppo_update` (GRPO, one epoch) on a synthetic trajectory, no rollout engine.
+
+It isolates what `bench/rl_step_gpu.py` reports as `time/train`: the same actor engine (DeepSpeed, the ds_config
+given), the same micro-batching and log-prob head, 256 samples of 128 prompt + 256 response tokens by default.
+Each `--micro-batch-tokens` value is measured after one warm-up update; `--profile` prints the top CUDA kernels of
+one update. MFU = 6 * N * tokens / seconds over the 790 TFLOP/s bf16 peak (N = parameters, tied head once).
+
+    python3 bench/train_step_gpu.py --model 0.5b --micro-batch-tokens 16384,32768,65536 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from rl_step_gpu import build_model, train_mfu_params
+
+PEAK_TFLOPS = 790.0
+
+
+def synthetic_trajectory(cfg, n: int, prompt: int, response: int, vocab: int, device):
+    """n samples of random token ids (8 per prompt), random rewards, GRPO advantages."""
+    import torch
+
+    from ds_rlhf.rollout.base import RolloutSample
+    from ds_rlhf.trainer.trajectory import pad_trajectory, with_advantages
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [RolloutSample(prompt_index=i // 8, sample_index=i % 8,
+                             prompt_ids=torch.randint(10, vocab, (prompt,), generator=gen).tolist(),
+                             response_ids=torch.randint(10, vocab, (response,), generator=gen).tolist(),
+                             logprobs=[-11.0] * response, finish_reason="length") for i in range(n)]
+    scores = torch.rand(n, generator=gen).tolist()
+    return with_advantages(pad_trajectory(samples, scores, 0, device=device), cfg.rl, 0.0)
+
+
+def _patch_head(backward: str, chunk: int, eager: bool) -> None:
+    """Benchmark-only switches, to measure the alternatives back to back in one session."""
+    import functools
+
+    from ds_rlhf.algos import logprobs
+    from ds_rlhf.trainer import policy_forward, rl_update
+
+    if backward == "fp32":
+        logprobs._low_precision = lambda weight: False
+    if eager:
+        logprobs._fused = lambda fn, device: fn
+    if chunk:
+        rl_update.sequence_logprobs = functools.partial(policy_forward.sequence_logprobs, chunk_size=chunk)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="0.5b")
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", default="32768")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ds-config", default="ds_configs/zero2.json")
+    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
+    p.add_argument("--head-backward", choices=("auto", "fp32"), default="auto",
+                   help="fp32: the chunked log-prob head's backward GEMMs in fp32 (the code before 2026-12-01)")
+    p.add_argument("--head-chunk", type=int, default=0, help="log-prob head chunk (tokens); 0 = the trainer's")
+    p.add_argument("--head-eager", action="store_true", help="the head's per-logit work without torch.compile")
+    p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+
+    import torch
+
+    from ds_rlhf.config import parse_config
+    from ds_rlhf.engines.builder import build_actor
+    from ds_rlhf.trainer.rl_update import ppo_update
+    from ds_rlhf.trainer.run_context import setup_run
+
+    _patch_head(args.head_backward, args.head_chunk, args.head_eager)
+    workdir = Path(args.workdir)
+    model = build_model(workdir, args.tiny, args.model)
+    budgets = [int(x) for x in args.micro_batch_tokens.split(",")]
+    cfg = parse_config(["--model.path", str(model), "--run.output_dir", tempfile.mkdtemp(), "--ds_config",
+                        args.ds_config, "--model.gradient_checkpointing", str(args.grad_ckpt), "--run.tensorboard",
+                        "false", "--rollout.max_new_tokens", str(args.response_len)])
+    ctx = setup_run(cfg, "train-bench")
+    actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=4, lr=1e-6, total_steps=1000),
+                        attn_impl=cfg.model.attn_impl, gradient_checkpointing=args.grad_ckpt)
+    traj = synthetic_trajectory(cfg, args.samples, args.prompt_len, args.response_len, 400, ctx.dist.device)
+    tokens = float(traj.seq_lens.sum())
+    n_params = train_mfu_params(model)
+    gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    results = []
+    for budget in budgets:
+        cfg.data.micro_batch_tokens = budget
+        ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
+        sync()
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+            sync()
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        row = {"micro_batch_tokens": budget, "seconds": times, "tokens": tokens, "tokens_per_s": tokens / best,
+               "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
+               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"
+    (out / f"train_step_{tag}.json").write_text(json.dumps({"config": vars(args), "params": n_params,
+                                                                   "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
