@@ -22,6 +22,17 @@ __all__ = ["prep_prompts", "prep_gsm8k", "prep_sft", "prep_preferences", "PrepRe
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a length or a batch size; 0 or -5 would silently mangle every row)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def _common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty) -> dict:
     if overlong not in ("drop", "truncate"):
         raise ValueError(f"overlong must be 'drop' or 'truncate', got {overlong!r}")
@@ -154,7 +165,7 @@ def _parser(prog: str, doc: str, example: str) -> argparse.ArgumentParser:
     p.add_argument("--allow-empty", "--allow_empty", dest="allow_empty", action="store_true",
                    help="write a store even when no row is kept (default: 0 rows kept is an error naming the "
                         "input and the drops by reason)")
-    p.add_argument("--block_rows", type=int, default=2048, help="rows per Arrow record batch (the I/O unit)")
+    p.add_argument("--block_rows", type=_positive_int, default=2048, help="rows per Arrow record batch (the I/O unit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -182,14 +193,14 @@ def build_parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--extra_keys", nargs="*", default=None, help="fields kept in the JSON `extra` column "
                                                                      "(default: all fields not used above)")
         p.add_argument("--require_label", action="store_true", help="a row without ground truth is an error")
-        p.add_argument("--max_prompt_len", type=int, default=1024, help="max prompt tokens (default 1024)")
+        p.add_argument("--max_prompt_len", type=_positive_int, default=1024, help="max prompt tokens (default 1024)")
     elif name == "prep_gsm8k":
         p = _parser("prep_gsm8k.py", prep_gsm8k.__doc__,
                     "python data_prep/prep_gsm8k.py --tokenizer TOK --input gsm8k/train.jsonl --output stores/gsm8k")
         p.add_argument("--kind", choices=("prompts", "sft"), default="prompts", help="store kind to write")
         p.add_argument("--instruction", default=GSM8K_INSTRUCTION, help="text appended to each question")
-        p.add_argument("--max_prompt_len", type=int, default=1024, help="max prompt tokens (kind prompts)")
-        p.add_argument("--max_len", type=int, default=2048, help="max sequence tokens (kind sft)")
+        p.add_argument("--max_prompt_len", type=_positive_int, default=1024, help="max prompt tokens (kind prompts)")
+        p.add_argument("--max_len", type=_positive_int, default=2048, help="max sequence tokens (kind sft)")
     elif name == "prep_sft":
         p = _parser("prep_sft.py", prep_sft.__doc__,
                     "python data_prep/prep_sft.py --tokenizer TOK --input chats.jsonl --output stores/sft")
@@ -201,7 +212,7 @@ def build_parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--response_key", "--output_key", dest="response_key", default="auto",
                        help="response field of prompt/response pairs")
         _template_flag(p)
-        p.add_argument("--max_len", type=int, default=2048, help="max sequence tokens (default 2048)")
+        p.add_argument("--max_len", type=_positive_int, default=2048, help="max sequence tokens (default 2048)")
     elif name == "prep_preferences":
         p = _parser("prep_preferences.py", prep_preferences.__doc__,
                     "python data_prep/prep_preferences.py --tokenizer TOK --input hh.jsonl.gz --output stores/rm")
@@ -209,7 +220,7 @@ def build_parser(name: str) -> argparse.ArgumentParser:
         p.add_argument("--rejected_key", default="rejected", help="rejected side")
         p.add_argument("--prompt_key", default="auto", help="prompt field used when the sides are bare "
                                                             "responses (default: prompt)")
-        p.add_argument("--max_len", type=int, default=2048, help="max tokens per side (default 2048)")
+        p.add_argument("--max_len", type=_positive_int, default=2048, help="max tokens per side (default 2048)")
     else:
         raise ValueError(f"unknown prep command {name!r}")
     return p

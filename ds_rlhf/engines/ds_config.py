@@ -68,13 +68,59 @@ def pick_precision(requested: str = "auto") -> str:
     return requested
 
 
+OVERRIDES: list[tuple[str, Any, Any]] = []  # (key, file value, run value) of the last resolve_ds_config call
+
+
 def _fill(section: dict, key: str, value: Any, where: str) -> None:
     """Set ``section[key]`` if it is auto/missing; otherwise keep the file's value and warn when it differs."""
     current = section.get(key, AUTO)
     if current == AUTO:
         section[key] = value
     elif value is not None and current != value:
+        OVERRIDES.append((where, current, value))
         logger.warning("ds_config %s=%r (from the file) overrides the CLI value %r", where, current, value)
+
+
+# Top-level keys DeepSpeed reads: its constants modules (collected at first use) plus sections named elsewhere.
+_EXTRA_KEYS = {"progressive_layer_drop", "quantize_training", "compression_training", "nebula", "elasticity",
+               "sequence_parallel_size", "graph_harvesting", "compile", "timers", "expert_parallel_size",
+               "weight_quantization", "hybrid_engine", "tensorboard", "wandb", "csv_monitor", "comet"}
+_CONSTANT_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants",
+                     "deepspeed.runtime.activation_checkpointing.config", "deepspeed.profiling.constants",
+                     "deepspeed.monitor.config", "deepspeed.autotuning.constants", "deepspeed.elasticity.constants",
+                     "deepspeed.compression.constants", "deepspeed.runtime.data_pipeline.constants",
+                     "deepspeed.comm.constants", "deepspeed.runtime.swap_tensor.constants",
+                     "deepspeed.nebula.constants", "deepspeed.checkpoint.constants", "deepspeed.runtime.config")
+
+
+def known_top_level_keys() -> set[str]:
+    import importlib
+
+    keys = set(_EXTRA_KEYS)
+    for name in _CONSTANT_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module another DeepSpeed version lacks: its keys are just not known
+            continue
+        keys.update(v for k, v in vars(module).items()
+                    if k.isupper() and isinstance(v, str) and v.islower() and v.replace("_", "").isalnum())
+    return keys
+
+
+def check_top_level_keys(raw: dict, where: str) -> list[str]:
+    """Unknown top-level keys (DeepSpeed ignores them silently). One that is a near-miss of a known key is an error
+    naming both (a typo would otherwise be ignored); others are returned, for the caller to warn about. Nested
+    sections such as zero_optimization are validated by DeepSpeed itself (its pydantic models forbid extras)."""
+    import difflib
+
+    known = known_top_level_keys()
+    unknown = [k for k in raw if k not in known]
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"{where}: unknown DeepSpeed key {key!r} (did you mean {close[0]!r}?); DeepSpeed would "
+                             "ignore it silently")
+    return unknown
 
 
 def _resolve_batch(cfg: dict, micro_batch_size: int, grad_accum: int, world_size: int) -> None:
@@ -213,7 +259,9 @@ def resolve_ds_config(cfg: dict, *, micro_batch_size: int, grad_accum: int, worl
     """Return a copy of ``cfg`` with every ``"auto"`` filled; raise ``ValueError`` naming the key on conflicts.
 
     ``hidden_size`` (optional) sizes the ZeRO buckets as Hugging Face does; without it DeepSpeed's defaults are used.
+    Explicit file values that differ from the run's settings are kept and listed in ``OVERRIDES``.
     """
+    OVERRIDES.clear()
     cfg = load_ds_config(cfg)
     if precision == AUTO:
         precision = pick_precision()

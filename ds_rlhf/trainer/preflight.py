@@ -118,7 +118,7 @@ def check_resume(cfg: Config) -> None:
 
 
 def check_ds_config(cfg: Config) -> None:
-    from ds_rlhf.engines.ds_config import load_ds_config
+    from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
     from ds_rlhf.trainer.run_context import find_ds_config
 
     try:
@@ -126,9 +126,15 @@ def check_ds_config(cfg: Config) -> None:
     except FileNotFoundError as exc:
         raise ConfigError(f"ds_config={cfg.ds_config!r}: {exc}") from None
     try:
-        load_ds_config(path)
+        raw = load_ds_config(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"ds_config={cfg.ds_config!r}: {path} is not valid JSON: {exc}") from None
+    try:
+        unknown = check_top_level_keys(raw, str(path))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if unknown:
+        print(f"[ds_config] {path}: keys DeepSpeed does not read (ignored): {', '.join(unknown)}", flush=True)
 
 
 def check_rl_run(cfg: Config) -> None:

@@ -86,7 +86,7 @@ class RunContext:
     def ds_config(self, *, role: str, micro_batch_size: int, lr: float, total_steps: int,
                   frozen: bool = False) -> dict:
         """Resolve the run's ds_config for one role, save it beside the run, and return it."""
-        from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+        from ds_rlhf.engines.ds_config import OVERRIDES, load_ds_config, resolve_ds_config
 
         cfg = self.cfg
         raw = load_ds_config(find_ds_config(cfg.ds_config))
@@ -101,6 +101,10 @@ class RunContext:
             resolved["managed_gradient_accumulation"] = False
         if self.dist.is_main:
             (self.run_dir / f"ds_config.{role}.json").write_text(json.dumps(resolved, indent=2, sort_keys=True))
+            for key, in_file, in_run in OVERRIDES:  # the one precedence rule, said where the user sees it
+                print(f"[ds_config] {role}: {key}={in_file!r} from {cfg.ds_config} overrides the run's {in_run!r} "
+                      "(explicit values in the ds_config win; set them to \"auto\" to take the run's settings)",
+                      flush=True)
         return resolved
 
 

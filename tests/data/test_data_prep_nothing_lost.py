@@ -254,3 +254,19 @@ def test_kill_9_during_overwrite_leaves_a_complete_store(tmp_path, tok, where, s
     with pytest.raises(DataPrepError, match="--overwrite"):
         prep_sft(new, out, tok, progress=False)
     assert survivor in _sft_text(out, tok) and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("flag", ["--max_prompt_len", "--block_rows"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_non_positive_lengths_are_refused_by_the_cli(flag, value, tmp_path, capsys):
+    """Issue 17 #14: `--max_prompt_len -5 --truncate` was accepted and cut every prompt (chat header included)."""
+    from ds_rlhf.data.prep import cli
+
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "hi there", "label": "1"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        cli("prep_prompts", ["--tokenizer", "unused", "--input", str(src), "--output", str(tmp_path / "out"),
+                             flag, value, "--truncate"])
+    assert exit_info.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -94,3 +94,67 @@ def test_supervised_run_needs_a_store_of_its_kind(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="data.train is empty"):
         check_supervised_run(parse_config([]), "preference")
     assert json.loads((store / "manifest.json").read_text())["kind"] == "prompts"
+
+
+def test_misspelt_deepspeed_key_is_an_error_and_unknown_ones_are_said(tmp_path, tiny_model_path, capsys):
+    store = _store(tmp_path, tiny_model_path, longest=8)
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"gradient_clippng": 1.0, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ConfigError, match="unknown DeepSpeed key 'gradient_clippng' .did you mean 'gradient_clipping'"):
+        check_rl_run(_rl(tmp_path, store, "--ds_config", str(typo)))
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"my_team_notes": "x", "zero_optimization": {"stage": 2}}))
+    check_rl_run(_rl(tmp_path, store, "--ds_config", str(odd)))
+    assert "keys DeepSpeed does not read (ignored): my_team_notes" in capsys.readouterr().out
+
+
+def test_an_explicit_ds_config_value_overriding_the_run_is_recorded():
+    """The one precedence rule (explicit ds_config values win) is reported per key; the run prints it at start."""
+    from ds_rlhf.engines import ds_config as dsc
+
+    raw = dsc.load_ds_config("zero2")
+    raw["optimizer"]["params"]["lr"] = 3e-5
+    dsc.resolve_ds_config(raw, micro_batch_size=2, grad_accum=1, world_size=1, precision="fp32", grad_clip=1.0,
+                          lr=1e-6, weight_decay=0.0, total_steps=10)
+    assert ("optimizer.params.lr", 3e-5, 1e-6) in dsc.OVERRIDES
+    dsc.resolve_ds_config(dsc.load_ds_config("zero2"), micro_batch_size=2, grad_accum=1, world_size=1,
+                          precision="fp32", grad_clip=1.0, lr=1e-6, weight_decay=0.0, total_steps=10)
+    assert dsc.OVERRIDES == []
+
+
+def test_file_rewards_run_in_a_worker_pool_by_default(tmp_path):
+    """Issue 17 #9: a user reward that sleeps hung the run; by default file rewards now run in workers with a
+    timeout (built-in rules stay in-process)."""
+    from ds_rlhf.trainer.rl_build import reward_functions
+
+    path = tmp_path / "r.py"
+    path.write_text("def f(prompt, response, ground_truth, metadata):\n    return 1.0\n")
+    user = reward_functions(parse_config(["--rl.reward_fn", f"{path}:f", "--rl.reward_timeout", "5"]))
+    try:
+        assert user.pool is not None
+    finally:
+        user.close()
+    assert reward_functions(parse_config(["--rl.reward_fn", "gsm8k"])).pool is None
+
+
+def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
+    """Issue 17 #5: on_bad_reward=zero with every reward bad trained on zeros forever."""
+    from types import SimpleNamespace
+
+    from ds_rlhf.rollout.base import RolloutSample
+    from ds_rlhf.trainer.reward_stage import RewardStage
+    from ds_rlhf.trainer.rewards import BadRewardError
+    from ds_rlhf.trainer.trajectory import RolloutBatch
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    for policy in ("zero", "drop"):
+        cfg = parse_config(["--rl.on_bad_reward", policy])
+        ctx = SimpleNamespace(cfg=cfg, tokenizer=Tok(), dist=SimpleNamespace(rank=0, device="cpu"))
+        stage = RewardStage(ctx, fn=lambda p, r, g, m: float("nan"))
+        samples = [RolloutSample(0, i, [1], [2, 3], [-1.0, -1.0], "stop") for i in range(4)]
+        with pytest.raises(BadRewardError, match="every reward of this step was bad"):
+            stage(RolloutBatch(rows=[{"prompt_text": "", "ground_truth": None}], samples=samples,
+                               weights_version=0), step=0)
