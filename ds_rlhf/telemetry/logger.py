@@ -189,10 +189,17 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
         warnings.warn(f"{path} ends at step {max(steps) if steps else 0} but the checkpoint is at step {step}: "
                       "the log has no records for the steps in between (they were not flushed before the crash)",
                       stacklevel=2)
+    rewrite_lines(path, [line for line, _ in kept])
+    return len(records) - len(kept)
+
+
+def rewrite_lines(path: Path, lines: list[str]) -> None:
+    """Replace a JSONL file atomically: write beside it, fsync, rename over it, fsync the directory; a crash
+    leaves either the old or the new file whole."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line, _ in kept))
+            f.write("".join(line + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -204,4 +211,3 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return len(records) - len(kept)

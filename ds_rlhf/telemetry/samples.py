@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines
+from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines, rewrite_lines
 
 SAMPLES_FILE = "samples.jsonl"
 ROW_KEYS = ("prompt", "response", "reward", "reward_components", "ground_truth", "advantage", "weights_version")
@@ -131,16 +131,7 @@ def truncate_samples(run_dir: str | os.PathLike, step: int) -> int:
         return 0
     records = _parse_lines(path)
     kept = [line for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    rewrite_lines(path, kept)
     return len(records) - len(kept)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.trainer.preflight import check_rl_run, check_supervised_run
+from tests.trainer.stores import prompt_store, rl_config
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -41,49 +42,34 @@ def test_malformed_config_file_names_the_file(tmp_path, suffix, text, kind):
 
 
 def _store(tmp_path, tiny_model_path, longest: int):
-    from transformers import AutoTokenizer
-
-    from ds_rlhf.data.store import tokenizer_fingerprint
-    from ds_rlhf.data.writer import write_store
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    rows = [{"input_ids": list(range(3, 3 + n)), "ground_truth": "1"} for n in (4, longest, 6)]
-    out = tmp_path / "prompts"
-    write_store(out, "prompts", rows, tokenizer_name=str(tiny_model_path),
-                tokenizer_fingerprint=tokenizer_fingerprint(tok))
-    return out
-
-
-def _rl(tmp_path, store, *extra):
-    return parse_config(["--data.train", str(store), "--rl.reward_fn", "gsm8k", "--run.output_dir",
-                         str(tmp_path / "run"), *extra])
+    return prompt_store(tmp_path, tiny_model_path, lengths=(4, longest, 6))
 
 
 def test_prompts_longer_than_max_prompt_len_are_refused_with_both_numbers(tmp_path, tiny_model_path):
     store = _store(tmp_path, tiny_model_path, longest=40)
     with pytest.raises(ConfigError, match="prompts of up to 40 tokens but data.max_prompt_len is 32"):
-        check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "32"))
-    check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "32", "--data.overlong_prompts", "drop"))
-    check_rl_run(_rl(tmp_path, store, "--data.max_prompt_len", "40"))
+        check_rl_run(rl_config(tmp_path, store, "--data.max_prompt_len", "32"))
+    check_rl_run(rl_config(tmp_path, store, "--data.max_prompt_len", "32", "--data.overlong_prompts", "drop"))
+    check_rl_run(rl_config(tmp_path, store, "--data.max_prompt_len", "40"))
 
 
 def test_rl_inputs_on_disk_are_checked_before_set_up(tmp_path, tiny_model_path):
     store = _store(tmp_path, tiny_model_path, longest=8)
     with pytest.raises(ConfigError, match="run.steps=0: an RL run needs at least one step"):
-        check_rl_run(_rl(tmp_path, store, "--run.steps", "0"))
+        check_rl_run(rl_config(tmp_path, store, "--run.steps", "0"))
     with pytest.raises(ConfigError, match="data.train='/no/such/store': no such directory"):
-        check_rl_run(_rl(tmp_path, "/no/such/store"))
+        check_rl_run(rl_config(tmp_path, "/no/such/store"))
     with pytest.raises(ConfigError, match="run.resume='/bad/ckpt': no such checkpoint directory"):
-        check_rl_run(_rl(tmp_path, store, "--run.resume", "/bad/ckpt"))
+        check_rl_run(rl_config(tmp_path, store, "--run.resume", "/bad/ckpt"))
     with pytest.raises(ConfigError, match="reward function file not found: /no/reward.py"):
-        check_rl_run(_rl(tmp_path, store, "--rl.reward_fn", "/no/reward.py:score"))
+        check_rl_run(rl_config(tmp_path, store, "--rl.reward_fn", "/no/reward.py:score"))
     with pytest.raises(ConfigError, match="no reward"):
-        check_rl_run(_rl(tmp_path, store, "--rl.reward_fn", ""))
+        check_rl_run(rl_config(tmp_path, store, "--rl.reward_fn", ""))
     bad_ds = tmp_path / "ds.json"
     bad_ds.write_text("{\"zero_optimization\": ")
     with pytest.raises(ConfigError, match=f"{bad_ds} is not valid JSON"):
-        check_rl_run(_rl(tmp_path, store, "--ds_config", str(bad_ds)))
-    check_rl_run(_rl(tmp_path, store))
+        check_rl_run(rl_config(tmp_path, store, "--ds_config", str(bad_ds)))
+    check_rl_run(rl_config(tmp_path, store))
 
 
 def test_supervised_run_needs_a_store_of_its_kind(tmp_path, tiny_model_path):
@@ -101,10 +87,10 @@ def test_misspelt_deepspeed_key_is_an_error_and_unknown_ones_are_said(tmp_path, 
     typo = tmp_path / "typo.json"
     typo.write_text(json.dumps({"gradient_clippng": 1.0, "zero_optimization": {"stage": 2}}))
     with pytest.raises(ConfigError, match="unknown DeepSpeed key 'gradient_clippng' .did you mean 'gradient_clipping'"):
-        check_rl_run(_rl(tmp_path, store, "--ds_config", str(typo)))
+        check_rl_run(rl_config(tmp_path, store, "--ds_config", str(typo)))
     odd = tmp_path / "odd.json"
     odd.write_text(json.dumps({"my_team_notes": "x", "zero_optimization": {"stage": 2}}))
-    check_rl_run(_rl(tmp_path, store, "--ds_config", str(odd)))
+    check_rl_run(rl_config(tmp_path, store, "--ds_config", str(odd)))
     assert "keys DeepSpeed does not read (ignored): my_team_notes" in capsys.readouterr().out
 
 

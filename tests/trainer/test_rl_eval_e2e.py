@@ -19,6 +19,7 @@ from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.telemetry.samples import ROW_KEYS, read_samples
 from ds_rlhf.trainer.preflight import check_rl_run
+from tests.trainer.stores import prompt_store, rl_config
 from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
 
 
@@ -74,60 +75,41 @@ def test_eval_max_new_tokens_fits_a_larger_context():
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
-def _prompt_store(tmp_path, tiny_model_path, name: str, lengths=(4, 8, 6)):
-    from transformers import AutoTokenizer
-
-    from ds_rlhf.data.store import tokenizer_fingerprint
-    from ds_rlhf.data.writer import write_store
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    rows = [{"input_ids": list(range(3, 3 + n)), "ground_truth": "1"} for n in lengths]
-    out = tmp_path / name
-    write_store(out, "prompts", rows, tokenizer_name=str(tiny_model_path),
-                tokenizer_fingerprint=tokenizer_fingerprint(tok))
-    return out
-
-
-def _rl(tmp_path, train, *extra):
-    return parse_config(["--data.train", str(train), "--rl.reward_fn", "gsm8k", "--run.output_dir",
-                         str(tmp_path / "run"), *extra])
-
-
 def test_preflight_checks_the_eval_store_when_eval_is_on(tmp_path, tiny_model_path):
-    train = _prompt_store(tmp_path, tiny_model_path, "train")
-    held_out = _prompt_store(tmp_path, tiny_model_path, "held_out", lengths=(5, 40))
-    check_rl_run(_rl(tmp_path, train, "--data.eval", "/no/such/store"))  # eval off: data.eval is not read
+    train = prompt_store(tmp_path, tiny_model_path, "train")
+    held_out = prompt_store(tmp_path, tiny_model_path, "held_out", lengths=(5, 40))
+    check_rl_run(rl_config(tmp_path, train, "--data.eval", "/no/such/store"))  # eval off: data.eval is not read
     with pytest.raises(ConfigError, match="run.eval_every=2 evaluates on held-out prompts: pass --data.eval"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2"))
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2"))
     with pytest.raises(ConfigError, match="run.eval_before_train=true evaluates on held-out prompts"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_before_train", "true"))
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_before_train", "true"))
     with pytest.raises(ConfigError, match="data.eval='/no/such/store': no such directory"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", "/no/such/store"))
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", "/no/such/store"))
     with pytest.raises(ConfigError, match="data.eval=.* has prompts of up to 40 tokens but data.max_prompt_len is 32"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
                          "--data.max_prompt_len", "32"))
-    check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out), "--data.max_prompt_len",
-                     "32", "--data.overlong_prompts", "drop"))
-    check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out)))
+    check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
+                           "--data.max_prompt_len", "32", "--data.overlong_prompts", "drop"))
+    check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out)))
     with pytest.raises(ConfigError, match="rl.eval_reward_fn='/no/r.py:f': reward function file not found"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
                          "--rl.eval_reward_fn", "/no/r.py:f"))
 
 
 def test_preflight_eval_store_of_another_kind_and_reward_model(tmp_path, tiny_model_path, tiny_reward_path):
     from ds_rlhf.data.prep import prep_gsm8k
 
-    train = _prompt_store(tmp_path, tiny_model_path, "train")
+    train = prompt_store(tmp_path, tiny_model_path, "train")
     src = tmp_path / "g.jsonl"
     src.write_text(json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n")
     sft = prep_gsm8k(src, tmp_path / "sft", str(tiny_model_path), kind="sft", progress=False).path
     with pytest.raises(ConfigError, match="data.eval=.* holds a 'sft' store; this run needs a 'prompts' store"):
-        check_rl_run(_rl(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(sft)))
+        check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(sft)))
     model = ["--rl.reward_fn", "", "--rl.reward_model", str(tiny_reward_path), "--run.eval_every", "2",
              "--data.eval", str(train)]
     with pytest.raises(ConfigError, match="with rl.reward_model: .*set --rl.eval_reward_fn"):
-        check_rl_run(_rl(tmp_path, train, *model))
-    check_rl_run(_rl(tmp_path, train, *model, "--rl.eval_reward_fn", "gsm8k"))
+        check_rl_run(rl_config(tmp_path, train, *model))
+    check_rl_run(rl_config(tmp_path, train, *model, "--rl.eval_reward_fn", "gsm8k"))
 
 
 # ---- the reward stage keeps texts and components; sample rows ----------------------------------------------------
