@@ -26,6 +26,7 @@ from ds_rlhf.distributed import ensure_distributed
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
 from ds_rlhf.engines.onebit_adam import onebit_from_config
+from ds_rlhf.engines.roles import RoleInfo, register_role
 
 __all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "ensure_distributed"]
 
@@ -94,9 +95,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainabl
         client_opt.bind_engine(engine)
     if not trainable:
         engine.eval()
-    engine.ds_rlhf_config = cfg
-    engine.ds_rlhf_role = role
-    engine.ds_rlhf_trainable = trainable
+    register_role(engine, RoleInfo(role=role, ds_config=cfg, trainable=trainable))
     logger.info("built %s engine: ZeRO-%s, %s, optimizer %s", role, cfg.get("zero_optimization", {}).get("stage", 0),
                 config_precision(cfg), type(engine.optimizer).__name__ if engine.optimizer is not None else None)
     return engine

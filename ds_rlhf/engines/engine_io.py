@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ds_rlhf.engines.ds_config import save_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, merge_lora_state_dict, unwrap
 from ds_rlhf.engines.onebit_adam import find_onebit
+from ds_rlhf.engines.roles import role_info
 
 logger = logging.getLogger(__name__)
 # DeepSpeed returns its own bookkeeping keys in the client state too; ours live under one key.
@@ -54,15 +55,15 @@ def _onebit_file(path: Path, rank: int) -> Path:
 
 def save_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str, client_state: dict | None = None) -> Path:
     """Save ``engine`` under ``ckpt_dir/tag`` (collective: call on every rank). Returns that directory."""
-    if getattr(engine, "ds_rlhf_trainable", True) is False:
-        raise ValueError(f"{getattr(engine, 'ds_rlhf_role', 'frozen')} engine is frozen; it is rebuilt from its "
-                         "source checkpoint, so there is nothing to save")
+    info = role_info(engine)
+    if info is not None and not info.trainable:
+        raise ValueError(f"{info.role} engine is frozen; it is rebuilt from its source checkpoint, so there is "
+                         "nothing to save")
     ckpt_dir = Path(ckpt_dir)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})})
     path = ckpt_dir / tag
-    config = getattr(engine, "ds_rlhf_config", None)
-    if config is not None and _rank() == 0:
-        save_resolved_config(config, path)
+    if info is not None and _rank() == 0:
+        save_resolved_config(info.ds_config, path)
     onebit = find_onebit(engine)
     if onebit is not None:
         torch.save({"errors": onebit.error_state_dict()}, _onebit_file(path, _rank()))
@@ -205,6 +206,6 @@ def _write_export(engine, module, state: dict, tokenizer, out: Path) -> None:
         base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    config = getattr(engine, "ds_rlhf_config", None)
-    if config is not None:
-        save_resolved_config(config, out)
+    info = role_info(engine)
+    if info is not None:
+        save_resolved_config(info.ds_config, out)

@@ -78,9 +78,10 @@ def memory_breakdown(model_or_engine, *, zero_stage: int, world_size: int, optim
     module = _module(model_or_engine)
     if precision is None:
         from ds_rlhf.engines.ds_config import config_precision
+        from ds_rlhf.engines.roles import role_info
 
-        cfg = getattr(model_or_engine, "ds_rlhf_config", None)
-        precision = config_precision(cfg) if cfg else "fp32"
+        info = role_info(model_or_engine)
+        precision = config_precision(info.ds_config) if info else "fp32"
     total, n_train = count_params(module)
     if trainable is False:
         n_train = 0

@@ -8,6 +8,7 @@ import torch
 from ds_rlhf.engines.builder import build_actor, build_critic, build_engine, build_reference, build_reward
 from ds_rlhf.engines.engine_io import export_hf, load_checkpoint, save_checkpoint
 from ds_rlhf.engines.models import CriticModel, RewardModel
+from ds_rlhf.engines.roles import role_info
 from tests.engines.workers import lm_batch, resolved, train_critic, train_lm
 
 TOL = 1e-5  # fp32 engine vs plain HF module on the same weights
@@ -52,10 +53,10 @@ def test_frozen_roles_zero3_match_plain_models(tiny_model_path, tiny_reward_path
     ref = build_reference(tiny_model_path, cfg, attn_impl="sdpa", offload=offload)
     reward = build_reward(tiny_reward_path, cfg, attn_impl="sdpa", offload=offload)
     for engine in (ref, reward):
-        assert engine.optimizer is not None and not engine.ds_rlhf_trainable  # ZeRO-Inference wrapper, no Adam
+        assert engine.optimizer is not None and not role_info(engine).trainable  # ZeRO-Inference wrapper, no Adam
         assert all(not p.requires_grad for p in engine.module.parameters())
         assert all(p.numel() == 0 or getattr(p, "ds_numel", None) for p in engine.module.parameters())
-    assert ref.ds_rlhf_config["zero_optimization"].get("offload_param", {}).get("device", "none") == (
+    assert role_info(ref).ds_config["zero_optimization"].get("offload_param", {}).get("device", "none") == (
         "cpu" if offload else "none")
     batch = lm_batch(0)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa")
