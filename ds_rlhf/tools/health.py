@@ -9,8 +9,8 @@ The newest record is compared with the running median of the `window` records be
 
 Each warning names its likely cause from the phase timers: the phase group that grew the most against its own
 median (for a slowdown) or the largest non-training share of the step (for an idle GPU): rollout-bound,
-training-bound (old log-probs, reference, critic, update), reward-bound, sync-bound, or waiting on data (wall time
-outside every phase: the prompt loader and host work between phases).
+training-bound (old log-probs, reference, critic, update), reward-bound, sync-bound, or waiting on data (the prompt
+draw, `time/data`, plus the wall time outside every phase: host work between phases).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ PHASE_GROUPS = {
     "training": ("time/train", "time/old_logp", "time/reference", "time/critic"),
     "reward": ("time/reward",),
     "sync": ("time/sync",),
+    "data": ("time/data",),
 }
 CAUSES = {
     "rollout": "rollout-bound: generation takes the time (longer responses, KV cache too small for one wave, "
@@ -60,7 +61,8 @@ def step_seconds(record: dict) -> float | None:
 
 
 def phase_times(record: dict) -> dict[str, float]:
-    """Seconds per phase group of one record; `data` is the wall time that no phase accounts for."""
+    """Seconds per phase group of one record; `data` is the prompt draw (`time/data`, when the loop times it) plus
+    the wall time that no phase accounts for."""
     out = {}
     for group, keys in PHASE_GROUPS.items():
         values = [v for k in keys if (v := _num(record, k)) is not None]
@@ -68,7 +70,7 @@ def phase_times(record: dict) -> dict[str, float]:
             out[group] = sum(values)
     wall = _num(record, "time/wall")
     if wall is not None and out:
-        out["data"] = max(0.0, wall - sum(out.values()))
+        out["data"] = out.get("data", 0.0) + max(0.0, wall - sum(out.values()))
     return out
 
 

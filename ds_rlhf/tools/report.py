@@ -5,9 +5,9 @@
 
 It reads only what the run wrote: `metrics.jsonl` (through `telemetry.logger.read_metrics`, so a torn last line of a
 run that is still writing, or died mid-write, is skipped), `config.json`, the checkpoints' COMPLETE markers and the
-run lock. The environment section is `environment.json` / `doctor.json` from the run directory when the trainer wrote
-one, else the doctor run now on this machine (`--no-doctor` skips it). The health section replays
-`tools.health` over the whole history.
+run lock, and `status.json` (how the trainer says the run ended). The environment section is `environment.json` /
+`doctor.json` from the run directory when the trainer wrote one, else the doctor run now on this machine
+(`--no-doctor` skips it). The health section replays `tools.health` over the whole history.
 """
 
 from __future__ import annotations
@@ -61,8 +61,26 @@ def _lock_holder(run_dir: Path) -> str:
     return f"pid {pid}"
 
 
+def _from_status_file(run_dir: Path, last: int, ckpt: str) -> str:
+    """The trainer's own word on how the run ended (`status.json`, written at exit), or '' when it left none."""
+    from ds_rlhf.tools.run_monitor import read_status
+
+    status = read_status(run_dir) or {}
+    step = status.get("step", last)
+    if status.get("status") == "finished":
+        return f"finished: {step} steps (status.json); {ckpt}"
+    if status.get("status") == "stopped":
+        return f"stopped by {status.get('signal', 'a signal')} at step {step} (status.json); {ckpt}"
+    if status.get("status") == "failed":
+        err = status.get("error", {})
+        oom = " (out of memory)" if err.get("oom") else ""
+        return f"failed at step {step}{oom}: {err.get('type', 'error')}: {err.get('message', '')}; {ckpt}"
+    return ""
+
+
 def run_status(run_dir: Path, records: list[dict], config: dict, checkpoints: list[int]) -> str:
-    """finished / running / stopped early, from the last step, the planned steps, checkpoints and the lock."""
+    """finished / running / stopped / failed: from the lock (a live run), the trainer's `status.json` when it wrote
+    one at exit, else from the last step, the planned steps and the checkpoints."""
     steps = [int(s) for r in records if (s := value(r, "step")) is not None and s == s]
     last = max(steps, default=0)
     planned = int(config.get("run", {}).get("steps", 0) or 0)
@@ -72,9 +90,11 @@ def run_status(run_dir: Path, records: list[dict], config: dict, checkpoints: li
     if holder:
         age = time.time() - float(records[-1].get("time", time.time())) if records else 0.0
         return f"running ({holder}): step {last}{of}, last record {age:.0f}s ago"
+    ckpt = f"last checkpoint at step {checkpoints[-1]}" if checkpoints else "no checkpoint"
+    if said := _from_status_file(run_dir, last, ckpt):
+        return said
     if planned and last >= planned and final:
         return f"finished: {last} steps, final checkpoint at step {checkpoints[-1]}"
-    ckpt = f"last checkpoint at step {checkpoints[-1]}" if checkpoints else "no checkpoint"
     return f"stopped at step {last}{of} without a final checkpoint (crashed or killed?); {ckpt}"
 
 

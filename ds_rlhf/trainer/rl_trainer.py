@@ -2,12 +2,14 @@
 exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation (`rl_eval`) before
 training and every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, and a few samples every
 `run.sample_log_every` steps. Building is `rl_build.py`; one step, stage by stage, is `rl_step.py`; the formulas
-live in `ds_rlhf.algos`.
+live in `ds_rlhf.algos`. The operator extras (environment.json, status.json, health warnings, the live metrics
+endpoint) are `tools.run_monitor.RunMonitor`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -17,6 +19,7 @@ from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
 from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
+from ds_rlhf.tools.run_monitor import RunMonitor
 from ds_rlhf.trainer import rl_build
 from ds_rlhf.trainer.preflight import check_rl_run, rl_eval_on
 from ds_rlhf.trainer.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
@@ -30,11 +33,36 @@ PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch
                  "eval/pass@1")
 
 
+class TimedDraws:
+    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout schedule draws
+    inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds move from
+    `time/rollout` to `time/data` and `time/step` still counts them once."""
+
+    def __init__(self, it: Iterator[list[dict]], timer: PhaseTimer):
+        self.it, self.timer = it, timer
+
+    def __iter__(self) -> TimedDraws:
+        return self
+
+    def __next__(self) -> list[dict]:
+        with self.timer.phase("data"):
+            return next(self.it)
+
+
 class RLTrainer:
     def __init__(self, cfg: Config, rollout=None):
         self.cfg = cfg
         check_rl_run(cfg)  # inputs on disk, before any process group, engine or vLLM starts
         self.ctx: RunContext = setup_run(cfg, "rl")
+        self.monitor = RunMonitor.for_run(self.ctx, "rl", cfg.run.steps)  # status.json says how a run ended
+        try:
+            self._build(rollout)
+        except BaseException as exc:
+            self.monitor.finish(exc, step=0)
+            raise
+
+    def _build(self, rollout) -> None:
+        cfg = self.cfg
         self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
@@ -47,6 +75,7 @@ class RLTrainer:
         self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
         self.timer = PhaseTimer(sync_cuda=self.ctx.dist.device.type == "cuda")
+        self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
         self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=0)
         resume_from = self.ckpt.resolve(cfg.run.resume)
         if resume_from is not None:
@@ -105,6 +134,7 @@ class RLTrainer:
         metrics.update(self.timer.pop())
         metrics["time/wall"] = time.perf_counter() - t0
         metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
+        metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
         metrics = all_reduce_mean(metrics, self.ctx.dist.device)
         metrics.update(system_stats(self.ctx.dist.local_rank))
         update_kl_controller(self.kl_ctl, metrics, self.ctx.dist.world_size)
@@ -150,7 +180,9 @@ class RLTrainer:
         # the step-0 evaluation is logged like a step: start the progress bar one below so it ends at run.steps
         logger = ctx.metrics_logger(total_steps=cfg.run.steps, start_step=-1 if before else self.step,
                                     desc=f"rl[{cfg.rl.algo}]", postfix_keys=PROGRESS_KEYS)
+        self.monitor.set_printer(logger.print)
         history = []
+        error: BaseException | None = None
         try:
             self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
                                               cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
@@ -164,6 +196,7 @@ class RLTrainer:
                     if self._eval_due():
                         metrics.update(self.evaluate())
                     new_best = self._new_best(metrics)
+                    metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
                     logger.log(self.step, metrics)
                     history.append(metrics)
                     if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
@@ -175,12 +208,18 @@ class RLTrainer:
             self._save()
             if cfg.run.export_hf:
                 rl_build.export(self.ctx, self.parts)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            if self.sample_logger is not None:
-                self.sample_logger.close()
-            logger.close()
-            if self.evaluation is not None:
-                self.evaluation.close()
-            self.parts.close()
-            ctx.close()  # releases the run directory's lock
+            try:
+                if self.sample_logger is not None:
+                    self.sample_logger.close()
+                logger.close()
+                if self.evaluation is not None:
+                    self.evaluation.close()
+                self.parts.close()
+            finally:
+                self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
+                ctx.close()  # releases the run directory's lock
         return history

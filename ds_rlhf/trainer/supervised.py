@@ -16,6 +16,7 @@ from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
+from ds_rlhf.tools.run_monitor import RunMonitor
 from ds_rlhf.trainer.preflight import check_supervised_run
 from ds_rlhf.trainer.run_checkpoints import CheckpointManager
 from ds_rlhf.trainer.run_context import RunContext, setup_run
@@ -46,12 +47,21 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
 
 class SupervisedTrainer:
     def __init__(self, cfg: Config, task: SupervisedTask):
+        self.cfg, self.task = cfg, task
+        check_supervised_run(cfg, task.store_kind)  # inputs on disk, before any process group or model
+        self.ctx = setup_run(cfg, task.name)
+        self.monitor = RunMonitor.for_run(self.ctx, task.name, cfg.run.steps)  # status.json says how a run ended
+        try:
+            self._build()
+        except BaseException as exc:
+            self.monitor.finish(exc, step=0)
+            raise
+
+    def _build(self) -> None:
         from ds_rlhf.data.loader import StoreLoader
         from ds_rlhf.data.store import open_store
 
-        self.cfg, self.task = cfg, task
-        check_supervised_run(cfg, task.store_kind)  # inputs on disk, before any process group or model
-        self.ctx = ctx = setup_run(cfg, task.name)
+        cfg, task, ctx = self.cfg, self.task, self.ctx
         store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
         train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
                                             cfg.run.seed)
@@ -67,6 +77,7 @@ class SupervisedTrainer:
                                   indices=train_idx)
         per_epoch = max(1, len(train_idx) // (batch * ctx.dist.world_size))
         self.total_steps = cfg.run.steps or per_epoch * cfg.run.epochs
+        self.monitor.total_steps = self.total_steps
         ds_config = ctx.ds_config(role=task.name, micro_batch_size=max(1, cfg.optim.micro_batch_size),
                                   lr=cfg.optim.lr, total_steps=self.total_steps)
         self.engine = task.build(ctx, ds_config)
@@ -87,7 +98,8 @@ class SupervisedTrainer:
     def train_step(self) -> dict:
         """One optimizer step: each micro-batch's summed loss divided by the step's total count (tokens or
         pairs), so any micro-batching gives the same gradient as one big batch."""
-        rows = next(self.loader_iter)
+        with self.timer.phase("data"):
+            rows = next(self.loader_iter)
         micro = self.task.micro_batches(self.ctx, rows)
         total = sum(self.task.count(mb) for mb in micro) or 1.0
         self.engine.train()
@@ -126,14 +138,18 @@ class SupervisedTrainer:
         if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
             metrics.update(self.evaluate())
         metrics.update(system_stats(ctx.dist.local_rank))
+        metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
         logger.log(self.step, metrics)
 
     def train(self) -> dict:
         cfg, ctx, task = self.cfg, self.ctx, self.task
         logger = ctx.metrics_logger(total_steps=self.total_steps, start_step=self.step, desc=task.name,
                                     postfix_keys=task.progress_keys)
-        summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
+        self.monitor.set_printer(logger.print)
+        error: BaseException | None = None
+        summary = {}
         try:
+            summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
             with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
                 while self.step < self.total_steps:
                     self._logged_step(logger)
@@ -150,7 +166,13 @@ class SupervisedTrainer:
                 task.export(self.engine, ctx, out)
                 summary["export"] = str(out)
                 ctx.print(f"[{task.name}] exported to {out}")
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            logger.close()
-            ctx.close()  # releases the run directory's lock
+            try:
+                logger.close()
+            finally:
+                self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
+                ctx.close()  # releases the run directory's lock
         return summary

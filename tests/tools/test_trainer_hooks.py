@@ -1,0 +1,95 @@
+"""The loops' operator hooks on real tiny runs (HF generate backend, CPU): environment.json at start, status.json at
+exit (finished / failed), time/data, health/warnings, completions/s, and the live endpoint scraped mid-run."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from ds_rlhf.config import parse_config
+from ds_rlhf.distributed import free_port
+from ds_rlhf.telemetry.logger import read_metrics
+
+
+@pytest.fixture(scope="module")
+def small_stores(tiny_model_path, tmp_path_factory):
+    from ds_rlhf.data.synthetic import write_addition_datasets
+
+    return write_addition_datasets(tmp_path_factory.mktemp("hooks_data"), tiny_model_path, n_prompts=64, n_sft=64,
+                                   n_pref=8, max_operand=20)
+
+
+def rl_argv(out, stores, steps=3, *extra):
+    return ["--model.path", "tiny", "--data.train", str(stores["prompts"]), "--rollout.backend", "hf",
+            "--run.output_dir", str(out), "--run.steps", str(steps), "--rl.reward_fn", "math_shaped",
+            "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
+            "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false", *extra]
+
+
+def test_rl_run_writes_environment_and_status_and_serves_live_metrics(small_stores, dist_single, tmp_path):
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    port = free_port()
+    trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 3, "--run.metrics_port", str(port))))
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "running"
+    env = json.loads((tmp_path / "environment.json").read_text())
+    assert env["checks"] and env["seconds"] < 5
+    scraped, after_step = [], trainer.monitor.after_step
+
+    def scrape_after(step, metrics):
+        out = after_step(step, metrics)
+        scraped.append((out, urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
+        return out
+
+    trainer.monitor.after_step = scrape_after
+    history = trainer.train()
+    assert len(history) == 3 and len(scraped) == 3
+    metrics, text = scraped[-1]
+    assert "ds_rlhf_step 3.0" in text and f"ds_rlhf_reward_mean {metrics['reward/mean']!r}" in text
+    assert f"ds_rlhf_rollout_staleness {metrics['rollout/staleness']!r}" in text
+    assert 'ds_rlhf_phase_seconds{phase="data"}' in text and 'ds_rlhf_phase_seconds{phase="rollout"}' in text
+    for record in read_metrics(tmp_path):
+        assert record["time/data"] > 0 and record["health/warnings"] >= 0
+        assert record["time/step"] == pytest.approx(sum(v for k, v in record.items() if k.startswith("time/")
+                                                        and k not in ("time/step", "time/wall")))
+        assert record["throughput/completions_per_s"] > 0
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "finished" and status["step"] == 3 and status["exit_code"] == 0
+    with pytest.raises(OSError):  # the endpoint stopped with the run
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_rl_run_that_fails_says_so_in_status_json(small_stores, dist_single, tmp_path):
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 3)))
+    train_step = trainer.train_step
+
+    def fail_second():
+        if trainer.step == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (a test)")
+        return train_step()
+
+    trainer.train_step = fail_second
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "failed" and status["step"] == 1
+    assert status["error"]["type"] == "RuntimeError" and status["error"]["oom"]
+
+
+def test_sft_run_times_data_and_writes_status(small_stores, dist_single, tmp_path):
+    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    cfg = parse_config(["--model.path", "tiny", "--data.train", str(small_stores["sft"]), "--run.output_dir",
+                        str(tmp_path), "--run.steps", "2", "--optim.batch_size", "8", "--optim.micro_batch_size", "8",
+                        "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])
+    SupervisedTrainer(cfg, SFTTask()).train()
+    records = [r for r in read_metrics(tmp_path) if "time/wall" in r]
+    assert len(records) == 2 and all(r["time/data"] > 0 and "health/warnings" in r for r in records)
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["status"] == "finished" and status["kind"] == "sft" and status["step"] == 2
+    assert (tmp_path / "environment.json").is_file()
