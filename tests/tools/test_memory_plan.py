@@ -38,9 +38,10 @@ def step(path):
 
 warm = step(resolve_model_path("tiny"))
 del warm
+path = resolve_model_path(sys.argv[1])  # built here on a fresh checkout: not part of the measured growth
 gc.collect()
 before = rss()
-model, opt = step(resolve_model_path(sys.argv[1]))
+model, opt = step(path)
 gc.collect()
 grown = rss() - before
 storages = {}
