@@ -1,9 +1,10 @@
 """Live metrics for Prometheus: an HTTP endpoint on rank 0 (`run.metrics_port` > 0) fed with each step's metrics.
 
-    --run.metrics_port 9400   ->   http://<host>:9400/metrics   (bind address: $DS_RLHF_METRICS_ADDR, default 0.0.0.0)
+    --run.metrics_port 9410   ->   http://<host>:9410/metrics   (bind address: $DS_RLHF_METRICS_ADDR, default 0.0.0.0)
 
 Every name starts with `ds_rlhf_`, and the GPU series use dcgm-exporter's label `gpu` (the NVML index), so this
-endpoint runs beside dcgm-exporter without a clash and a dashboard can join the two on `gpu`:
+endpoint runs beside dcgm-exporter (whose default port is 9400: give this one another) without a clash, and a
+dashboard can join the two on `gpu`:
 
     ds_rlhf_step                               steps finished (the `step` of the last record)
     ds_rlhf_total_steps                        steps planned (0 = unknown)
