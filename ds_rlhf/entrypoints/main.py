@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                             "DeepSpeed builds, I/O, NCCL"),
     "memory": ("ds_rlhf.tools.memory_cli:main", "per-role memory plan of a config, before loading any weight"),
     "report": ("ds_rlhf.tools.report:main", "PNG plots and an HTML summary of a run directory"),
+    "autotune": ("ds_rlhf.tools.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
+                                                "measured with short trial runs within a time budget"),
+    "bench": ("ds_rlhf.tools.bench_cli:main", "run a bench/ benchmark (rollout, sync, rl-step, engines, data): "
+                                              "a table and JSON"),
 }
 
 PROG = "ds-rlhf"

@@ -33,6 +33,8 @@ HELP_TEXT = {
     "doctor": "--data-dir",
     "memory": "--gpu-memory-gb",
     "report": "--no-doctor",
+    "autotune": "--keep-checkpoints",
+    "bench": "bench/ is not a package",
 }
 
 
