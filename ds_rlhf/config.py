@@ -140,6 +140,11 @@ class RLConfig:
     eval_reward_fn: str = ""  # eval reward, as rl.reward_fn; "" = rl.reward_fn (needed with rl.reward_model)
     best_metric: str = ""  # keep checkpoints/best at the best value of this eval metric (e.g. eval/pass@1); "" = off
     best_mode: str = opt("max", choices=("max", "min"))  # best_metric: higher (max) or lower (min) is better
+    dynamic_sampling: bool = False  # DAPO: drop prompts whose samples' raw rewards are all equal, refill from new ones
+    dynamic_sampling_max_rounds: int = opt(3, ge=1)  # dynamic sampling: generation rounds per step at most (>= 1)
+    overlong_mask: bool = False  # DAPO overlong filtering: truncated responses get zero loss weight
+    overlong_buffer: int = opt(0, ge=0)  # DAPO soft overlong penalty over the last N of rollout.max_new_tokens; 0 = off
+    overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
 
     def check(self, cfg: Config) -> None:
         from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, MISMATCH_MODES
@@ -157,11 +162,27 @@ class RLConfig:
         if self.reward_fn and self.reward_model:
             raise ConfigError(f"both rl.reward_fn={self.reward_fn!r} and rl.reward_model={self.reward_model!r} are "
                               "set: give one (the other would be ignored)")
+        self._check_dapo(cfg)
         samples = self.prompts_per_step * r.n_samples
         if self.mini_batch_size > samples:
             raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
                               "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
         self._check_eval(cfg)
+
+    def _check_dapo(self, cfg: Config) -> None:
+        r = cfg.rollout
+        if self.dynamic_sampling and r.async_generation:
+            raise ConfigError("rl.dynamic_sampling generates more prompts when a batch has too few with differing "
+                              "rewards, in the step that trains on it; rollout.async_generation generates the next "
+                              "batch before this step trains, so the extra rounds would run with other weights: use "
+                              "one of the two (--rollout.async_generation false)")
+        if self.dynamic_sampling and r.n_samples < 2:
+            raise ConfigError("rl.dynamic_sampling keeps prompts whose samples' rewards differ: set "
+                              "rollout.n_samples >= 2")
+        if self.overlong_buffer > r.max_new_tokens:
+            raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than the generation budget "
+                              f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
+                              "overlong_buffer; 0 = off)")
 
     def eval_ks(self) -> list[int]:
         """`eval_k` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
@@ -217,6 +238,7 @@ class RunConfig:
     wandb: bool = False
     wandb_project: str = "ds_rlhf"
     export_hf: bool = True
+    export_every: int = opt(0, ge=0)  # RL: also export the actor (HF) every N steps to export/step_XXXXXXXX; 0 = off
     progress: bool = True
     log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
     metrics_port: int = opt(0, ge=0, le=65535)  # serve live Prometheus metrics on this port (0 = off)

@@ -42,13 +42,15 @@ from ds_rlhf.algos.registry import (
     POLICY_LOSSES,
     Registry,
 )
+from ds_rlhf.algos.shaping import group_spread, informative_groups, overlong_penalty, truncated_rows
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "AGG_MODES", "AdaptiveKLController", "FixedKLController", "GROUP_MODES",
     "IS_MODES", "KL_ESTIMATORS", "KL_KINDS", "MISMATCH_MODES", "POLICY_LOSSES", "Registry", "aggregate",
     "broadcast_to_tokens", "broadcast_to_tokens_packed", "compute_advantages", "entropy_bonus", "entropy_from_logits",
-    "estimator_inputs", "gae", "gae_packed", "group_advantages", "kl_loss", "kl_penalty", "logprobs_from_logits",
-    "masked_token_mean", "masked_whiten", "mismatch_metrics", "naive_token_logprobs", "packed_to_padded",
-    "padded_to_packed", "policy_loss", "reinforce_pp_advantages", "reinforce_pp_returns",
-    "token_logprobs_from_hidden", "token_rewards_from_scores", "truncated_is_weights", "value_loss",
+    "estimator_inputs", "gae", "gae_packed", "group_advantages", "group_spread", "informative_groups", "kl_loss",
+    "kl_penalty", "logprobs_from_logits", "masked_token_mean", "masked_whiten", "mismatch_metrics",
+    "naive_token_logprobs", "overlong_penalty", "packed_to_padded", "padded_to_packed", "policy_loss",
+    "reinforce_pp_advantages", "reinforce_pp_returns", "token_logprobs_from_hidden", "token_rewards_from_scores",
+    "truncated_is_weights", "truncated_rows", "value_loss",
 ]

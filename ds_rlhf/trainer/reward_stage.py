@@ -1,20 +1,55 @@
 """The reward stage of an RL step: RolloutBatch -> ScoredBatch.
 
 Scores rollout samples with the reward model or the reward function(s), applies the bad-reward policy (fail /
-zero / drop, see `rewards.py`) and computes the reward metrics. It builds nothing: the reward model (a frozen
-DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
+zero / drop, see `rewards.py`), computes the reward metrics, then shapes the scores (DAPO's soft overlong penalty,
+`rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their spread; the
+`reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It builds
+nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ds_rlhf.algos.shaping import overlong_penalty
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.trainer.batching import pad_right
 from ds_rlhf.trainer.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
 from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch
+
+
+def score_stats(scores: list[float]) -> dict:
+    """reward/mean, std, max, min of raw sequence rewards (zeros for none)."""
+    t = torch.tensor(scores, dtype=torch.float64) if scores else torch.zeros(1, dtype=torch.float64)
+    return {"reward/mean": float(t.mean()), "reward/std": float(t.std()) if len(t) > 1 else 0.0,
+            "reward/max": float(t.max()), "reward/min": float(t.min())}
+
+
+_SUMMED = ("reward/bad", "reward/dropped")
+
+
+def merge_reward_metrics(rounds: list[ScoredBatch]) -> dict:
+    """The reward metrics of several scoring rounds of one step (dynamic sampling) as if their samples had been
+    scored together: mean/std/max/min over every kept sample's raw reward, counts summed, exact match weighted by
+    the round's samples, other means by its kept samples."""
+    out: dict = {}
+    weights: dict[str, float] = {}
+    for scored in rounds:
+        for key, value in scored.metrics.items():
+            if key in _SUMMED:
+                out[key] = out.get(key, 0.0) + float(value)
+            elif key == "reward/bad_total":
+                out[key] = float(value)
+            else:
+                w = float(len(scored.rollout.samples) if key == "reward/exact_match" else len(scored.samples))
+                out[key] = out.get(key, 0.0) + float(value) * w
+                weights[key] = weights.get(key, 0.0) + w
+    for key, w in weights.items():
+        out[key] = out[key] / w if w > 0 else 0.0
+    out.update(score_stats([v for scored in rounds for v in scored.raw()]))
+    return out
 
 
 class RewardStage:
@@ -50,19 +85,32 @@ class RewardStage:
         exact = self._exact_match(samples, texts, rows)
         kept = [s for s, k in zip(samples, keep) if k]
         kept_scores = [v for v, k in zip(scores, keep) if k]
-        t = torch.tensor(kept_scores) if kept_scores else torch.zeros(1)
-        metrics = {"reward/mean": t.mean(), "reward/std": t.std() if len(t) > 1 else 0.0,
-                   "reward/max": t.max(), "reward/min": t.min(),
-                   "reward/bad": float(len(bad)), "reward/bad_total": float(self.bad_total),
-                   "reward/dropped": float(len(samples) - len(kept))}
+        metrics = {**score_stats(kept_scores), "reward/bad": float(len(bad)),
+                   "reward/bad_total": float(self.bad_total), "reward/dropped": float(len(samples) - len(kept))}
         if self.model is None and isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1:
             metrics.update(report.means())  # reward/<function> for each of several functions
         if exact is not None:
             metrics["reward/exact_match"] = exact
-        return ScoredBatch(rollout=batch, samples=kept, scores=kept_scores, metrics=metrics,
+        shaped, shaping = self._shape(kept, kept_scores)
+        metrics.update(shaping)
+        return ScoredBatch(rollout=batch, samples=kept, scores=shaped, metrics=metrics,
                            texts=[t for t, k in zip(texts, keep) if k],
                            components={name: [v for v, k in zip(values, keep) if k]
-                                       for name, values in components.items()})
+                                       for name, values in components.items()},
+                           raw_scores=kept_scores)
+
+    def _shape(self, samples, raw: list[float]) -> tuple[list[float], dict]:
+        """The shaped scores (raw + DAPO's soft overlong penalty, `rl.overlong_buffer`) and their metrics. The raw
+        scores stay beside them: dynamic sampling and the reward metrics read those."""
+        rl, budget = self.ctx.cfg.rl, self.ctx.cfg.rollout.max_new_tokens
+        if rl.overlong_buffer <= 0 or not samples:
+            return list(raw), {}
+        penalty = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), budget,
+                                   rl.overlong_buffer, rl.overlong_penalty)
+        shaped = (torch.tensor(raw, dtype=torch.float64) + penalty.double()).tolist()
+        return shaped, {"reward/overlong_penalty": float(penalty.mean()),
+                        "reward/overlong_frac": float((penalty < 0).float().mean()),
+                        "reward/shaped_mean": sum(shaped) / len(shaped)}
 
     def close(self) -> None:
         if isinstance(self.fn, RewardSet):

@@ -1,8 +1,11 @@
 """One RL step, top to bottom. Each stage takes values and returns a new value; none writes into another's:
 
-    prompt rows -> rollout -> RolloutBatch -> rewards -> ScoredBatch -> trajectory (pad, old / reference
-    log-probs, values, advantages) -> Trajectory -> update -> UpdateResult -> weight sync -> sync report
+    prompt rows -> rollout -> RolloutBatch -> rewards (+ shaping) -> ScoredBatch -> trajectory (pad, old /
+    reference log-probs, values, advantages) -> Trajectory -> update -> UpdateResult -> weight sync -> sync report
     (and, on the steps the sample log is due, a few samples as rows: `sample_rows`)
+
+With dynamic sampling (`rl.dynamic_sampling`) the schedule runs rollout and rewards together, in rounds, and
+hands over a ScoredBatch.
 
 The rollout of a step depends only on its prompt rows and a weights version, so it can start before the previous
 step's update ends: `rollout_schedule.py` generates and syncs (in lockstep, or one step ahead), this file turns a
@@ -24,10 +27,12 @@ from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 
 
-def sampling_spec(ctx: RunContext, step: int) -> SamplingSpec:
+def sampling_spec(ctx: RunContext, step: int, round_: int = 0) -> SamplingSpec:
     r = ctx.cfg.rollout
-    # Distinct, reproducible seeds per (run seed, step, rank); the engine adds the prompt index.
-    seed = ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
+    # Distinct, reproducible seeds per (run seed, step, rank, dynamic-sampling round); the engine adds the prompt
+    # index. Round 0 is every step's only round without dynamic sampling.
+    seed = (ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
+            + round_ * 1_000_000_007)
     return SamplingSpec(n=r.n_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                         top_k=r.top_k, stop_token_ids=(ctx.tokenizer.eos_token_id,), seed=seed)
 
@@ -37,7 +42,7 @@ def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_
     """Pad the kept samples, add the forward passes the settings need, then the advantages."""
     cfg = ctx.cfg
     traj = pad_trajectory(scored.samples, scored.scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device,
-                          weights_version=scored.rollout.weights_version)
+                          weights_version=scored.rollout.weights_version, mask_truncated=cfg.rl.overlong_mask)
     with timer.phase("old_logp"):
         if not single_update(cfg.rl):  # several updates per rollout batch need the pre-update policy's log-probs
             traj = traj.replace(old_logp=forward_logprobs(parts.actor, traj, cfg))
@@ -58,6 +63,8 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
            "response/len_mean": lens.mean(), "response/len_max": lens.max(),
            "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
            "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+    if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
+        out["response/loss_masked_frac"] = (mask.sum(1) == 0).float().mean()
     out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))
     if traj.ref_logp is not None:
         kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, "k1")
@@ -87,18 +94,22 @@ def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) 
     return out
 
 
-def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch, *, step: int, kl_coef: float,
+def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch | ScoredBatch, *, step: int, kl_coef: float,
              generator: torch.Generator, timer: PhaseTimer, samples: int = 0) -> tuple[dict, list[dict]]:
     """One step's training on a generated batch (`rollout_schedule.RolloutSchedule.next_batch` makes it):
     rewards -> trajectory -> update; returns the step's metrics on this rank and `samples` sample rows for the
-    sample log (none when `samples` is 0: rows are built only when the log is due)."""
-    with timer.phase("reward"):
-        scored = parts.reward(batch, step=step)
+    sample log (none when `samples` is 0: rows are built only when the log is due). A batch that comes scored
+    (dynamic sampling chose its prompts by their rewards) skips the reward stage."""
+    if isinstance(batch, ScoredBatch):
+        scored = batch
+    else:
+        with timer.phase("reward"):
+            scored = parts.reward(batch, step=step)
     traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
     with timer.phase("train"):
         update = ppo_update(parts.actor, parts.critic, traj, ctx.cfg, kl_coef=kl_coef, generator=generator)
     metrics = step_metrics(ctx, scored, traj, update, kl_coef)
-    metrics["rollout/staleness"] = step - batch.weights_version
+    metrics["rollout/staleness"] = step - scored.rollout.weights_version
     return metrics, (sample_rows(ctx, scored, traj, samples) if samples > 0 else [])
 
 

@@ -35,7 +35,9 @@ class _Mean:
             self.weights[k] += weight
 
     def result(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+        """Every metric seen, 0.0 for those seen only with weight 0 (a rank whose every token is masked, e.g. by
+        `rl.overlong_mask`, still reports the same keys: the ranks average them in one collective)."""
+        return {k: self.sums[k] / self.weights[k] if self.weights[k] > 0 else 0.0 for k in self.sums}
 
 
 def single_update(rl: RLConfig) -> bool:

@@ -9,6 +9,16 @@ weighs it against the rollout policy, and `rollout/staleness` (updates between g
 logged per step. The engine gets new weights only while it is idle (between a collect and the next submit),
 whenever the next batch would otherwise be more than `rollout.max_staleness` updates old.
 
+Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `RLConfig` refuses it with async
+generation): a step's batch is generated and scored in rounds. Each round draws the loader's next
+`rl.prompts_per_step` prompts, generates and scores them; prompts whose samples all got the same raw reward (zero
+spread: every sample's group-relative advantage would be 0) are dropped, the others kept in order, until
+`rl.prompts_per_step` prompts are kept or `rl.dynamic_sampling_max_rounds` rounds have run. Every rank runs the same
+number of rounds (they agree with `agree_max`: generation and scoring hold collectives), so every rank's loader stays
+at the same position and that position, saved with the checkpoint, resumes exactly. A step left short trains on the
+prompts it kept (on all of the first round's, with zero advantages, when it kept none).
+`rollout/dynamic_rounds` and `rollout/zero_spread_groups` say what it took.
+
 Checkpoints: the batch in flight is collected and saved with the trainer state (its rows, samples and weights
 version), so a resumed run trains on exactly the batch the interrupted run would have (resume is exact for
 `max_staleness` 1; with more, the resumed engine holds newer weights than the interrupted one did).
@@ -16,13 +26,19 @@ version), so a resumed run trains on exactly the batch the interrupted run would
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import torch
+
+from ds_rlhf.algos.shaping import informative_groups
+from ds_rlhf.distributed import agree_max
 from ds_rlhf.rollout.base import RolloutSample, RolloutTicket
 from ds_rlhf.telemetry import PhaseTimer
+from ds_rlhf.trainer.reward_stage import merge_reward_metrics
 from ds_rlhf.trainer.rl_build import RLParts
 from ds_rlhf.trainer.run_context import RunContext
-from ds_rlhf.trainer.trajectory import RolloutBatch
+from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch, take_groups
 
 
 @dataclass
@@ -44,6 +60,7 @@ class RolloutSchedule:
         self.asynchronous, self.max_staleness = r.async_generation, r.max_staleness
         self.engine_version = start_step  # the trainer synced its weights into the engine at start
         self.in_flight: _InFlight | None = None
+        self.dynamic = ctx.cfg.rl.dynamic_sampling
 
     def _submit(self, step: int) -> None:
         from ds_rlhf.trainer.rl_step import sampling_spec
@@ -56,10 +73,58 @@ class RolloutSchedule:
     def _collect(self) -> RolloutBatch:
         job, self.in_flight = self.in_flight, None
         samples = self.parts.rollout.collect(job.ticket)
+        self._sleep()
+        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version)
+
+    def _sleep(self) -> None:
         r = self.ctx.cfg.rollout
         if self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated":  # free it for training
             self.parts.rollout.sleep()
-        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version)
+
+    def _dynamic_batch(self, step: int) -> ScoredBatch:
+        """DAPO's dynamic sampling (see the module docstring): generation and scoring rounds until the step has
+        `rl.prompts_per_step` prompts whose samples' raw rewards differ; returns them scored. The engine stays awake
+        between rounds (asleep at level 2 it would have dropped its weights) and sleeps after the last."""
+        from ds_rlhf.trainer.rl_step import sampling_spec
+
+        rl, device = self.ctx.cfg.rl, self.ctx.dist.device
+        need = rl.prompts_per_step
+        rounds: list[ScoredBatch] = []
+        picks: list[tuple[ScoredBatch, int]] = []
+        zero_spread = 0
+        while True:
+            rows = next(self.parts.loader_iter)  # the loader's position after every round is part of the state
+            with self.timer.phase("rollout"):
+                self.parts.rollout.wake()
+                ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows],
+                                                   sampling_spec(self.ctx, step, round_=len(rounds)))
+                samples = self.parts.rollout.collect(ticket)
+            with self.timer.phase("reward"):
+                scored = self.parts.reward(RolloutBatch(rows=rows, samples=samples,
+                                                        weights_version=self.engine_version), step=step)
+            rounds.append(scored)
+            ok = informative_groups(torch.tensor(scored.raw(), dtype=torch.float64),
+                                    torch.tensor([s.prompt_index for s in scored.samples], dtype=torch.long),
+                                    len(rows)).tolist()
+            picks += [(scored, p) for p in range(len(rows)) if ok[p]]
+            zero_spread += len(rows) - sum(ok)
+            short = int(len(picks) < need)
+            if len(rounds) >= rl.dynamic_sampling_max_rounds or not agree_max(short, device):
+                break
+        self._sleep()
+        kept = min(len(picks), need)
+        if kept < need:
+            self.ctx.print(f"[rl] dynamic sampling, step {step + 1}: {kept} of {need} prompts with differing "
+                           f"rewards after {len(rounds)} rounds (rl.dynamic_sampling_max_rounds); training on "
+                           + ("those" if kept else "the first round's prompts (all zero advantages)"))
+        if not picks:
+            picks = [(rounds[0], p) for p in sorted({s.prompt_index for s in rounds[0].samples})]
+        batch = take_groups(picks[:need], merge_reward_metrics(rounds))
+        trained = batch.raw_scores
+        return dataclasses.replace(batch, metrics={
+            **batch.metrics, "reward/trained_mean": sum(trained) / len(trained) if trained else 0.0,
+            "rollout/dynamic_rounds": float(len(rounds)), "rollout/zero_spread_groups": float(zero_spread),
+            "rollout/kept_groups": float(kept)})
 
     def sync(self, weights_version: int) -> dict:
         with self.timer.phase("sync"):
@@ -67,9 +132,12 @@ class RolloutSchedule:
         self.engine_version = weights_version
         return report
 
-    def next_batch(self, step: int, total_steps: int) -> tuple[RolloutBatch, dict | None]:
+    def next_batch(self, step: int, total_steps: int) -> tuple[RolloutBatch | ScoredBatch, dict | None]:
         """The batch step `step` (0-based, the weights after `step` updates) trains on, and the report of a sync
-        made meanwhile (async mode) or None."""
+        made meanwhile (async mode) or None. With dynamic sampling the batch comes scored (a `ScoredBatch`: the
+        rounds needed rewards to choose prompts), and `rl_step.run_step` skips its reward stage."""
+        if self.dynamic:  # synchronous mode only (RLConfig refuses it with async generation)
+            return self._dynamic_batch(step), None
         report = None
         with self.timer.phase("rollout"):
             if self.in_flight is None:

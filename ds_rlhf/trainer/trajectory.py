@@ -18,6 +18,7 @@ import torch
 
 from ds_rlhf.algos.advantages import compute_advantages, estimator_inputs, token_rewards_from_scores
 from ds_rlhf.algos.kl import kl_penalty
+from ds_rlhf.algos.shaping import truncated_rows
 from ds_rlhf.config import RLConfig
 from ds_rlhf.rollout.base import RolloutSample
 
@@ -37,10 +38,15 @@ class ScoredBatch:
 
     rollout: RolloutBatch
     samples: list[RolloutSample]
-    scores: list[float]  # one sequence reward per kept sample
+    scores: list[float]  # one sequence reward per kept sample, shaped (raw + overlong penalty): what trains
     metrics: dict = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)  # the kept samples' decoded responses (decoded once, for rewards)
     components: dict[str, list] = field(default_factory=dict)  # each reward function's score per kept sample
+    raw_scores: list[float] = field(default_factory=list)  # the reward functions' weighted score, before shaping
+
+    def raw(self) -> list[float]:
+        """The raw sequence rewards (the shaped ones where a caller built the batch without them)."""
+        return self.raw_scores if len(self.raw_scores) == len(self.samples) else self.scores
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,12 @@ class Trajectory:
 
 
 def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: int, device="cpu",
-                   weights_version: int = 0) -> Trajectory:
-    """Pad `RolloutSample`s (prompt_ids, response_ids, logprobs, prompt_index) into a Trajectory."""
+                   weights_version: int = 0, mask_truncated: bool = False) -> Trajectory:
+    """Pad `RolloutSample`s (prompt_ids, response_ids, logprobs, prompt_index) into a Trajectory.
+
+    `mask_truncated` (DAPO's overlong filtering, `rl.overlong_mask`): a response that hit the generation budget
+    (`finish_reason == "length"`) gets an all-zero `action_mask` row, so it carries no loss weight (nor counts
+    in token-mean's denominator); its score still enters its group's baseline (`with_advantages`)."""
     if not samples:
         raise ValueError("no rollout samples to train on")
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -105,13 +115,14 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     attention_mask = torch.zeros((batch, width), dtype=torch.long)
     action_mask = torch.zeros((batch, width - 1))
     rollout_logp = torch.zeros((batch, width - 1))
+    masked = truncated_rows([s.finish_reason for s in samples]).tolist() if mask_truncated else [False] * batch
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         if len(s.logprobs) != r:
             raise ValueError(f"sample {row}: {r} response tokens but {len(s.logprobs)} log-probs")
         input_ids[row, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         attention_mask[row, : p + r] = 1
-        action_mask[row, p - 1 : p + r - 1] = 1.0
+        action_mask[row, p - 1 : p + r - 1] = 0.0 if masked[row] else 1.0
         rollout_logp[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
     return Trajectory(
         input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
@@ -139,9 +150,42 @@ def with_advantages(traj: Trajectory, rl: RLConfig, kl_coef: float) -> Trajector
         raise ValueError(f"rl.algo={rl.algo} needs critic values (the critic pass did not run)")
     token_rewards = shaped_token_rewards(traj, rl, kl_coef)
     # KL-in-reward for sequence-level estimators: the summed token penalty is folded into the sequence score.
-    available = {"rewards": token_rewards, "token_rewards": token_rewards, "scores": (token_rewards * mask).sum(1),
+    # A row without action tokens (masked by `rl.overlong_mask`) keeps its score: it still counts in its group's
+    # baseline, only its own loss weight is zero.
+    scores = torch.where(mask.bool().any(1), (token_rewards * mask).sum(1), traj.scores.to(token_rewards.dtype))
+    available = {"rewards": token_rewards, "token_rewards": token_rewards, "scores": scores,
                  "values": traj.values, "mask": mask, "gamma": rl.gamma, "lam": rl.lam,
                  # group_ids, not a fixed group size: groups may have lost samples to the `drop` policy.
                  "group_ids": traj.group_ids}
     advantages, returns = compute_advantages(rl.algo, **{k: available[k] for k in names if k in available})
     return traj.replace(token_rewards=token_rewards, advantages=advantages, returns=returns)
+
+
+def take_groups(picks: list[tuple[ScoredBatch, int]], metrics: dict) -> ScoredBatch:
+    """One ScoredBatch of chosen prompt groups, each `(scored batch, prompt index in it)` (dynamic sampling joins
+    groups of several generation rounds of one step, all with the same weights). Prompts are renumbered
+    0, 1, ... in `picks` order; a group brings its kept samples, their scores, texts and reward components.
+    `metrics` are the joined batch's metrics (the caller's: they describe every round, not only these groups)."""
+    rows, samples, scores, raw, texts = [], [], [], [], []
+    names = list(dict.fromkeys(name for scored, _ in picks for name in scored.components))
+    components: dict[str, list] = {name: [] for name in names}
+    by_prompt: dict[int, dict[int, list[int]]] = {}
+    for new, (scored, prompt) in enumerate(picks):
+        index = by_prompt.get(id(scored))
+        if index is None:
+            index = by_prompt[id(scored)] = {}
+            for i, s in enumerate(scored.samples):
+                index.setdefault(s.prompt_index, []).append(i)
+        rows.append(scored.rollout.rows[prompt])
+        values = scored.raw()
+        for i in index.get(prompt, []):
+            samples.append(dataclasses.replace(scored.samples[i], prompt_index=new))
+            scores.append(scored.scores[i])
+            raw.append(values[i])
+            texts.append(scored.texts[i] if i < len(scored.texts) else "")
+            for name in names:
+                column = scored.components.get(name)
+                components[name].append(column[i] if column is not None else None)
+    version = picks[0][0].rollout.weights_version if picks else 0
+    return ScoredBatch(rollout=RolloutBatch(rows=rows, samples=samples, weights_version=version), samples=samples,
+                       scores=scores, metrics=dict(metrics), texts=texts, components=components, raw_scores=raw)
