@@ -343,7 +343,7 @@ def format_table(search: Search) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-rlhf autotune", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="ds-rlhf autotune", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1] + "\nAny other --section.key value is passed "
                                 "to every trial (as train-ppo takes it).")

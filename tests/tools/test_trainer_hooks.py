@@ -93,3 +93,31 @@ def test_sft_run_times_data_and_writes_status(small_stores, dist_single, tmp_pat
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["status"] == "finished" and status["kind"] == "sft" and status["step"] == 2
     assert (tmp_path / "environment.json").is_file()
+
+
+def test_sigterm_stop_is_recorded_in_status_json(small_stores, tmp_path):
+    """A user's SIGTERM: the step finishes, a checkpoint is saved, exit 143, and status.json says stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ds_rlhf.testing.multiproc import clean_env
+
+    out = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.entrypoints", "train-ppo",
+                                 *rl_argv(out, small_stores, 500)], stdout=log, stderr=subprocess.STDOUT,
+                                env=clean_env(PYTHONUNBUFFERED="1"), start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(240) == 128 + signal.SIGTERM, (tmp_path / "log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "stopped" and status["signal"] == "SIGTERM" and 1 <= status["step"] < 500
