@@ -25,6 +25,7 @@ import ctypes.util
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -172,31 +173,54 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
     fsync_dir(target.parent)
 
 
+def publish_dir(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` into a temp directory beside ``out_dir``, flush it to disk, then swap it in at ``out_dir``
+    (``replace_dir``): a crash or a full disk midway leaves the previous ``out_dir`` whole. This process only."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by an export that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
     """Write a Hugging Face ``save_pretrained`` directory from ``engine`` (collective: call on every rank)."""
     module = getattr(engine, "module", engine)
     state = gather_state_dict(module)
     out = Path(out_dir)
     if _rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by an export that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
-        tmp.mkdir()
-        try:
-            _write_export(engine, module, state, tokenizer, tmp)
-            fsync_tree(tmp)
-            replace_dir(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        info = role_info(engine)
+        publish_dir(out, lambda tmp: write_export(module, state, tokenizer, tmp,
+                                                  ds_config=info.ds_config if info is not None else None))
         logger.info("exported %s to %s", type(module).__name__, out)
     _barrier()
     return out
 
 
-def _write_export(engine, module, state: dict, tokenizer, out: Path) -> None:
-    if isinstance(module, CriticModel):
+def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict | None = None,
+                 lora: str = "merge") -> None:
+    """Write ``module`` (an actor / critic / reward module, not an engine) with weights ``state`` (names as in
+    ``module.state_dict()``) as a ``save_pretrained`` directory at ``out``, plus the tokenizer (and its chat
+    template) and the resolved ds_config. ``lora="adapter"``: a LoRA causal LM is written as a peft adapter
+    directory (``adapter_config.json`` + ``adapter_model.safetensors`` naming its base model) instead of merged."""
+    if lora not in ("merge", "adapter"):
+        raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
+    if lora == "adapter":
+        if not hasattr(module, "peft_config") or isinstance(module, CriticModel | RewardModel):
+            raise ValueError(f"lora='adapter' needs a LoRA causal LM; {type(module).__name__} has no adapters to "
+                             "write (use lora='merge')")
+        module.load_state_dict(state)
+        module.save_pretrained(out)
+    elif isinstance(module, CriticModel):
         module.save_pretrained(out, state_dict=state)
     elif isinstance(module, RewardModel):
         weights = {k.removeprefix("model."): v for k, v in state.items()}
@@ -206,6 +230,5 @@ def _write_export(engine, module, state: dict, tokenizer, out: Path) -> None:
         base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    info = role_info(engine)
-    if info is not None:
-        save_resolved_config(info.ds_config, out)
+    if ds_config is not None:
+        save_resolved_config(ds_config, out)

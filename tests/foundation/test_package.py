@@ -33,6 +33,7 @@ HELP_TEXT = {
     "doctor": "--data-dir",
     "memory": "--gpu-memory-gb",
     "report": "--no-doctor",
+    "export": "merge the adapters into the weights",
     "autotune": "--keep-checkpoints",
     "bench": "bench/ is not a package",
 }
