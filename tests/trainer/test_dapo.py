@@ -298,16 +298,18 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
+DAPO_SWITCHES = ["--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_max_rounds", "3", "--rl.overlong_mask",
+                 "true", "--rl.overlong_buffer", "8", "--rl.overlong_penalty", "1.0", "--rl.clip_low", "0.2",
+                 "--rl.clip_high", "0.28", "--rl.loss_agg", "token-mean", "--rl.kl_coef", "0"]
+
+
 @pytest.mark.slow
 def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_path):
     from ds_rlhf.trainer.rl_trainer import RLTrainer
     from tests.trainer.test_rl_e2e import rl_args
 
-    extra = ["--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_max_rounds", "3", "--rl.overlong_mask", "true",
-             "--rl.overlong_buffer", "8", "--rl.overlong_penalty", "1.0", "--rl.clip_low", "0.2",
-             "--rl.clip_high", "0.28", "--rl.loss_agg", "token-mean", "--rl.kl_coef", "0"]
-    history = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 12, extra)),
-                        rollout=vllm_colocated).train()
+    history = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 12,
+                                             DAPO_SWITCHES)), rollout=vllm_colocated).train()
     rewards = [h["reward/mean"] for h in history]
     print("dapo rewards", [round(r, 3) for r in rewards],
           "rounds", [h["rollout/dynamic_rounds"] for h in history],
@@ -320,3 +322,24 @@ def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_
         assert all(not (isinstance(v, float) and math.isnan(v)) for v in h.values())
         # the trained batch: the prompts with differing rewards (all of the first round's when there were none)
         assert h["rollout/samples"] == 8 * (h["rollout/kept_groups"] or 16)
+
+
+@pytest.mark.slow
+def test_dapo_resume_from_a_checkpoint_is_exact(sft_run, addition_stores, vllm_colocated, tmp_path):
+    """Steps 3-4 resumed from step 2's checkpoint equal the uninterrupted run's: the loader position after the
+    extra rounds' draws is in the checkpoint."""
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
+
+    model = sft_run[0] / "export"
+    common = [*DAPO_SWITCHES, "--run.save_every", "2", "--optim.lr", "3e-4"]
+    straight = RLTrainer(parse_config(rl_args(tmp_path / "a", model, addition_stores, "grpo", 4, common)),
+                         rollout=vllm_colocated).train()
+    resume = ["--run.resume", str(tmp_path / "a" / "checkpoints" / "step_00000002")]
+    resumed = RLTrainer(parse_config(rl_args(tmp_path / "b", model, addition_stores, "grpo", 4, [*common, *resume])),
+                        rollout=vllm_colocated).train()
+    assert len(resumed) == 2
+    assert max(h["rollout/dynamic_rounds"] for h in straight[:2]) > 1  # extra draws before the checkpoint
+    for a, b in zip(straight[2:], resumed):
+        for key in (*EXACT_KEYS, "rollout/dynamic_rounds", "rollout/zero_spread_groups", "rollout/kept_groups"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
