@@ -205,6 +205,7 @@ class RLTrainer:
                     due = cfg.run.save_every and self.step % cfg.run.save_every == 0
                     if (due or new_best) and self.step < cfg.run.steps:  # the last step is saved below
                         self._save()
+                    rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
             self._save()
             if cfg.run.export_hf:
                 rl_build.export(self.ctx, self.parts)

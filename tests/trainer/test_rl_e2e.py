@@ -175,3 +175,14 @@ def test_sidecar_generates_while_the_trainer_trains(sft_run, addition_stores, tm
     history = trainer.train()
     assert [h["rollout/staleness"] for h in history] == [0.0, 1.0, 1.0]
     assert all(h["reward/mean"] == h["reward/mean"] for h in history)
+
+
+@pytest.mark.slow
+def test_export_every_writes_hugging_face_dirs_during_training(sft_run, addition_stores, vllm_colocated, tmp_path):
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 2, ["--run.export_every", "1"])
+    RLTrainer(parse_config(args), rollout=vllm_colocated).train()
+    for step in (1, 2):
+        out = tmp_path / "export" / f"step_{step:08d}"
+        assert (out / "config.json").exists() and list(out.glob("*.safetensors")), sorted(out.parent.iterdir())
