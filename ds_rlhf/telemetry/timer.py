@@ -22,16 +22,21 @@ class PhaseTimer:
         # (phase, start, end) in time.time() seconds, for timelines next to other samplers (e.g. NVML); a nested
         # phase's event lies inside its outer phase's event
         self.events: deque[tuple[str, float, float]] = deque(maxlen=keep_events)
+        self.observer = None  # optional: .enter(phase) / .exit(phase) around every phase (the memory profiler)
 
     @contextmanager
     def phase(self, name: str):
         self._sync()
+        if self.observer is not None:
+            self.observer.enter(name)
         start, wall = time.perf_counter(), time.time()
         self._inner.append(0.0)
         try:
             yield
         finally:
             self._sync()
+            if self.observer is not None:
+                self.observer.exit(name)
             seconds = time.perf_counter() - start
             nested = self._inner.pop()
             self._totals[name] += max(0.0, seconds - nested)

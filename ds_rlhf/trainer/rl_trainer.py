@@ -75,6 +75,12 @@ class RLTrainer:
         self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
         self.timer = PhaseTimer(sync_cuda=self.ctx.dist.device.type == "cuda")
+        self.memory = None
+        if cfg.run.profile_memory:  # --run.profile_memory: measured peak per phase vs the plan
+            from ds_rlhf.tools.memory_profile import MemoryProfiler
+
+            self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
+            self.timer.observer = self.memory
         self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
         self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=0)
         resume_from = self.ckpt.resolve(cfg.run.resume)
@@ -132,6 +138,8 @@ class RLTrainer:
             metrics.update({f"sync/{k}": v for k, v in report.items() if isinstance(v, int | float)})
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics.update(self.timer.pop())
+        if self.memory is not None:
+            metrics.update(self.memory.step_metrics())
         metrics["time/wall"] = time.perf_counter() - t0
         metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
         metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
