@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_rlhf.testing.multiproc import clean_env
 from ds_rlhf.tools import bench_cli
 from ds_rlhf.tools.bench_cli import BENCH_DIR, BENCHES, table_of
 
@@ -17,7 +18,9 @@ EXE = Path(sys.executable).parent / "ds-rlhf"
 
 
 def _run(*args, cwd, timeout=120):
-    return subprocess.run([str(EXE), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    # clean_env: the test session's own process group holds MASTER_PORT; a child must form its own
+    return subprocess.run([str(EXE), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=clean_env())
 
 
 def test_the_scripts_are_found_from_the_package_location():
