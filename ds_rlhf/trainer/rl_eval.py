@@ -396,28 +396,21 @@ def keep_best(run_dir: str | os.PathLike, step_dir: str | os.PathLike, info: dic
     whole checkpoint: the old one or the new one. `info` (e.g. step, metric, value) is written to `best/BEST.json`.
     The `COMPLETE` manifest comes along, so `--run.resume <run>/checkpoints/best` verifies it like any checkpoint.
     """
-    from ds_rlhf.engines.engine_io import fsync_tree, replace_dir
+    from ds_rlhf.engines.engine_io import publish_dir
 
     step_dir = Path(step_dir)
-    root = Path(run_dir) / "checkpoints"
-    best = root / BEST_DIR
+    best = Path(run_dir) / "checkpoints" / BEST_DIR
     if not (step_dir / "COMPLETE").is_file():
         raise ValueError(f"{step_dir} is not a complete checkpoint (no COMPLETE marker): nothing to keep as best")
     if best.exists() and step_dir.resolve() == best.resolve():
         return best
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp_best_*"):  # left by a keep_best that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp_best_{os.getpid()}"
-    try:
-        shutil.copytree(step_dir, tmp, copy_function=_link_or_copy, symlinks=True)
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(step_dir, tmp, copy_function=_link_or_copy, symlinks=True, dirs_exist_ok=True)
         if info is not None:
             (tmp / BEST_INFO).write_text(json.dumps({"source": step_dir.name, **info}, sort_keys=True) + "\n")
-        fsync_tree(tmp)
-        replace_dir(tmp, best)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    publish_dir(best, write)  # built in checkpoints/.tmp_best_<pid>, stale ones removed, swapped in whole
     return best
 
 
