@@ -113,7 +113,15 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="")
+    p.add_argument("--cfg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override, repeatable (e.g. --cfg data.rl_packing=true)")
     args = p.parse_args()
+    extra = []
+    for item in args.cfg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--cfg {item!r}: give KEY=VALUE, e.g. data.rl_packing=true")
+        extra += [f"--{key}", value]
 
     from ds_rlhf.config import parse_config
     from ds_rlhf.trainer.rl_trainer import RLTrainer
@@ -139,7 +147,7 @@ def main() -> None:
         "--rollout.gpu_memory_utilization", str(args.gpu_mem), "--data.max_prompt_len", str(args.prompt_len),
         "--data.micro_batch_tokens", str(args.micro_batch_tokens), "--model.gradient_checkpointing",
         str(args.grad_ckpt), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
-        "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1"])
+        "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1", *extra])
     from gpu_timeline import Sampler, render
     from gpu_timeline import summarize as summarize_gpu
 

@@ -40,6 +40,7 @@ class ModelConfig:
     lora_rank: int = opt(0, ge=0)  # 0 = full fine-tuning
     lora_alpha: int = opt(16, gt=0)
     lora_targets: str = "all-linear"
+    share_base: bool = False  # with lora_rank > 0: one frozen base for all roles (reference = actor, adapter off)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class DataConfig:
     overlong_prompts: str = opt("error", choices=("error", "drop"))  # RL prompts over max_prompt_len: refuse | skip
     max_len: int = opt(512, ge=2)  # SFT/RM sequence length
     micro_batch_tokens: int = opt(0, ge=0)  # token budget per micro-batch; 0 = fixed `optim.micro_batch_size`
+    rl_packing: bool = False  # RL: each micro-batch as one padding-free packed row (needs micro_batch_tokens)
     shuffle: bool = True
     reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
 
@@ -245,6 +247,7 @@ class RunConfig:
     profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
     health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
+    max_gpu_memory_gb: float = opt(0.0, ge=0)  # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off
 
 
 @dataclass
