@@ -56,6 +56,11 @@ class DataConfig:
     shuffle: bool = True
     reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
 
+    def check(self, cfg: Config) -> None:
+        if self.rl_packing and self.micro_batch_tokens <= 0:
+            raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
+                              f"data.micro_batch_tokens > 0 (got {self.micro_batch_tokens})")
+
 
 @dataclass
 class OptimConfig:
@@ -90,8 +95,57 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, ge=1)  # vLLM TP (disaggregated: over `devices`; colocated: over ranks)
     bucket_mb: int = opt(1024, ge=1)  # weight-sync gather bucket
     canary_threshold: float = opt(0.0, ge=0)  # 0 = backend default; max |logp trainer - rollout| after a sync
+    # vLLM engine options (every placement; the HF backend ignores them). Defaults leave vLLM's own choice.
+    async_scheduling: str = opt("auto", choices=("auto", "true", "false"))  # vLLM async scheduling; auto: vLLM decides
+    max_num_seqs: int = opt(0, ge=0)  # vLLM: most sequences per engine step; 0 = vLLM's default
+    max_num_batched_tokens: int = opt(0, ge=0)  # vLLM: most tokens per engine step; 0 = vLLM's default
+    cudagraph_sizes: str = ""  # vLLM CUDA-graph batch sizes, comma list ("8,16,32"); "" = vLLM's (ignored on CPU)
+    enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile (always eager on CPU)
+
+    def cudagraph_size_list(self) -> list[int]:
+        """`cudagraph_sizes` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
+        try:
+            sizes = [int(s) for s in self.cudagraph_sizes.split(",") if s.strip()]
+        except ValueError:
+            sizes = [0]
+        if (self.cudagraph_sizes.strip() and not sizes) or any(s < 1 for s in sizes):
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r}: give a comma list of batch sizes "
+                              "(integers >= 1), e.g. 8,16,32,64; \"\" = vLLM's default sizes")
+        return sizes
+
+    def vllm_options(self) -> dict:
+        """The vLLM engine options set away from their defaults, as `make_rollout_engine` keywords (empty by
+        default, so vLLM keeps its own choices): async_scheduling (bool), max_num_seqs, max_num_batched_tokens,
+        cudagraph_sizes (list of ints), enforce_eager."""
+        out: dict = {}
+        if self.async_scheduling != "auto":
+            out["async_scheduling"] = self.async_scheduling == "true"
+        if self.max_num_seqs:
+            out["max_num_seqs"] = self.max_num_seqs
+        if self.max_num_batched_tokens:
+            out["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.cudagraph_size_list():
+            out["cudagraph_sizes"] = self.cudagraph_size_list()
+        if self.enforce_eager:
+            out["enforce_eager"] = True
+        return out
+
+    def _check_vllm_options(self) -> None:
+        sizes = self.cudagraph_size_list()
+        if sizes and self.enforce_eager:
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r} with rollout.enforce_eager true: "
+                              "eager mode captures no CUDA graphs; drop one of the two")
+        if 0 < self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                              f"rollout.max_num_seqs={self.max_num_seqs}: vLLM needs at least one token per "
+                              "sequence in a step")
+        if sizes and self.max_num_batched_tokens and max(sizes) > self.max_num_batched_tokens:
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r}: sizes above "
+                              f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} can never run (vLLM "
+                              "drops them); keep every size <= it")
 
     def check(self, cfg: Config) -> None:
+        self._check_vllm_options()
         if self.async_generation and cfg.rl.mismatch == "off":
             raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
                               "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")
@@ -149,14 +203,13 @@ class RLConfig:
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
 
     def check(self, cfg: Config) -> None:
-        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, MISMATCH_MODES
+        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 
         r = cfg.rollout
-        if MISMATCH_MODES.get(self.mismatch).meta.get("correction", True) and (
-                r.temperature != 1.0 or r.top_p != 1.0 or r.top_k not in (-1, 0)):
-            raise ConfigError("rollout/trainer mismatch correction compares the rollout engine's log-probs of the "
-                              "raw distribution with the trainer's; with temperature/top_p/top_k sampling they "
-                              "differ by construction. Use temperature 1, top_p 1, top_k -1, or set --rl.mismatch off.")
+        # No rule for temperature / top_p / top_k with the mismatch correction (rl.mismatch tis/mis): both rollout
+        # backends return the log-probs of the distribution they sampled from (temperature, then top-k / top-p),
+        # the trainer scores at the same temperature, so the ratio is the behaviour-policy correction; with top-p /
+        # top-k it also corrects for the truncation (rho_t = the kept mass <= 1). See rollout/base.py.
         if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("groups") and r.n_samples < 2:
             raise ConfigError(f"rl.algo={self.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
         if 0 < self.dual_clip <= 1:
@@ -377,8 +430,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
         if typ is float:
             return float(value)
-        if typ is str:
-            return "" if value is None else str(value)
+        if typ is str:  # a YAML true/false given to a string choice reads as "true"/"false"
+            return "" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
     except (TypeError, ValueError) as exc:
         expected = getattr(typ, "__name__", typ)
         raise ConfigError(f"bad value {value!r} for '{key}' (expected {expected}): {exc}") from None

@@ -6,8 +6,15 @@ token ids + per-token log-probs out, plus the weight-update and sleep/wake hooks
 
 Conventions every backend follows (tests check them):
 - `generate` returns `len(prompts) * spec.n` samples in prompt-major order (prompt 0's n samples first).
-- `logprobs[i]` is the log-prob of `response_ids[i]` under the rollout model's *raw* distribution (no temperature,
-  top-k or top-p applied): what the trainer recomputes for the importance ratio.
+- `logprobs[i]` is the log-prob of `response_ids[i]` under the distribution it was sampled from: the logits divided
+  by `temperature`, then top-k and top-p truncation, renormalised (vLLM's `processed_logprobs`; greedy decoding:
+  the raw logits). With temperature 1, top_p 1 and top_k off that is the model's raw distribution. The trainer's
+  policy is the temperature-scaled distribution without truncation (`policy_forward.sequence_logprobs(
+  temperature=...)`), so the mismatch ratio pi_trainer / pi_rollout is the behaviour-policy correction; under
+  top-p / top-k it equals the kept probability mass (<= 1) where the weights agree, and
+  `mismatch/kl_rollout_trainer` does not go to 0 then.
+- `score` returns raw log-probs (no temperature: prompt log-probs skip the sampling processors), which the sync
+  canary compares with the trainer's plain forward.
 - With `spec.seed = s`, prompt i's sample j is drawn with seed `s + i * n + j`: reproducible runs, yet distinct
   samples across prompts (one shared seed would give every identical prompt the same sample stream).
 - Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS; the stop token is included in

@@ -41,7 +41,9 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
                         dtype: str = "auto", max_model_len: int = 1024, gpu_memory_utilization: float = 0.5,
                         seed: int = 0, enable_sleep: bool = False, **kw) -> RolloutEngine:
     """Build a RolloutEngine. Extra keywords go to the engine (e.g. tensor_parallel_size, sleep_level, devices,
-    weight_backend, enforce_eager, load_format, skip_tokenizer_init, batch_size for HF)."""
+    weight_backend, load_format, skip_tokenizer_init, batch_size for HF), among them the vLLM engine options of
+    `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
+    enforce_eager) for every placement; the HF backend has none of those and says so when one is set."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     backend = resolve_backend(backend)
@@ -49,6 +51,12 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     if backend == "hf":
         if placement != "colocated":
             raise ValueError("the HF generate backend only runs colocated (in the trainer's process)")
+        from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS
+
+        unused = {k: kw.pop(k) for k in list(kw) if k in ENGINE_OPTIONS}
+        if unused:
+            log.warning("the HF generate backend ignores the vLLM engine options %s",
+                        ", ".join(f"rollout.{k}={v}" for k, v in unused.items()))
         from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 
         return HFRolloutEngine(str(model_path), **common, **kw)

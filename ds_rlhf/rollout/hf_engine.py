@@ -7,8 +7,9 @@ that `update_weights` / the canary exercise the same sync path as vLLM.
 
 Decoding is a small loop over the model's forward with a KV cache rather than `model.generate`, so that the
 conventions match vLLM's exactly: per-request seeds (one torch.Generator per row, seeded like vLLM's requests),
-stop tokens that end a row without being masked, `ignore_eos`, and log-probs from the raw logits (before
-temperature / top-k / top-p). Prompts are expanded to `n` rows each and decoded in left-padded batches of
+stop tokens that end a row without being masked, `ignore_eos`, and log-probs of the distribution each token was
+sampled from (logits / temperature, then top-k and top-p, renormalised; greedy: the raw logits), as vLLM's
+`processed_logprobs`; `score` stays raw. Prompts are expanded to `n` rows each and decoded in left-padded batches of
 `batch_size` rows. Samples do not equal vLLM's (different RNG streams), only follow the same rules.
 """
 
@@ -99,8 +100,8 @@ class HFRolloutEngine(RolloutEngine):
                              use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1].float()
-            tok = self._sample(logits, spec, gens)
-            lps.append(F.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+            tok, processed = self._sample(logits, spec, gens)
+            lps.append(F.log_softmax(processed, -1).gather(-1, tok[:, None]).squeeze(-1))
             toks.append(tok)
             done |= torch.isin(tok, stop_t)
             if bool(done.all()):
@@ -117,9 +118,11 @@ class HFRolloutEngine(RolloutEngine):
         return resp, logp
 
     @staticmethod
-    def _sample(logits: torch.Tensor, spec: SamplingSpec, gens: list[torch.Generator]) -> torch.Tensor:
+    def _sample(logits: torch.Tensor, spec: SamplingSpec,
+                gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sampled tokens, the logits they were sampled from: scaled and truncated, -inf outside the kept set)."""
         if spec.temperature <= 0:
-            return logits.argmax(-1)
+            return logits.argmax(-1), logits
         x = logits / spec.temperature
         if 0 < spec.top_k < x.shape[-1]:
             kth = x.topk(spec.top_k, dim=-1).values[:, -1:]
@@ -130,7 +133,7 @@ class HFRolloutEngine(RolloutEngine):
             drop = probs.cumsum(-1) - probs > spec.top_p  # keep the smallest prefix reaching top_p
             x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
         probs = x.softmax(-1)
-        return torch.cat([torch.multinomial(probs[k], 1, generator=g) for k, g in enumerate(gens)])
+        return torch.cat([torch.multinomial(probs[k], 1, generator=g) for k, g in enumerate(gens)]), x
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -68,7 +68,8 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError(info["error"])
         self._dtype = getattr(torch, info["dtype"].removeprefix("torch."))
         self.world = info["world"]
-        self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"])
+        self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"],
+                             vllm_options=info.get("options"))
 
     def _start(self, model_path, devices, log_path, startup_timeout_s, engine_kwargs) -> dict:
         authkey = secrets.token_bytes(16)

@@ -1,7 +1,8 @@
 """The disaggregated rollout server: `python -m ds_rlhf.rollout.remote_server`, started by RemoteVLLMEngine.
 
-It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes)
-and answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
+It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes),
+built with the keywords of the client's 'start' (the vLLM engine options among them, checked in the adapter), and
+answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
 come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group.
 Every failure goes back to the client with its traceback instead of killing the server.
 """
@@ -32,7 +33,7 @@ def _handle(engine, cmd: str, args: tuple):
         engine = VLLMRolloutEngine(model_path, **kwargs)
         engine.placement = "disaggregated (server)"
         return engine, {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
-                        "start_seconds": engine.handle.start_seconds}
+                        "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
     if engine is None:
         raise RuntimeError(f"command {cmd!r} before 'start'")
     if cmd == "generate_many":

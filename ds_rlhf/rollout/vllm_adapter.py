@@ -5,6 +5,16 @@ for each call used here (`LLM(...)` kwargs, `generate` outputs, `FlatLogprobs`, 
 `collective_rpc`, `worker_extension_cls`, `reset_prefix_cache`). Other versions fail at start-up with a clear error;
 `DS_RLHF_ALLOW_UNKNOWN_VLLM=1` lets you try one anyway (with a warning).
 
+Log-probs: every engine runs with `logprobs_mode="processed_logprobs"` (an `EngineArgs` field in 0.26 and 0.32, same
+spelling), so the log-prob vLLM returns for a sampled token is that of the distribution it was sampled from:
+logits / temperature, then top-k and top-p truncation, renormalised (greedy requests: the raw logits'). Prompt
+log-probs (`score`, the sync canary) skip the sampling processors in both versions and stay raw.
+
+Engine options (`rollout.async_scheduling`, `max_num_seqs`, `max_num_batched_tokens`, `cudagraph_sizes`,
+`enforce_eager`): `engine_option_kwargs` turns them into `LLM(...)` keywords (`cudagraph_sizes` ->
+`cudagraph_capture_sizes`, an `EngineArgs` field in both versions) and refuses, naming the option and the vLLM
+version, any the installed vLLM has no engine argument for; options left at their defaults are not passed at all.
+
 Weights enter vLLM through `WeightSyncWorkerExtension`, injected into vLLM's worker via `worker_extension_cls` and
 reached with `collective_rpc`. With the in-process executors ("uni", and the SPMD "external_launcher" which
 subclasses it) `collective_rpc` calls the worker directly with our tensors, so a colocated sync copies
@@ -21,11 +31,13 @@ off), and verify after start-up that no layer lost its weight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+import typing
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
@@ -36,6 +48,11 @@ log = logging.getLogger(__name__)
 SUPPORTED_RANGE = ((0, 26), (0, 32))  # inclusive, (major, minor)
 EXTENSION = "ds_rlhf.rollout.vllm_adapter.WeightSyncWorkerExtension"
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeepSpeed precision names -> vLLM
+LOGPROBS_MODE = "processed_logprobs"  # log-probs of the distribution vLLM sampled from (the rollout contract)
+# our engine option (config key rollout.<name>) -> vLLM EngineArgs field
+ENGINE_OPTIONS = {"async_scheduling": "async_scheduling", "max_num_seqs": "max_num_seqs",
+                  "max_num_batched_tokens": "max_num_batched_tokens", "cudagraph_sizes": "cudagraph_capture_sizes",
+                  "enforce_eager": "enforce_eager"}
 
 
 def vllm_version() -> str | None:
@@ -70,6 +87,72 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def engine_arg_names() -> frozenset[str]:
+    """The fields of the installed vLLM's `EngineArgs` (what `LLM(**kwargs)` accepts)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def logprobs_modes() -> tuple[str, ...]:
+    """The values the installed vLLM accepts for `logprobs_mode` (empty when it has no such option)."""
+    try:
+        from vllm.config.model import LogprobsMode
+    except ImportError:
+        return ()
+    return typing.get_args(LogprobsMode)
+
+
+def engine_option_kwargs(*, cpu: bool, version: str | None, arg_names: Collection[str] | None = None,
+                         modes: Sequence[str] | None = None, enforce_eager: bool | None = None,
+                         async_scheduling: bool | None = None, max_num_seqs: int = 0, max_num_batched_tokens: int = 0,
+                         cudagraph_sizes: Sequence[int] = ()) -> dict:
+    """`LLM(...)` keywords for the log-prob mode and the engine options (None / 0 / empty = vLLM's default, not
+    passed; `enforce_eager` None = eager on CPU only, as before). `arg_names` / `modes` default to the installed
+    vLLM's. Raises RolloutError naming the option and `version` where this vLLM cannot honour one."""
+    arg_names = engine_arg_names() if arg_names is None else arg_names
+    modes = logprobs_modes() if modes is None else modes
+    if "logprobs_mode" not in arg_names or LOGPROBS_MODE not in modes:
+        raise RolloutError(f"vLLM {version} has no logprobs_mode={LOGPROBS_MODE!r} engine argument (it has "
+                           f"{list(modes) or 'no logprobs_mode'}): the rollout log-probs must be those of the "
+                           "distribution vLLM sampled from; use vLLM 0.26 to 0.32")
+    out: dict = {"logprobs_mode": LOGPROBS_MODE, "enforce_eager": cpu if enforce_eager is None else enforce_eager}
+    if async_scheduling is not None:
+        if async_scheduling and cpu:
+            raise RolloutError(f"rollout.async_scheduling=true: vLLM {version} on CPU has no async scheduling (its "
+                               "CPU platform always turns it off); leave it at auto on CPU")
+        out["async_scheduling"] = bool(async_scheduling)
+    if max_num_seqs:
+        out["max_num_seqs"] = int(max_num_seqs)
+    if max_num_batched_tokens:
+        out["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    sizes = sorted({int(n) for n in cudagraph_sizes})
+    if sizes and cpu:
+        log.info("rollout.cudagraph_sizes=%s ignored: vLLM on CPU captures no CUDA graphs", sizes)
+    elif sizes:
+        if out["enforce_eager"]:
+            raise RolloutError(f"rollout.cudagraph_sizes={sizes} with enforce_eager: eager mode captures no CUDA "
+                               "graphs")
+        out["cudagraph_capture_sizes"] = sizes
+    by_field = {field: name for name, field in ENGINE_OPTIONS.items()}
+    missing = [k for k in out if k not in arg_names and k in by_field]
+    if missing:
+        names = ", ".join(f"rollout.{by_field[k]} (EngineArgs.{k})" for k in missing)
+        raise RolloutError(f"vLLM {version} does not support {names}: leave the option at its default or install a "
+                           "vLLM that has it")
+    return out
+
+
+def effective_engine_options(llm) -> dict:
+    """What the running engine actually uses for the options above (vLLM may fill in or override defaults)."""
+    cfg = llm.llm_engine.vllm_config
+    sched, comp, model = cfg.scheduler_config, cfg.compilation_config, cfg.model_config
+    return {"logprobs_mode": model.logprobs_mode, "enforce_eager": model.enforce_eager,
+            "async_scheduling": sched.async_scheduling, "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "cudagraph_capture_sizes": None if model.enforce_eager else list(comp.cudagraph_capture_sizes or [])}
 
 
 def _prepare_cpu(dtype: str) -> str:
@@ -124,7 +207,8 @@ class VLLMHandle:
     def __init__(self, model_path: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, enable_sleep: bool = False,
                  executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 enforce_eager: bool | None = None, **llm_kwargs) -> None:
+                 enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
+                 max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in ("uni", "external_launcher"):
@@ -139,8 +223,11 @@ class VLLMHandle:
             enable_sleep = False  # vLLM's CPU worker ignores sleep; we keep our own state instead
         kwargs = dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
                       distributed_executor_backend=executor, tensor_parallel_size=tensor_parallel_size,
-                      worker_extension_cls=EXTENSION,
-                      enforce_eager=self.cpu if enforce_eager is None else enforce_eager)
+                      worker_extension_cls=EXTENSION)
+        kwargs.update(engine_option_kwargs(cpu=self.cpu, version=self.version, enforce_eager=enforce_eager,
+                                           async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           cudagraph_sizes=cudagraph_sizes))
         if data_parallel_size > 1:
             kwargs["data_parallel_size"] = data_parallel_size
         if not self.cpu:
@@ -162,6 +249,10 @@ class VLLMHandle:
         self._sp = SamplingParams
         self._flat = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
         self.dtype = self.llm.llm_engine.model_config.dtype
+        self.options = effective_engine_options(self.llm)
+        if self.options["logprobs_mode"] != kwargs["logprobs_mode"]:
+            raise RolloutError(f"vLLM {self.version} runs with logprobs_mode={self.options['logprobs_mode']!r} "
+                               f"although {kwargs['logprobs_mode']!r} was asked for")
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
         if self.in_process and core != "InprocClient":
             raise RolloutError(f"vLLM's engine core runs out of process ({core}) although executor={executor!r} "

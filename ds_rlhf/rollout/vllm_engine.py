@@ -8,6 +8,10 @@ vLLM's SPMD "external_launcher" on the trainer's existing torch.distributed worl
 vLLM steps its data-parallel replicas in lockstep, so `generate` and `score` are collective: every rank must call
 them the same number of times (the trainer does: every rank rolls out each step, every rank runs the canary).
 
+Engine options (`async_scheduling`, `max_num_seqs`, `max_num_batched_tokens`, `cudagraph_sizes`, `enforce_eager`)
+go through to `VLLMHandle` (checked against the installed vLLM there); `stats()["vllm_options"]` says what the
+running engine uses.
+
 Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
 sync path wakes the weights first, loads the new ones in place, and wakes the KV cache last, so the KV cache is
 re-allocated only once the trainer's gather buffers are gone.
@@ -61,7 +65,7 @@ class VLLMRolloutEngine(RolloutEngine):
                                  gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep=enable_sleep,
                                  executor=executor, tensor_parallel_size=tp, data_parallel_size=dp, **llm_kwargs)
         self._c.extra.update(vllm_version=self.handle.version, executor=executor, tensor_parallel_size=tp,
-                             start_seconds=self.handle.start_seconds)
+                             start_seconds=self.handle.start_seconds, vllm_options=self.handle.options)
         self._awake: set[str] = {"weights", "kv_cache"}
 
     @property

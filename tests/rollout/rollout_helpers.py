@@ -18,6 +18,33 @@ STALE_MIN = 1e-2
 SMALL_BUCKET = 64 << 10  # 64 KiB: forces many buckets on the tiny model (~1.4 MB)
 
 
+def reference_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float = 1.0, top_p: float = 1.0,
+                       top_k: int = -1) -> torch.Tensor:
+    """Exact processed log-probs of `tokens` ([T]) from the `logits` ([T, vocab]) that predicted them, as vLLM's
+    `processed_logprobs` computes them: scale, top-k, then top-p on the top-k-renormalised probs (ascending sort;
+    drop tokens whose cumulative mass from below is <= 1 - p; the top token always stays), log-softmax."""
+    import torch.nn.functional as F
+
+    x = logits.float() / temperature
+    if 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        xs, order = x.sort(dim=-1)
+        drop = xs.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        x = x.scatter(-1, order, xs.masked_fill(drop, float("-inf")))
+    return F.log_softmax(x, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def response_logits(model, sample) -> torch.Tensor:
+    """[response_len, vocab] float32 logits of an HF causal LM that predicted each of `sample`'s response tokens."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float().cpu()
+    return logits[len(sample.prompt_ids) - 1 : -1]
+
+
 def ds_config(stage: int, micro: int = 2) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},

@@ -7,7 +7,16 @@ import logging
 
 import pytest
 import torch
-from rollout_helpers import PROBE, STALE_MIN, TOL, build_engine, check_generate_contract, train
+from rollout_helpers import (
+    PROBE,
+    STALE_MIN,
+    TOL,
+    build_engine,
+    check_generate_contract,
+    reference_logprobs,
+    response_logits,
+    train,
+)
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync, make_rollout_engine
 from ds_rlhf.rollout.canary import trainer_logprobs
@@ -24,13 +33,14 @@ def test_generate_contract(hf_rollout, tiny_tokenizer):
     check_generate_contract(hf_rollout, tiny_tokenizer.eos_token_id)
 
 
-def test_logprobs_are_raw_and_batching_invariant(hf_rollout):
+def test_logprobs_are_processed_and_batching_invariant(hf_rollout):
+    """Log-probs of the distribution sampled from (temperature, top-k, top-p: vLLM's processed_logprobs)."""
     spec = SamplingSpec(n=3, max_new_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=4)
     prompts = [[1, 5, 6, 7], [1, 9], [1, 2, 3, 4, 5, 6]]
     samples = hf_rollout.generate(prompts, spec)
     for s in samples:
-        ref = hf_rollout.score([s.prompt_ids + s.response_ids])[0][len(s.prompt_ids) - 1:]
-        assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL
+        ref = reference_logprobs(response_logits(hf_rollout.model, s), s.response_ids, 0.8, 0.9, 50)
+        assert max(abs(a - b) for a, b in zip(ref.tolist(), s.logprobs)) < TOL
     # per-request seeds: a sample does not depend on which other rows share its batch
     hf_rollout.batch_size = 1
     try:

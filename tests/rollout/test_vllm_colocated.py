@@ -15,6 +15,8 @@ from rollout_helpers import (
     TOL,
     build_engine,
     check_generate_contract,
+    reference_logprobs,
+    response_logits,
     restore_checkpoint_weights,
     skipped_sync_fires,
     sync_roundtrip,
@@ -43,11 +45,12 @@ def test_generate_contract(rollout, tiny_tokenizer):
 
 
 def test_rollout_logprobs_and_score_match_hf(rollout, hf_model):
-    """Sampled-token log-probs are the raw model's (no temperature / top-k applied), as the trainer recomputes."""
+    """Sampled-token log-probs are those of the distribution sampled from (temperature and top-k applied: vLLM's
+    processed_logprobs, test_processed_logprobs.py has more cases); `score` is the raw model's."""
     spec = SamplingSpec(n=2, max_new_tokens=12, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
     for s in rollout.generate([[1, 5, 6, 7], [1, 9]], spec):
-        ref = trainer_logprobs(hf_model, s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1:]
-        assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL
+        ref = reference_logprobs(response_logits(hf_model, s), s.response_ids, temperature=0.7, top_k=20)
+        assert max(abs(a - b) for a, b in zip(ref.tolist(), s.logprobs)) < TOL
     got = rollout.score([PROBE, PROBE[:10]])
     assert len(got[0]) == len(PROBE) - 1 and len(got[1]) == 9
     assert max(abs(a - b) for a, b in zip(trainer_logprobs(hf_model, PROBE), got[0])) < TOL

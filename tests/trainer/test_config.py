@@ -66,8 +66,6 @@ def test_save_round_trip_and_help(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rl.algo", "dpo"], "rl.algo='dpo'"),
     (["--rl.kl_in", "both"], "rl.kl_in"),
-    (["--rollout.temperature", "0.7"], "mismatch correction"),
-    (["--rollout.top_p", "0.9"], "mismatch correction"),
     (["--rl.algo", "grpo", "--rollout.n_samples", "1"], "n_samples >= 2"),
     (["--rollout.sleep_level", "3"], "rollout.sleep_level"),
 ])
@@ -83,3 +81,5 @@ def test_default_rl_settings_pass_the_check():
 
     check_rl_settings(parse_config([]))
     check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rl.mismatch", "off"]))
+    # the rollout engines return the sampled (temperature / top-p / top-k) distribution's log-probs: allowed with TIS
+    check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rollout.top_p", "0.9"]))

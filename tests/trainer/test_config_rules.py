@@ -27,6 +27,9 @@ from tests.trainer.stores import prompt_store, rl_config
     (["--rl.reward_fn", "gsm8k", "--rl.reward_model", "/some/rm"], "both rl.reward_fn='gsm8k' and rl.reward_model"),
     (["--zero_stage", "4"], "zero_stage=4: choose one of -1, 0, 1, 2, 3"),
     (["--rollout.max_model_len", "100", "--rollout.max_new_tokens", "128"], "rollout.max_model_len=100"),
+    (["--data.rl_packing", "true"], "data.rl_packing=true packs each RL micro-batch up to a token budget"),
+    (["--rollout.cudagraph_sizes", "8,x"], "rollout.cudagraph_sizes='8,x': give a comma list"),
+    (["--rollout.async_scheduling", "on"], "rollout.async_scheduling='on': choose one of auto, true, false"),
 ])
 def test_out_of_range_and_conflicting_settings_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.").replace("+", r"\+")):
@@ -144,3 +147,18 @@ def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
         with pytest.raises(BadRewardError, match="every reward of this step was bad"):
             stage(RolloutBatch(rows=[{"prompt_text": "", "ground_truth": None}], samples=samples,
                                weights_version=0), step=0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rollout.temperature", "0.7", "--rl.mismatch", "tis"],
+    ["--rollout.temperature", "0.7", "--rollout.top_p", "0.9", "--rl.mismatch", "mis"],
+    ["--rollout.top_k", "20", "--rl.mismatch", "tis"],
+])
+def test_sampling_settings_are_allowed_with_the_mismatch_correction(argv):
+    """The rollout engines return the log-probs of the distribution they sampled from (rollout/base.py), so
+    temperature / top-p / top-k no longer conflict with rl.mismatch tis/mis."""
+    parse_config(argv)
+
+
+def test_rl_packing_with_a_token_budget_is_accepted():
+    assert parse_config(["--data.rl_packing", "true", "--data.micro_batch_tokens", "4096"]).data.rl_packing
