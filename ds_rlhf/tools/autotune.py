@@ -11,7 +11,8 @@ Knobs, searched one at a time in this order, each trial changing one knob of the
                                   recorded as invalid and not run)
   data.micro_batch_tokens         your value and multiples of the longest sequence (prompt + response tokens)
   rollout.gpu_memory_utilization  your value, 0.3, 0.5, 0.7, 0.85 (left out with rollout.backend hf: no effect)
-  rollout.max_num_seqs            only where the config has that key (this version has none: it says so)
+  rollout.max_num_seqs            your value (0 = vLLM's default), 64, 128, 256, 512 (left out with rollout.backend
+                                  hf: no effect)
 `--search KEY=V1,V2` also adds any other config key as a knob.
 
 Each trial is `python -m ds_rlhf.entrypoints train-ppo` with your config and overrides, the trial's knob values,
@@ -48,6 +49,7 @@ TRIAL_SETTINGS = ["--run.overwrite", "true", "--run.resume", "", "--run.progress
                   "false", "--run.wandb", "false", "--run.export_hf", "false", "--run.eval_every", "0",
                   "--run.eval_before_train", "false", "--run.sample_log_every", "0", "--run.metrics_port", "0",
                   "--run.save_every", "0", "--run.keep_last", "1"]
+VLLM_ONLY = ("rollout.gpu_memory_utilization", "rollout.max_num_seqs")  # no effect with rollout.backend hf
 KILL_MARGIN_S = 2.0  # the search's own bookkeeping after the last trial
 
 
@@ -134,7 +136,7 @@ def default_knobs(cfg, custom: dict[str, list[str]]) -> tuple[dict[str, list], d
         if key in custom and not custom[key]:
             skipped[key] = "left out (--search KEY=)"
             continue
-        if key == "rollout.gpu_memory_utilization" and cfg.rollout.backend == "hf" and key not in custom:
+        if key in VLLM_ONLY and cfg.rollout.backend == "hf" and key not in custom:
             skipped[key] = "no effect with rollout.backend hf"
             continue
         base = config_value(cfg, key)

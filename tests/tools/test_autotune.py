@@ -55,8 +55,12 @@ def test_default_knobs_skip_what_does_not_exist_or_apply():
     knobs, skipped = default_knobs(cfg, {})
     assert knobs["rollout.async_generation"] == [False, True]
     assert knobs["data.micro_batch_tokens"] == [0, 2048, 6144, 24576]  # multiples of 384 tokens, rounded to 1 KiB
-    assert "rollout.max_num_seqs" in skipped and "not a config key" in skipped["rollout.max_num_seqs"]
-    assert "rollout.gpu_memory_utilization" in skipped  # no effect with the HF backend
+    assert "no effect" in skipped["rollout.max_num_seqs"]  # vLLM's knobs: no effect with the HF backend
+    assert "no effect" in skipped["rollout.gpu_memory_utilization"]
+    misspelt = "rollout.max_num_sequences"
+    assert "not a config key" in default_knobs(cfg, {misspelt: ["8"]})[1][misspelt]
+    vllm_knobs, _ = default_knobs(parse_config(["--rollout.backend", "vllm"]), {})
+    assert vllm_knobs["rollout.max_num_seqs"] == [0, 64, 128, 256, 512]  # 0 = vLLM's default, then the candidates
     knobs, skipped = default_knobs(cfg, {"data.micro_batch_tokens": ["4096", "0"], "rl.mini_batch_size": ["16"],
                                          "rollout.async_generation": []})
     assert knobs["data.micro_batch_tokens"] == [0, 4096] and knobs["rl.mini_batch_size"] == [0, 16]
