@@ -91,6 +91,12 @@ def summarize(history: list[dict], skip: int, completions: int) -> dict:
             "reward_first": history[0].get("reward/mean"), "reward_last": history[-1].get("reward/mean")}
 
 
+# rollout.* keys read when the vLLM engine starts: a --variant (same engine) cannot change them.
+ENGINE_START_KEYS = ("backend", "placement", "gpu_memory_utilization", "max_model_len", "tensor_parallel_size",
+                     "async_scheduling", "max_num_seqs", "max_num_batched_tokens", "cudagraph_sizes",
+                     "enforce_eager", "sleep", "sleep_level")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=22)
@@ -115,16 +121,26 @@ def main() -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--cfg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override, repeatable (e.g. --cfg data.rl_packing=true)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="after the base run, run again with these overrides on the same vLLM engine (colocated only; "
+                        "repeatable), e.g. --variant packed:data.rl_packing=true: before/after in one process")
     args = p.parse_args()
-    extra = []
-    for item in args.cfg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--cfg {item!r}: give KEY=VALUE, e.g. data.rl_packing=true")
-        extra += [f"--{key}", value]
-
-    from ds_rlhf.config import parse_config
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    base = _overrides(p, args.cfg)
+    variants = []
+    for item in args.variant:
+        name, sep, rest = item.partition(":")
+        if not sep or not name:
+            p.error(f"--variant {item!r}: give NAME:KEY=VALUE[,KEY=VALUE]")
+        variants.append((name, _overrides(p, rest.split(","))))
+    engine_keys = {f"--rollout.{k}" for k in ENGINE_START_KEYS}
+    for name, extra in variants:
+        fixed = sorted(set(extra[::2]) & engine_keys)
+        if fixed:
+            p.error(f"--variant {name}: {fixed} are fixed when the shared vLLM engine starts; give them with --cfg "
+                    "in a run of their own")
+    placement = args.placement or ("sidecar" if args.asynchronous else "colocated")
+    if variants and placement != "colocated":
+        p.error("--variant shares the in-process vLLM engine: it needs --placement colocated")
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -132,10 +148,38 @@ def main() -> None:
     model = build_model(workdir, args.tiny, args.model)
     prompts = build_prompts(workdir, model, args.prompts * (args.steps + 1), args.prompt_len)
     print(f"[rl_step_gpu] model {model}, prompts {prompts} ({time.time() - t0:.1f}s)", flush=True)
-    placement = args.placement or ("sidecar" if args.asynchronous else "colocated")
     tag = args.tag or "-".join([args.model, args.algo, "async" if args.asynchronous else "sync", placement,
                                 "sleep" if args.sleep else "nosleep"])
-    run_dir = workdir / f"run-{tag}"
+    rollout = None
+    for name, extra in [("", base), *((n, base + e) for n, e in variants)]:
+        run_tag = f"{tag}-{name}" if name else tag
+        rollout = run_one(args, model, prompts, placement, run_tag, extra, rollout, keep_engine=bool(variants))
+    if rollout is not None:
+        rollout.close()
+
+
+def _overrides(p, items: list[str]) -> list[str]:
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"override {item!r}: give KEY=VALUE, e.g. data.rl_packing=true")
+        out += [f"--{key}", value]
+    return out
+
+
+def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: list[str], rollout, *,
+            keep_engine: bool):
+    """One bench run; returns the rollout engine when `keep_engine` (for the next variant), else None."""
+    import gc
+
+    import torch
+
+    from ds_rlhf.config import parse_config
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    t0 = time.time()
+    run_dir = Path(args.workdir) / f"run-{tag}"
     cfg = parse_config([
         "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
         "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
@@ -153,7 +197,9 @@ def main() -> None:
 
     t1 = time.time()
     with Sampler(0.1) as sampler:
-        trainer = RLTrainer(cfg)
+        trainer = RLTrainer(cfg, rollout=rollout)
+        if keep_engine:
+            trainer.parts.owns_rollout = False  # the next variant trains on it; main() closes it at the end
         setup_s = time.time() - t1
         step_ends = []
         history = []
@@ -162,7 +208,8 @@ def main() -> None:
             history.append(record)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
-    result = {"tag": tag, "config": vars(args), "setup_seconds": setup_s, "total_seconds": time.time() - t0,
+    result = {"tag": tag, "config": vars(args), "overrides": extra, "setup_seconds": setup_s,
+              "engine_reused": rollout is not None, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
               "gpu": summarize_gpu(sampler.samples, events, window), "history": history,
@@ -173,6 +220,12 @@ def main() -> None:
     render(sampler.samples, events, str(out / f"rl_step_{tag}.png"), title=tag, window=window)
     shown = {k: v for k, v in result.items() if k not in ("history", "timeline")}
     print(json.dumps(shown, indent=1, default=float), flush=True)
+    engine = trainer.parts.rollout if keep_engine else None
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return engine
 
 
 def _train_recording_step_ends(trainer, step_ends: list):
