@@ -12,6 +12,9 @@ actor's precision handling and ZeRO-3 partitioning:
 - stages 1/2 become stage 0 (they only partition optimizer state and gradients, which a frozen model has none of),
   i.e. a full replica on the device in the run's precision.
 
+With ``model.share_base`` (LoRA) the reference is no engine at all: ``build_shared_reference`` returns a view of the
+actor with its adapters disabled (``shared_base.AdapterOffReference``), so the base weights exist once.
+
 Trainable models are loaded in fp32 so DeepSpeed's fp32 master weights are exact; frozen ones in the compute dtype.
 """
 
@@ -28,7 +31,8 @@ from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
 from ds_rlhf.engines.onebit_adam import onebit_from_config
 from ds_rlhf.engines.roles import RoleInfo, register_role
 
-__all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "ensure_distributed"]
+__all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "build_shared_reference",
+           "ensure_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,15 @@ def build_critic(model_path, ds_config: dict, *, init_from: str = "reward", attn
 def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
     model = load_causal_lm(model_path, attn_impl=attn_impl, **_dtypes(ds_config, False))
     return build_engine(model, frozen_config(ds_config, offload), role="reference", trainable=False)
+
+
+def build_shared_reference(actor):
+    """The reference of `model.share_base`: the actor's module with its LoRA adapters disabled (no second copy)."""
+    from ds_rlhf.engines.shared_base import AdapterOffReference
+
+    reference = AdapterOffReference(actor)
+    logger.info("reference: the actor's base model with its LoRA adapters disabled (model.share_base)")
+    return reference
 
 
 def build_reward(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):

@@ -8,7 +8,9 @@ estimate); this module adds what an RL step holds on top of them:
 - roles as the trainer builds them: the actor; a critic when the algorithm needs one
   (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
   frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
-  become a full replica, ZeRO-3 stays partitioned);
+  become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference is the actor
+  with its adapters off (`engines/shared_base.py`): its row holds no weights, only its forward's activations at the
+  actor's ZeRO stage;
 - activations per micro-batch of `data.micro_batch_tokens` tokens (or `optim.micro_batch_size` x the sequence
   length). The actor's and reference's log-probs use the chunked head (`trainer/policy_forward.py`): no
   [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
@@ -179,6 +181,19 @@ def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, froz
                     buffers, resident_grads=stage == 3 and trainable)
 
 
+def shares_base(cfg) -> bool:
+    """`model.share_base` in effect: the reference is the LoRA actor with its adapters disabled."""
+    return bool(cfg.model.share_base) and cfg.model.lora_rank > 0
+
+
+def shared_reference(module, hf_config, s: Settings) -> RolePlan:
+    """The reference of `model.share_base`: no weights of its own, a no-grad forward through the actor's engine (at
+    the actor's ZeRO stage, so ZeRO-3 gathers as the actor does)."""
+    full = plan_role("reference", module, hf_config, s, s.zero_stage, s.offload_param)
+    return dataclasses.replace(full, num_params=0, params=0, grads=0, optimizer_states=0, host=0,
+                               detail="the actor with LoRA off (model.share_base): no weights of its own")
+
+
 def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -316,8 +331,10 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
         f"optimizer {zero['optimizer_type']}: planned with Adam-sized states (two fp32 values per parameter)"]
     configs = {role: meta_models.hf_config(path) for role, path in meta_models.role_sources(cfg, kind).items()}
     lora = meta_models.lora_settings(cfg)
+    shared = kind == "rl" and shares_base(cfg) and "reference" in configs
     roles = [plan_role(role, meta_models.meta_model(role, hf, lora), hf, s, zero["frozen_stage"],
-                       zero["frozen_offload"]) for role, hf in configs.items()]
+                       zero["frozen_offload"]) if not (shared and role == "reference")
+             else shared_reference(meta_models.meta_model(role, hf), hf, s) for role, hf in configs.items()]
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)
@@ -356,4 +373,28 @@ def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[
                        "tokens) lowers the activations")
         if s.zero_stage < 3 and s.world_size > 1:
             out.append("ZeRO-3 (--zero_stage 3) partitions the weights over the ranks")
+    return out + low_memory_remedies(cfg, trained, s)
+
+
+def low_memory_remedies(cfg, trained: list[RolePlan], s: Settings) -> list[str]:
+    """The low-memory switches (`ds_configs/low_memory_24g.yaml`) that would shrink this plan, with the bytes each
+    saves by the plan's own numbers (first-order: one at a time)."""
+    out = []
+    by_role = {r.role: r for r in trained}
+    ref = by_role.get("reference")
+    if ref is not None and ref.params + ref.host > 0 and s.kind == "rl":
+        saved = fmt_bytes(ref.params) + (f" on the GPU, {fmt_bytes(ref.host)} on the host" if ref.host else "")
+        out.append(f"--model.share_base true (with LoRA) drops the reference copy ({saved})"
+                   if cfg.model.lora_rank > 0 else
+                   f"--model.lora_rank 16 --model.share_base true drops the reference copy ({saved}) and trains "
+                   "adapters only")
+    learners = [by_role[r] for r in ("actor", "critic") if r in by_role]
+    if cfg.model.lora_rank <= 0 and learners:
+        saved = sum(r.grads + r.optimizer_states for r in learners)
+        out.append(f"--model.lora_rank 16 trains adapters only (gradients and optimizer states: {fmt_bytes(saved)})")
+    on_device = sum(r.optimizer_states for r in learners)
+    if not s.offload_optimizer and on_device > 0.1 * sum(r.states for r in learners):
+        out.append(f"--offload true moves the optimizer states ({fmt_bytes(on_device)}) to host memory")
+    if "critic" in by_role:
+        out.append(f"a critic-free algorithm (--rl.algo grpo) drops the critic ({fmt_bytes(by_role['critic'].states)})")
     return out

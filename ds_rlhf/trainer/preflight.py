@@ -2,7 +2,9 @@
 
 The schema (`ds_rlhf.config`) already refused bad keys, bad choices, out-of-range numbers and conflicting options.
 What is left needs to look at files: the prompt store and its manifest (and the held-out eval store when RL
-evaluation is on), the reward function file, the reward model and resume directories, the DeepSpeed config. Each
+evaluation is on), the reward function file, the reward model and resume directories, the DeepSpeed config, and the
+low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` the run's memory plan (from the
+models' config.json files only) must fit the cap (`tools/memory_cap.py`). Each
 problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
 longer than the rollout budget, say) fails at once.
 """
@@ -137,6 +139,30 @@ def check_ds_config(cfg: Config) -> None:
         print(f"[ds_config] {path}: keys DeepSpeed does not read (ignored): {', '.join(unknown)}", flush=True)
 
 
+def check_share_base(cfg: Config) -> None:
+    """`model.share_base` shares the frozen base between the LoRA actor and its reference: it needs LoRA. (A
+    cross-field rule of `ModelConfig`; checked here until the schema has it.)"""
+    if cfg.model.share_base and cfg.model.lora_rank <= 0:
+        raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters disabled, "
+                          "and full fine-tuning changes the base weights; set --model.lora_rank (e.g. 16) or "
+                          "--model.share_base false")
+
+
+def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
+    """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
+    if cfg.run.max_gpu_memory_gb <= 0:
+        return
+    from ds_rlhf.tools import memory_cap
+
+    try:
+        memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: the memory plan needs each "
+                          f"model's config.json and cannot be made: {type(exc).__name__}: {exc}") from None
+
+
 def check_rl_run(cfg: Config) -> None:
     """Everything an RL run needs, checked before set-up."""
     if cfg.run.steps < 1:
@@ -146,6 +172,8 @@ def check_rl_run(cfg: Config) -> None:
     check_reward(cfg)
     check_resume(cfg)
     check_ds_config(cfg)
+    check_share_base(cfg)
+    check_memory_cap(cfg, "rl")
 
 
 def check_supervised_run(cfg: Config, kind: str) -> None:
@@ -155,3 +183,4 @@ def check_supervised_run(cfg: Config, kind: str) -> None:
         check_store(cfg.data.eval, "data.eval", kind)
     check_resume(cfg)
     check_ds_config(cfg)
+    check_memory_cap(cfg, {"preference": "rm"}.get(kind, "sft"))

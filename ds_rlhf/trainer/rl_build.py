@@ -30,7 +30,7 @@ Engine = Any  # a deepspeed.DeepSpeedEngine (not imported here: importing DeepSp
 class RLParts:
     actor: Engine
     critic: Engine | None
-    reference: Engine | None
+    reference: Engine | None  # with model.share_base: engines.shared_base.AdapterOffReference (a view of the actor)
     rollout: RolloutEngine
     sync: WeightSync
     loader: StoreLoader
@@ -57,15 +57,18 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.data.store import open_store
-    from ds_rlhf.engines.builder import build_actor, build_critic, build_reference
+    from ds_rlhf.engines.builder import build_actor, build_critic, build_reference, build_shared_reference
     from ds_rlhf.engines.models import lora_settings
     from ds_rlhf.rollout import make_rollout_engine
     from ds_rlhf.rollout.canary import SyncCanary
     from ds_rlhf.rollout.sync import WeightSync
+    from ds_rlhf.tools.memory_cap import apply_trainer_cap, vllm_memory_fraction
     from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
+    from ds_rlhf.trainer.preflight import check_share_base
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
+    check_share_base(cfg)
     functions = reward_functions(cfg) if rl.reward_fn else None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
@@ -77,9 +80,15 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
     mini = rl.mini_batch_size or samples_per_step
     steps_total = cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
-    if placement.mode == "sidecar" and dist.device.type == "cuda":
-        # the explicit split: vLLM's process takes gpu_memory_utilization of the GPU, this process the rest
-        torch.cuda.set_per_process_memory_fraction(max(0.05, 1.0 - cfg.rollout.gpu_memory_utilization - 0.02))
+    vllm_fraction = cfg.rollout.gpu_memory_utilization
+    if dist.device.type == "cuda":
+        # run.max_gpu_memory_gb caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process
+        # takes gpu_memory_utilization (of the cap, when set), this process the rest
+        fraction = apply_trainer_cap(cfg, dist.device, placement.mode)
+        vllm_fraction = vllm_memory_fraction(cfg, torch.cuda.get_device_properties(dist.device).total_memory)
+        if cfg.run.max_gpu_memory_gb > 0:
+            ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
+                      f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
     model_opts = dict(attn_impl=cfg.model.attn_impl,
                       gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora_settings(cfg.model))
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
@@ -87,11 +96,16 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     critic = None
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
         critic_path, init = _critic_source(ctx)
+        if cfg.model.share_base:  # not yet: a second adapter + value head on the actor's module (docs/LOW_MEMORY.md)
+            ctx.print("[rl] model.share_base: the critic is its own LoRA model on its own copy of the base "
+                      f"({critic_path}); only the reference shares the actor's base")
         critic = build_critic(critic_path, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
                                                          lr=cfg.optim.critic_lr, total_steps=steps_total),
                               init_from=init, **model_opts)
     reference = None
-    if rl.kl_coef > 0 or rl.kl_target > 0:
+    if (rl.kl_coef > 0 or rl.kl_target > 0) and cfg.model.share_base:
+        reference = build_shared_reference(actor)  # the actor with its adapters off: no second copy of the base
+    elif rl.kl_coef > 0 or rl.kl_target > 0:
         reference = build_reference(ctx.model_path, ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg),
                                                                   lr=0.0, total_steps=1, frozen=True),
                                     attn_impl=cfg.model.attn_impl)
@@ -100,7 +114,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     if rollout is None:
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
-                                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, seed=cfg.run.seed,
+                                      gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs())

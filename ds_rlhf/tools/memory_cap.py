@@ -1,0 +1,126 @@
+"""`run.max_gpu_memory_gb`: one cap per GPU for the trainer and vLLM together (e.g. 24 on a card shared with
+others, or to rehearse a 24 GiB card on a bigger one).
+
+Three parts, all derived from the cap C and the device's total memory T:
+
+- `check_memory_cap` (called by `trainer/preflight.py`, before any process group or model): the memory plan
+  (`memory_plan.plan_memory`, the numbers of `ds-rlhf memory`) of the configured run on a GPU of min(C, T) bytes;
+  when it does not fit, one `ConfigError` line naming the biggest contributors and the settings that would shrink
+  them. Without a visible GPU it plans for a GPU of exactly C (what the run would need there);
+- `vllm_memory_fraction`: with the cap, `rollout.gpu_memory_utilization` is vLLM's share *of the cap*; vLLM itself
+  reads a fraction of the whole GPU, so it gets `utilization * min(C, T) / T` (`trainer/rl_build.py` passes it);
+- `trainer_memory_fraction` / `apply_trainer_cap`: `torch.cuda.set_per_process_memory_fraction` for the trainer's
+  process: min(C, T) / T colocated (vLLM allocates inside this process, within the same cap) and disaggregated
+  (vLLM is on other GPUs); with the sidecar the trainer's share of the cap minus vLLM's, as without a cap.
+
+The fraction caps PyTorch's caching allocator only: the CUDA context and NCCL's buffers sit outside it, which is
+what the plan's reserve (2 GiB on GPUs) stands for.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
+
+KIND_BY_STORE = {"prompts": "rl", "sft": "sft", "preference": "rm"}
+
+
+def cap_bytes(cfg) -> int:
+    return int(cfg.run.max_gpu_memory_gb * GiB)
+
+
+def capped_total(cfg, total_bytes: int) -> int:
+    """The bytes this run may use per GPU: the cap, or the whole device when there is none (or it is larger)."""
+    cap = cap_bytes(cfg)
+    return min(cap, total_bytes) if cap > 0 else total_bytes
+
+
+def vllm_memory_fraction(cfg, total_bytes: int) -> float:
+    """The `gpu_memory_utilization` to give vLLM on a device of `total_bytes`: `rollout.gpu_memory_utilization` of
+    the cap when `run.max_gpu_memory_gb` is set, else the setting itself."""
+    util = cfg.rollout.gpu_memory_utilization
+    if cap_bytes(cfg) <= 0 or total_bytes <= 0:
+        return util
+    return util * capped_total(cfg, total_bytes) / total_bytes
+
+
+def trainer_memory_fraction(cfg, total_bytes: int, placement: str) -> float | None:
+    """The trainer process's `set_per_process_memory_fraction`, or None to leave the allocator alone (no cap, and
+    not the sidecar, whose split existed before the cap: the trainer takes what vLLM's process does not)."""
+    capped = cap_bytes(cfg) > 0 and total_bytes > 0
+    share = capped_total(cfg, total_bytes) / total_bytes if capped else 1.0
+    if placement == "sidecar":
+        return max(0.05, share * (1.0 - cfg.rollout.gpu_memory_utilization) - 0.02)
+    return share if capped else None
+
+
+def apply_trainer_cap(cfg, device, placement: str) -> float | None:
+    """Apply `trainer_memory_fraction` on a CUDA `device`; returns the fraction set (None: nothing set)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    import torch
+
+    fraction = trainer_memory_fraction(cfg, torch.cuda.get_device_properties(device).total_memory, placement)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def local_gpu_total() -> int | None:
+    """Total bytes of this rank's GPU (LOCAL_RANK), None without one. Touches CUDA only when asked."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _contribution(role: RolePlan, phase: str, plan: MemoryPlan) -> int:
+    """A role's bytes in the plan's `phase` (an attribution for the message, not the plan's arithmetic)."""
+    if role.role == "vllm":
+        return role.params + role.activations + role.kv_cache
+    if role.role.startswith("rollout"):
+        return role.device_total
+    return role.resident if phase == "rollout" else role.states + role.buffers + role.activations
+
+
+def cap_message(cfg, plan: MemoryPlan, kind: str) -> str:
+    """One line: the need against the cap, the three biggest contributors, what to change."""
+    s = plan.settings
+    phase = max(plan.phases, key=plan.phases.get)
+    need = plan.peak + s.reserve
+    parts = sorted(((_contribution(r, phase, plan), r.role) for r in plan.roles), reverse=True)
+    biggest = ", ".join(f"{role} {fmt_bytes(n)}" for n, role in parts[:3] if n > 0)
+    rollout = next((r for r in plan.roles if r.role == "vllm" or r.role.startswith("rollout")), None)
+    fixes = [n.removeprefix("FAIL: ") for n in plan.notes if n.startswith("FAIL")]
+    fixes += remedies(cfg, list(plan.roles), rollout, plan.phases, s)
+    seen = []
+    for fix in fixes:
+        if fix not in seen:
+            seen.append(fix)
+    return (f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: this {kind} run needs about {fmt_bytes(need)} "
+            f"per GPU at its {phase} peak (reserve {fmt_bytes(s.reserve)} included), more than the cap of "
+            f"{fmt_bytes(s.capacity)}; biggest: {biggest or 'n/a'}; to fit: {'; '.join(seen) or 'a bigger cap'} "
+            f"(`ds-rlhf memory --kind {kind}` with the same arguments prints the whole plan)")
+
+
+def check_memory_cap(cfg, *, kind: str = "rl", total_bytes: int | None = None,
+                     world_size: int | None = None) -> MemoryPlan | None:
+    """Raise `ConfigError` when the run's plan does not fit `run.max_gpu_memory_gb` (see module docstring); the plan
+    when it fits, None when there is no cap. `total_bytes`: the GPU's memory (default: this rank's GPU, else the
+    cap); `world_size` default $WORLD_SIZE or 1. Reads only config.json files: no weights load."""
+    from ds_rlhf.config import ConfigError
+
+    cap = cap_bytes(cfg)
+    if cap <= 0:
+        return None
+    total = total_bytes if total_bytes is not None else (local_gpu_total() or cap)
+    world = world_size or int(os.environ.get("WORLD_SIZE", 1))
+    capacity = capped_total(cfg, total)
+    plan = plan_memory(cfg, kind=kind, device="cuda", capacity=capacity, device_name=f"{fmt_bytes(capacity)} cap",
+                       world_size=world)
+    if not plan.fits:
+        raise ConfigError(cap_message(cfg, plan, kind))
+    return plan

@@ -1,0 +1,144 @@
+"""Low-memory RL (issue 16) on CPU: the recipe file, the memory cap checked before loading, the vLLM / trainer
+memory fractions, the plan without a reference copy, and a tiny PPO run on a LoRA actor with a shared base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.tools.memory_cap import check_memory_cap, trainer_memory_fraction, vllm_memory_fraction
+from ds_rlhf.tools.memory_plan import GiB
+from ds_rlhf.trainer.preflight import check_share_base
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = str(ROOT / "ds_configs" / "low_memory_24g.yaml")
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory) -> str:
+    """A config.json of an 8B Llama-3 shape (no weights: the plan reads shapes only)."""
+    from transformers import LlamaConfig
+
+    out = tmp_path_factory.mktemp("llama8b")
+    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False).save_pretrained(out)
+    return str(out)
+
+
+def _recipe(*extra):
+    return parse_config(["--config", RECIPE, "--rollout.backend", "vllm", *extra])
+
+
+def _roles(plan):
+    return {r.role: r for r in plan.roles}
+
+
+def test_low_memory_recipe_parses():
+    cfg = parse_config(["--config", RECIPE])
+    m = cfg.model
+    assert (m.lora_rank, m.share_base, m.gradient_checkpointing, m.dtype) == (16, True, True, "bf16")
+    assert cfg.run.max_gpu_memory_gb == 24 and cfg.offload and cfg.ds_config == "ds_configs/low_memory_24g.json"
+    assert cfg.rollout.sleep and cfg.rl.kl_coef > 0  # the KL reference comes from the shared base
+    check_share_base(cfg)
+
+
+def test_recipe_plan_fits_24gib_for_an_8b_model(llama8b):
+    plan = check_memory_cap(_recipe("--model.path", llama8b), total_bytes=int(141 * GiB))
+    assert plan is not None and plan.fits and plan.settings.capacity == 24 * GiB  # the cap, not the card
+    ref = _roles(plan)["reference"]
+    assert ref.num_params == ref.params == ref.host == 0 and "share_base" in ref.detail
+    assert plan.peak + plan.settings.reserve <= 24 * GiB
+
+
+def test_share_base_drops_the_reference_copy_from_the_plan(llama8b):
+    args = ("--model.path", llama8b, "--offload", "false", "--zero_stage", "2", "--run.max_gpu_memory_gb", "1000")
+    own = check_memory_cap(_recipe(*args, "--model.share_base", "false"), total_bytes=int(1000 * GiB))
+    shared = check_memory_cap(_recipe(*args), total_bytes=int(1000 * GiB))
+    ref_own, ref_shared = _roles(own)["reference"], _roles(shared)["reference"]
+    assert ref_own.params > 14 * GiB and ref_shared.params == 0  # a frozen bf16 copy of 8B parameters, or nothing
+    assert own.phases["rollout"] - shared.phases["rollout"] == ref_own.params
+
+
+def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_stores, monkeypatch):
+    """Full fine-tuning with its own reference under a 24 GiB cap: one line naming the contributors and the fixes,
+    raised by the trainer's preflight before any process group or weight."""
+    import transformers
+
+    from ds_rlhf.trainer import rl_trainer
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model started loading before the cap was checked")
+
+    monkeypatch.setattr(rl_trainer, "setup_run", no_loading)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    cfg = _recipe("--model.path", llama8b, "--model.lora_rank", "0", "--model.share_base", "false",
+                  "--offload", "false", "--data.train", str(addition_stores["prompts"]),
+                  "--rl.reward_fn", "math_shaped")
+    with pytest.raises(ConfigError) as err:
+        rl_trainer.RLTrainer(cfg)  # on a machine without a GPU: planned for a GPU of exactly the cap
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("run.max_gpu_memory_gb=24: this rl run needs about")
+    assert "biggest: actor" in msg and "reference" in msg
+    for fix in ("--model.share_base true", "--model.lora_rank 16", "--offload true"):
+        assert fix in msg, (fix, msg)
+    # the same run with the recipe's settings passes the same check
+    fits = _recipe("--model.path", llama8b, "--data.train", str(addition_stores["prompts"]),
+                   "--rl.reward_fn", "math_shaped")
+    assert check_memory_cap(fits, total_bytes=int(24 * GiB)).fits
+    # vLLM's share of the cap too small for its weights: the vLLM setting is named
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        check_memory_cap(_recipe("--model.path", llama8b, "--rollout.gpu_memory_utilization", "0.3"),
+                         total_bytes=int(24 * GiB))
+
+
+def test_share_base_needs_lora():
+    with pytest.raises(ConfigError, match="model.lora_rank"):
+        check_share_base(parse_config(["--model.share_base", "true"]))
+    check_share_base(parse_config(["--model.share_base", "true", "--model.lora_rank", "4"]))
+
+
+def test_memory_fractions_follow_the_cap():
+    total = 140 * GiB
+    capped = _recipe()  # 24 GiB cap, vLLM 0.85 of it
+    assert vllm_memory_fraction(capped, total) == pytest.approx(0.85 * 24 / 140)
+    assert trainer_memory_fraction(capped, total, "colocated") == pytest.approx(24 / 140)
+    assert trainer_memory_fraction(capped, total, "disaggregated") == pytest.approx(24 / 140)
+    assert trainer_memory_fraction(capped, total, "sidecar") == pytest.approx(max(0.05, 24 / 140 * 0.15 - 0.02))
+    small = 16 * GiB  # a card smaller than the cap: the card is the limit
+    assert vllm_memory_fraction(capped, small) == pytest.approx(0.85)
+    assert trainer_memory_fraction(capped, small, "colocated") == pytest.approx(1.0)
+    plain = parse_config(["--rollout.gpu_memory_utilization", "0.4"])  # no cap: as before
+    assert vllm_memory_fraction(plain, total) == 0.4
+    assert trainer_memory_fraction(plain, total, "colocated") is None
+    assert trainer_memory_fraction(plain, total, "sidecar") == pytest.approx(1.0 - 0.4 - 0.02)
+    assert check_memory_cap(plain) is None
+
+
+LOW_MEMORY_PPO = ["--model.lora_rank", "16", "--model.lora_alpha", "32", "--model.share_base", "true",
+                  "--rl.kl_coef", "0.01", "--optim.lr", "3e-3", "--optim.critic_lr", "1e-3"]
+
+
+@pytest.mark.slow
+def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_colocated, tmp_path):
+    """The tiny PPO task with the low-memory code path: LoRA actor, reference = the actor with its adapters off
+    (KL in the loss), LoRA critic. No reference engine is built; the reward rises as in test_rl_e2e."""
+    from ds_rlhf.engines.shared_base import AdapterOffReference
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from tests.trainer.test_rl_e2e import _mean, rl_args
+
+    trainer = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "ppo", 14,
+                                             LOW_MEMORY_PPO)), rollout=vllm_colocated)
+    parts = trainer.parts
+    assert isinstance(parts.reference, AdapterOffReference) and parts.reference.actor is parts.actor
+    assert sum(p.numel() for p in parts.reference.parameters()) == 0
+    history = trainer.train()
+    rewards = [h["reward/mean"] for h in history]
+    print("lora + share_base ppo rewards", [round(r, 3) for r in rewards])
+    assert _mean(rewards[-4:]) > _mean(rewards[:4]) + 0.1, rewards
+    assert "critic/loss" in history[-1] and "actor/kl_loss" in history[-1]
+    # step 1 trains from B = 0: the actor is its base, so the reference's KL starts at ~0 and grows as it learns
+    assert abs(history[0]["kl/mean"]) < 1e-3 and history[-1]["kl/mean"] > history[0]["kl/mean"]
+    # vLLM got the adapters merged in after every sync (never the adapter-disabled base): its log-probs are the actor's
+    assert max(h["mismatch/kl_rollout_trainer"] for h in history) < 1e-3
