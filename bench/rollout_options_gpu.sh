@@ -66,12 +66,6 @@ done
 [ "${DRY:-0}" = 1 ] || mkdir -p "$OUT"
 for name in "${selected[@]}"; do
   overrides=$(cfg_of "$name")
-  if [ -n "$overrides" ] && [ "${overrides#rollout.temperature}" = "$overrides" ] \
-      && ! grep -q "vllm_options()" ../ds_rlhf/trainer/rl_build.py; then
-    failed "skipped '$name': ds_rlhf/trainer/rl_build.py does not pass cfg.rollout.vllm_options() to" \
-           "make_rollout_engine, so the run would measure vLLM's defaults"
-    continue
-  fi
   cfg_args=()
   for kv in $overrides; do cfg_args+=(--cfg "$kv"); done
   # shellcheck disable=SC2086  # EXTRA is a list of arguments

@@ -117,7 +117,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
                                                     and cfg.rollout.placement == "colocated"),
-                                      sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs())
+                                      sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
+                                      **cfg.rollout.vllm_options())
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)

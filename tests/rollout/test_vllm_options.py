@@ -166,3 +166,20 @@ def test_hf_backend_says_it_ignores_the_vllm_options(tiny_model_path, caplog):
         engine = make_rollout_engine("hf", model_path=str(tiny_model_path), dtype="float32", max_num_seqs=64)
     engine.close()
     assert "ignores the vLLM engine options rollout.max_num_seqs=64" in caplog.text
+
+
+def test_the_trainer_builds_its_engine_with_the_configured_options(tiny_model_path, llm_calls, tmp_path,
+                                                                   dist_single):
+    """RL runs: rl_build.build_parts hands the config's vLLM options to the engine it builds (vLLM backend)."""
+    from ds_rlhf.data.synthetic import write_addition_datasets
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=16, n_sft=8, n_pref=8,
+                                     max_operand=20)
+    argv = ["--model.path", str(tiny_model_path), "--data.train", str(stores["prompts"]), "--run.output_dir",
+            str(tmp_path / "run"), "--rollout.backend", "vllm", "--rollout.max_num_seqs", "64",
+            "--rollout.max_num_batched_tokens", "4096", "--rl.reward_fn", "math_shaped", "--run.progress", "false",
+            "--run.tensorboard", "false"]
+    with pytest.raises(_Stop):
+        RLTrainer(parse_config(argv))
+    assert llm_calls[-1]["max_num_seqs"] == 64 and llm_calls[-1]["max_num_batched_tokens"] == 4096

@@ -79,12 +79,8 @@ def test_sweep_script_dry_run(tmp_path):
         f"+ python3 rl_step_gpu.py --steps 8 --micro-batch-tokens 32768 --out {tmp_path / 'out'} --tag opt_temp07 "
         "--cfg rollout.temperature=0.7",
         f"+ python3 vllm_plain_gpu.py --out {tmp_path / 'out'} --tag plain_temp07 --temperature 0.7"]
-    wired = "vllm_options()" in (ROOT / "ds_rlhf" / "trainer" / "rl_build.py").read_text()
-    if wired:
-        assert lines[4].endswith("--tag opt_seqs256 --cfg rollout.max_num_seqs=256")
-        assert lines[5].endswith("--tag plain_seqs256 --max-num-seqs 256")
-    else:  # the engine options do not reach the trainer's engine yet: the sweep says so instead of measuring defaults
-        assert len(lines) == 4 and "skipped 'seqs256'" in proc.stderr
+    assert lines[4].endswith("--tag opt_seqs256 --cfg rollout.max_num_seqs=256")
+    assert lines[5].endswith("--tag plain_seqs256 --max-num-seqs 256")
     assert not (tmp_path / "out").exists()
     bad = dry("nope")
     assert bad.returncode == 2 and "unknown run 'nope'" in bad.stderr
