@@ -4,6 +4,10 @@ Each micro-batch's loss is aggregated within the micro-batch and then weighted b
 (tokens for token-mean, sequences otherwise), so accumulating any number of micro-batches gives exactly the
 mini-batch's loss. DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
 micro-batch, `step()` once per mini-batch.
+
+With `data.rl_packing` each micro-batch runs as one padding-free packed row (`trainer/packed_batch.py`): the token
+budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so
+the loss maths are the same as for padded rows.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import torch
 
 from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
-from ds_rlhf.config import Config, RLConfig
+from ds_rlhf.config import Config, ConfigError, RLConfig
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.trainer.batching import split_micro
+from ds_rlhf.trainer.packed_batch import pack_rows
 from ds_rlhf.trainer.policy_forward import sequence_logprobs
 from ds_rlhf.trainer.trajectory import Trajectory
 
@@ -53,12 +58,45 @@ class UpdateResult:
     trainer_logp: torch.Tensor  # [B, L-1] the pre-update policy's log-probs (for the mismatch metrics)
 
 
-def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_rows: int) -> list[list[int]]:
-    """Split trajectory rows `rows` into padded micro-batches (lists of row indices; possibly empty, see
-    split_micro: the caller then runs its first row with zero weight to keep the collectives in step)."""
-    groups = split_micro(traj.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows, padded=True,
-                         device=traj.input_ids.device)
+def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_rows: int,
+                  packed: bool = False) -> list[list[int]]:
+    """Split trajectory rows `rows` into micro-batches (lists of row indices; possibly empty, see split_micro: the
+    caller then runs its first row with zero weight to keep the collectives in step). The token budget costs a
+    padded micro-batch as rows x longest, a `packed` one as its real tokens."""
+    groups = split_micro(traj.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows,
+                         padded=not packed, device=traj.input_ids.device)
     return [[rows[i] for i in group] for group in groups]
+
+
+def rl_packing(cfg: Config) -> bool:
+    """`data.rl_packing`, with its rule: a packed micro-batch is filled up to `data.micro_batch_tokens` real
+    tokens, so packing needs that budget (ConfigError otherwise)."""
+    if cfg.data.rl_packing and cfg.data.micro_batch_tokens <= 0:
+        raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
+                          f"data.micro_batch_tokens > 0 (got {cfg.data.micro_batch_tokens})")
+    return cfg.data.rl_packing
+
+
+def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = False):
+    """Log-probs (and entropy, or None) of micro-batch `mb` under `model`, both `[b, w-1]`: its padded rows with
+    their attention mask, or with `data.rl_packing` one packed row gathered back to that layout."""
+    temperature = cfg.rollout.temperature
+    if not cfg.data.rl_packing:
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                 with_entropy=with_entropy)
+    packed = pack_rows(mb.input_ids, mb.attention_mask)
+    logp, entropy = sequence_logprobs(model, packed.input_ids, None, position_ids=packed.position_ids,
+                                      temperature=temperature, with_entropy=with_entropy)
+    return packed.unpack(logp), (packed.unpack(entropy) if entropy is not None else None)
+
+
+def micro_values(critic, mb: Trajectory, cfg: Config) -> torch.Tensor:
+    """The critic's values `[b, w-1]` of micro-batch `mb` (position t: the state before token t+1), padded or
+    packed like `micro_logprobs`."""
+    if not cfg.data.rl_packing:
+        return critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+    packed = pack_rows(mb.input_ids, mb.attention_mask)
+    return packed.unpack(critic(input_ids=packed.input_ids, position_ids=packed.position_ids)[:, :-1])
 
 
 def _agg_mode(cfg: Config) -> tuple[str, float | None]:
@@ -78,8 +116,7 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
     mode, const = _agg_mode(cfg)
     rl = cfg.rl
     mask = mb.action_mask
-    logp, entropy = sequence_logprobs(actor, mb.input_ids, mb.attention_mask,
-                                      temperature=cfg.rollout.temperature, with_entropy=True)
+    logp, entropy = micro_logprobs(actor, mb, cfg, with_entropy=True)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)
     loss, metrics = POLICY_LOSSES.get(rl.policy_loss).fn(
@@ -100,7 +137,7 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
 
 def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict:
     mode, const = _agg_mode(cfg)
-    values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+    values = micro_values(critic, mb, cfg)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
                                clip=cfg.rl.value_clip or None, agg=mode if mode != "const-norm" else "token-mean")
     critic.backward(loss * share, scale_wrt_gas=False)
@@ -116,6 +153,7 @@ def ppo_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
     record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
     mini = cfg.rl.mini_batch_size or n
     mode, _ = _agg_mode(cfg)
+    packed = rl_packing(cfg)
     stats, steps = _Mean(), 0
     actor.train()
     if critic is not None:
@@ -130,7 +168,7 @@ def ppo_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
             rows = order[k * per : (k + 1) * per]
             total_tokens = float(exp.action_mask[rows].sum())
             for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
-                                       max_rows=cfg.optim.micro_batch_size):
+                                       max_rows=cfg.optim.micro_batch_size, packed=packed):
                 share = None if micro else 0.0  # an empty micro-batch: run a row with zero weight
                 micro = micro or [0]
                 mb = exp.select(micro)
@@ -158,9 +196,9 @@ def forward_logprobs(model, exp: Trajectory, cfg: Config) -> torch.Tensor:
     out = torch.zeros_like(exp.action_mask)
     rows = list(range(len(exp)))
     for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
-                               max_rows=cfg.optim.micro_batch_size):
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
         mb = exp.select(micro or [0])
-        logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=cfg.rollout.temperature)
+        logp, _ = micro_logprobs(model, mb, cfg)
         if not micro:
             continue
         out[torch.as_tensor(micro, device=out.device), : logp.shape[1]] = logp.to(out.dtype) * mb.action_mask
@@ -169,12 +207,13 @@ def forward_logprobs(model, exp: Trajectory, cfg: Config) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_values(critic, exp: Trajectory, cfg: Config) -> torch.Tensor:
+    """The critic's values of every row, micro-batched like training."""
     critic.eval()
     out = torch.zeros_like(exp.action_mask)
     for micro in micro_batches(exp, list(range(len(exp))), max_tokens=cfg.data.micro_batch_tokens,
-                               max_rows=cfg.optim.micro_batch_size):
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
         mb = exp.select(micro or [0])
-        values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+        values = micro_values(critic, mb, cfg)
         if not micro:
             continue
         out[torch.as_tensor(micro, device=out.device), : values.shape[1]] = values.to(out.dtype) * mb.action_mask
