@@ -42,6 +42,12 @@ class ModelConfig:
     lora_targets: str = "all-linear"
     share_base: bool = False  # with lora_rank > 0: one frozen base for all roles (reference = actor, adapter off)
 
+    def check(self, cfg: Config) -> None:
+        if self.share_base and self.lora_rank <= 0:
+            raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters "
+                              "disabled, and full fine-tuning changes the base weights; set --model.lora_rank (e.g. "
+                              "16) or --model.share_base false")
+
 
 @dataclass
 class DataConfig:

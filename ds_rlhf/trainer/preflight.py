@@ -139,15 +139,6 @@ def check_ds_config(cfg: Config) -> None:
         print(f"[ds_config] {path}: keys DeepSpeed does not read (ignored): {', '.join(unknown)}", flush=True)
 
 
-def check_share_base(cfg: Config) -> None:
-    """`model.share_base` shares the frozen base between the LoRA actor and its reference: it needs LoRA. (A
-    cross-field rule of `ModelConfig`; checked here until the schema has it.)"""
-    if cfg.model.share_base and cfg.model.lora_rank <= 0:
-        raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters disabled, "
-                          "and full fine-tuning changes the base weights; set --model.lora_rank (e.g. 16) or "
-                          "--model.share_base false")
-
-
 def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
     """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
@@ -172,7 +163,6 @@ def check_rl_run(cfg: Config) -> None:
     check_reward(cfg)
     check_resume(cfg)
     check_ds_config(cfg)
-    check_share_base(cfg)
     check_memory_cap(cfg, "rl")
 
 

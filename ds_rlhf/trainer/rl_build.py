@@ -64,11 +64,9 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     from ds_rlhf.rollout.sync import WeightSync
     from ds_rlhf.tools.memory_cap import apply_trainer_cap, vllm_memory_fraction
     from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
-    from ds_rlhf.trainer.preflight import check_share_base
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
-    check_share_base(cfg)
     functions = reward_functions(cfg) if rl.reward_fn else None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,

@@ -10,7 +10,6 @@ import pytest
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.tools.memory_cap import check_memory_cap, trainer_memory_fraction, vllm_memory_fraction
 from ds_rlhf.tools.memory_plan import GiB
-from ds_rlhf.trainer.preflight import check_share_base
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "ds_configs" / "low_memory_24g.yaml")
@@ -41,7 +40,6 @@ def test_low_memory_recipe_parses():
     assert (m.lora_rank, m.share_base, m.gradient_checkpointing, m.dtype) == (16, True, True, "bf16")
     assert cfg.run.max_gpu_memory_gb == 24 and cfg.offload and cfg.ds_config == "ds_configs/low_memory_24g.json"
     assert cfg.rollout.sleep and cfg.rl.kl_coef > 0  # the KL reference comes from the shared base
-    check_share_base(cfg)
 
 
 def test_recipe_plan_fits_24gib_for_an_8b_model(llama8b):
@@ -94,9 +92,9 @@ def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_sto
 
 
 def test_share_base_needs_lora():
-    with pytest.raises(ConfigError, match="model.lora_rank"):
-        check_share_base(parse_config(["--model.share_base", "true"]))
-    check_share_base(parse_config(["--model.share_base", "true", "--model.lora_rank", "4"]))
+    with pytest.raises(ConfigError, match="model.lora_rank"):  # at parse time, before anything loads
+        parse_config(["--model.share_base", "true"])
+    assert parse_config(["--model.share_base", "true", "--model.lora_rank", "4"]).model.share_base
 
 
 def test_memory_fractions_follow_the_cap():
