@@ -176,8 +176,14 @@ def measured_choice(device: str, dtype: torch.dtype) -> str | None:
 
 
 def select_attn_impl(requested: str = "auto", device: str | None = None,
-                     dtype: torch.dtype = torch.bfloat16) -> str:
-    """Resolve ``requested`` ("auto" or a name in IMPLS) to an ``attn_implementation`` string for transformers."""
+                     dtype: torch.dtype = torch.bfloat16, *, padded: bool = False) -> str:
+    """Resolve ``requested`` ("auto" or a name in IMPLS) to an ``attn_implementation`` string for transformers.
+
+    ``padded``: the model will see right-padded rows with an attention mask (RL micro-batches without
+    ``data.rl_packing``), not packed rows. ``torch_varlen`` then only gathers and scatters the valid tokens around
+    the kernel SDPA runs directly, and measured slower: H200, Qwen2-0.5B shape, 98k tokens of 384-token rows, the RL
+    update ran 71.9k tokens/s with torch_varlen and 82.4k with sdpa (docs/PERFORMANCE.md, 2026-12-01). So "auto"
+    skips torch_varlen for padded rows (a recorded ``--save-choice`` still wins)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else "cpu"
     if requested not in ("auto", *IMPLS):
@@ -191,7 +197,10 @@ def select_attn_impl(requested: str = "auto", device: str | None = None,
         choice = requested
     else:
         measured = measured_choice(device, dtype)
-        choice = measured if measured in usable else usable[0]
+        if measured in usable:
+            choice = measured
+        else:
+            choice = next(i for i in usable if not (padded and i == VARLEN_NAME))
     if choice == VARLEN_NAME:
         register_torch_varlen()
     logger.info("attention implementation: %s (device %s, %s)", choice, device, dtype)

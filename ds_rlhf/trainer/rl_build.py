@@ -87,7 +87,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         if cfg.run.max_gpu_memory_gb > 0:
             ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
                       f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
-    model_opts = dict(attn_impl=cfg.model.attn_impl,
+    attn = rl_attention(ctx)
+    model_opts = dict(attn_impl=attn,
                       gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora_settings(cfg.model))
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
@@ -106,7 +107,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     elif rl.kl_coef > 0 or rl.kl_target > 0:
         reference = build_reference(ctx.model_path, ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg),
                                                                   lr=0.0, total_steps=1, frozen=True),
-                                    attn_impl=cfg.model.attn_impl)
+                                    attn_impl=attn)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     owns_rollout = rollout is None
     if rollout is None:
@@ -168,8 +169,18 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None) -> RewardStage:
         return RewardStage(ctx, fn=functions)
     model = build_reward(resolve_model_path(ctx.cfg.rl.reward_model),
                          ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
-                                       frozen=True), attn_impl=ctx.cfg.model.attn_impl)
+                                       frozen=True), attn_impl=rl_attention(ctx))
     return RewardStage(ctx, model=model)
+
+
+def rl_attention(ctx: RunContext) -> str:
+    """The attention kernel of the RL models: `model.attn_impl`, with "auto" resolved for the batches they see
+    (padded rows unless `data.rl_packing`; see engines/attention.py:select_attn_impl)."""
+    from ds_rlhf.engines.attention import select_attn_impl
+    from ds_rlhf.engines.models import as_dtype
+
+    return select_attn_impl(ctx.cfg.model.attn_impl, device=str(ctx.dist.device), dtype=as_dtype(ctx.precision),
+                            padded=not ctx.cfg.data.rl_packing)
 
 
 def _critic_source(ctx: RunContext) -> tuple[str, str]:

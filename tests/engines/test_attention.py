@@ -91,6 +91,19 @@ def test_selection_on_cpu_is_measured_and_overridable(tmp_path, monkeypatch):
     assert attn.select_attn_impl("auto", "cpu", torch.bfloat16) == "sdpa"  # nothing measured for bf16
 
 
+def test_auto_skips_varlen_for_padded_rows(tmp_path, monkeypatch):
+    """Padded RL micro-batches: "auto" takes sdpa over torch_varlen (measured faster on the H200 for padded rows);
+    packed rows keep torch_varlen; a recorded choice still wins; an explicit name is honoured."""
+    monkeypatch.setattr(attn, "available_impls", lambda device, dtype: [attn.VARLEN_NAME, "sdpa", "eager"])
+    monkeypatch.setattr(attn, "register_torch_varlen", lambda: attn.VARLEN_NAME)
+    monkeypatch.setenv("DS_RLHF_ATTN_CHOICE", str(tmp_path / "none.json"))
+    assert attn.select_attn_impl("auto", "cuda", torch.bfloat16, padded=True) == "sdpa"
+    assert attn.select_attn_impl("auto", "cuda", torch.bfloat16) == attn.VARLEN_NAME  # packed rows
+    assert attn.select_attn_impl(attn.VARLEN_NAME, "cuda", torch.bfloat16, padded=True) == attn.VARLEN_NAME
+    monkeypatch.setattr(attn, "measured_choice", lambda device, dtype: attn.VARLEN_NAME)
+    assert attn.select_attn_impl("auto", "cuda", torch.bfloat16, padded=True) == attn.VARLEN_NAME
+
+
 def test_attention_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "attn.json"
     cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--hidden", "128", "--heads", "2", "--kv-heads",
