@@ -69,6 +69,8 @@ def main() -> None:
                    help="fp32: the chunked log-prob head's backward GEMMs in fp32 (the code before 2026-12-01)")
     p.add_argument("--head-chunk", type=int, default=0, help="log-prob head chunk (tokens); 0 = the trainer's")
     p.add_argument("--head-eager", action="store_true", help="the head's per-logit work without torch.compile")
+    p.add_argument("--packing", action="store_true", help="data.rl_packing: one padding-free row per micro-batch")
+    p.add_argument("--attn", default="auto", help="model.attn_impl (auto | sdpa | torch_varlen | flash_attention_2)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -86,13 +88,19 @@ def main() -> None:
     budgets = [int(x) for x in args.micro_batch_tokens.split(",")]
     cfg = parse_config(["--model.path", str(model), "--run.output_dir", tempfile.mkdtemp(), "--ds_config",
                         args.ds_config, "--model.gradient_checkpointing", str(args.grad_ckpt), "--run.tensorboard",
-                        "false", "--rollout.max_new_tokens", str(args.response_len)])
+                        "false", "--rollout.max_new_tokens", str(args.response_len), "--data.rl_packing",
+                        str(args.packing), "--data.micro_batch_tokens", str(budgets[0]), "--model.attn_impl",
+                        args.attn])
     ctx = setup_run(cfg, "train-bench")
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=4, lr=1e-6, total_steps=1000),
                         attn_impl=cfg.model.attn_impl, gradient_checkpointing=args.grad_ckpt)
     traj = synthetic_trajectory(cfg, args.samples, args.prompt_len, args.response_len, 400, ctx.dist.device)
     tokens = float(traj.seq_lens.sum())
     n_params = train_mfu_params(model)
+    from ds_rlhf.engines.models import unwrap
+
+    attn = unwrap(actor, peft=True).config._attn_implementation
+    print(f"[train_step_gpu] attention {attn}, packing {args.packing}", flush=True)
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     results = []
@@ -107,7 +115,8 @@ def main() -> None:
             sync()
             times.append(time.perf_counter() - t0)
         best = min(times)
-        row = {"micro_batch_tokens": budget, "seconds": times, "tokens": tokens, "tokens_per_s": tokens / best,
+        row = {"micro_batch_tokens": budget, "packing": args.packing, "attn": attn, "seconds": times,
+               "tokens": tokens, "tokens_per_s": tokens / best,
                "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
         print(json.dumps(row), flush=True)
@@ -121,7 +130,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"
+    tag = (f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"
+           f"{'-packed' if args.packing else ''}-{attn}")
     (out / f"train_step_{tag}.json").write_text(json.dumps({"config": vars(args), "params": n_params,
                                                                    "results": results}, indent=1))
 
