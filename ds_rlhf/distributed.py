@@ -9,18 +9,22 @@ Launchers: the process group is set up the same way for the three ways users lau
   DeepSpeed plugin through ACCELERATE_DEEPSPEED_* variables; those fill in settings the user left at defaults.
 - plain `python` sets nothing: we run as a single process on a free local port.
 
-CPU shared memory: on the CPU accelerator DeepSpeed builds a shared-memory all-reduce whose buffer it never
-removes:
-`/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 64 MiB per rank per run. /dev/shm is RAM, so a
-test suite or a day of CPU runs fills memory until something is OOM-killed. Once every rank has mapped every
-peer's buffer (DeepSpeed does that inside its init, before the barrier below returns) the names are no longer
-needed: we unlink this rank's, and the kernel frees the memory when the last mapping goes, even after `kill -9`.
+CPU shared memory: on the CPU accelerator DeepSpeed's torch backend JIT-builds (C++, ~40 s on two cores) a
+shared-memory all-reduce, `deepspeed_shm_comm`, used only by `deepspeed.comm.inference_all_reduce` (DeepSpeed
+inference tensor parallelism, which ds_rlhf never calls; every collective here is torch.distributed over gloo).
+`ensure_distributed` therefore makes DeepSpeed skip that build on CPU, so no shm op is loaded and no buffer is
+created. When the op was built it left a buffer it never removed:
+`/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 64 MiB per rank per run (/dev/shm is RAM, so a
+test suite or a day of CPU runs filled memory until something was OOM-killed). The unlink after the barrier below
+is kept as a guard, a no-op now: once every rank has mapped every peer's buffer the names are no longer needed, and
+the kernel frees the memory when the last mapping goes, even after `kill -9`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -58,6 +62,15 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    on_cpu = get_accelerator().device_name() == "cpu"
+    if on_cpu:
+        # DeepSpeed's TorchBackend builds its shared-memory all-reduce op in __init__ through this module-level
+        # function; the op only serves inference_all_reduce (DeepSpeed inference TP), which ds_rlhf never calls.
+        # Returning None (as DeepSpeed does where the op is incompatible) skips a ~40 s C++ JIT build per fresh
+        # extensions dir and its /dev/shm buffer; training collectives are plain torch.distributed (gloo) either way.
+        # (import_module: the attribute `deepspeed.comm.torch` is the torch package, which comm re-exports.)
+        # Patched before the early return: deepspeed.initialize sets up DeepSpeed's comm even when torch's is up.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = _no_shm_op
     if dist.is_initialized():
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -67,13 +80,17 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    on_cpu = get_accelerator().device_name() == "cpu"
     kwargs = {"timeout": timeout} if timeout is not None else {}
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name(),
                                **kwargs)
     if on_cpu:
-        dist.barrier()  # every rank has mapped every peer's buffer
+        dist.barrier()  # every rank has mapped every peer's buffer (none now: the shm op is not built)
         unlink_shm_buffer(dist.get_rank())
+
+
+def _no_shm_op():
+    """Stand-in for `deepspeed.comm.torch.build_shm_op` on CPU: no shared-memory op (see `ensure_distributed`)."""
+    return None
 
 
 def unlink_shm_buffer(rank: int) -> None:

@@ -2,7 +2,10 @@
 
 Trainable roles (actor, critic) get ``deepspeed.initialize`` with the config's optimizer (DeepSpeed's own, or our
 ``OneBitAdam`` for ``"type": "OneBitAdam"``) and scheduler; parameters are split into decay / no-decay groups
-(biases and norm weights get no weight decay, as in Hugging Face's Trainer).
+(biases and norm weights get no weight decay, as in Hugging Face's Trainer). On the CPU accelerator with ZeRO
+optimizer offload, an Adam/AdamW config gets torch's ``Adam``/``AdamW`` (``cpu_offload_adam``) in place of
+DeepSpeed's ``DeepSpeedCPUAdam``: the same update, without the ~2 min C++ JIT build of ``cpu_adam`` that a fresh
+checkout would pay on CPU. GPUs keep DeepSpeedCPUAdam.
 
 Frozen roles (reference, reward) are DeepSpeed engines too, without optimizer or scheduler, so they share the
 actor's precision handling and ZeRO-3 partitioning:
@@ -28,7 +31,7 @@ import torch
 from ds_rlhf.distributed import ensure_distributed
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
-from ds_rlhf.engines.onebit_adam import onebit_from_config
+from ds_rlhf.engines.onebit_adam import OneBitAdam, onebit_from_config
 from ds_rlhf.engines.roles import RoleInfo, register_role
 
 __all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "build_shared_reference",
@@ -45,6 +48,36 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+# Optimizer params whose torch meaning is DeepSpeed's; a config with any other key keeps DeepSpeed's optimizer.
+_TORCH_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"}
+
+
+def cpu_offload_adam(cfg: dict, groups: list[dict]) -> torch.optim.Optimizer | None:
+    """torch's Adam/AdamW for an Adam/AdamW ``cfg`` with ZeRO optimizer offload on the CPU accelerator, else None.
+
+    DeepSpeed would build ``DeepSpeedCPUAdam`` there, a C++ op JIT-compiled on first use (~2 min on two cores, paid
+    by every fresh checkout and CI run). On CPU that op buys nothing over torch's implementation of the same update,
+    so we pass torch's as the client optimizer. The mode follows DeepSpeed's mapping (``_configure_basic_optimizer``):
+    "AdamW", or "Adam" with ``adam_w_mode`` (default true), is decoupled weight decay (``torch.optim.AdamW``);
+    "Adam" with ``adam_w_mode: false`` is L2 decay added to the gradient (``torch.optim.Adam``). Defaults are
+    DeepSpeedCPUAdam's (torch's AdamW would default weight_decay to 0.01)."""
+    from deepspeed.accelerator import get_accelerator
+
+    opt_cfg = cfg.get("optimizer") or {}
+    params = opt_cfg.get("params", {})
+    offload = (cfg.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device")
+    if (get_accelerator().device_name() != "cpu" or offload != "cpu"
+            or str(opt_cfg.get("type", "")).lower() not in ("adam", "adamw")):
+        return None
+    if set(params) - _TORCH_ADAM_KEYS or not params.get("bias_correction", True):
+        logger.info("optimizer params %s have no torch Adam equivalent: keeping DeepSpeed's CPU Adam", sorted(params))
+        return None
+    adamw = str(opt_cfg["type"]).lower() == "adamw" or params.get("adam_w_mode", True)
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    return cls(groups, lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
+               eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0))
 
 
 def frozen_config(ds_config: dict, offload: bool | None = None) -> dict:
@@ -89,13 +122,18 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainabl
         if opt_cfg.get("type") == "OneBitAdam":
             client_opt = onebit_from_config(opt_cfg, groups)
             init_cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+        elif (client_opt := cpu_offload_adam(cfg, groups)) is not None:
+            # DeepSpeed refuses a client optimizer under ZeRO-Offload unless told it is deliberate; its scheduler
+            # section still applies (DeepSpeed wraps the client optimizer with it).
+            init_cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+            init_cfg["zero_force_ds_cpu_optimizer"] = False
     else:
         for p in model.parameters():
             p.requires_grad_(False)
         cfg = init_cfg = frozen_config(cfg)
     log_resolved_config(cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client_opt, config=init_cfg)
-    if client_opt is not None:
+    if isinstance(client_opt, OneBitAdam):
         client_opt.bind_engine(engine)
     if not trainable:
         engine.eval()

@@ -291,7 +291,8 @@ def _nvcc() -> str | None:
 
 def check_jit_toolchain(gpus: int) -> Check:
     """What DeepSpeed's JIT op builds need: a C++ compiler, ninja, Python headers and, on GPUs, nvcc
-    (cpu_adam is built on CPU and for offload, FusedAdam on GPUs)."""
+    (on GPUs FusedAdam, and cpu_adam for ZeRO-Offload; on the CPU accelerator fused_adam for Adam/AdamW without
+    offload, while with offload ds_rlhf passes torch's AdamW and nothing is built, nor is the shm all-reduce op)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     tools = {"c++": cxx, "ninja": _ninja(), "Python.h": None}
     header = Path(sysconfig.get_paths()["include"]) / "Python.h"
