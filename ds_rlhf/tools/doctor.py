@@ -87,7 +87,7 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
                         "pip install -r requirements/cuda-optional.txt, or --model.attn_impl auto")
     if cfg.model.attn_impl == "flash_attention_2" and not gpus:
         results = _need(results, "GPUs", "model.attn_impl=flash_attention_2 needs CUDA", "--model.attn_impl auto")
-    if c["DeepSpeed JIT build"].verdict != OK:  # cpu_adam (CPU, offload) / FusedAdam (GPU) are JIT-built
+    if c["DeepSpeed JIT build"].verdict != OK:  # FusedAdam (GPU and CPU), cpu_adam (GPU offload): JIT-built
         results = _need(results, "DeepSpeed JIT build", "training builds DeepSpeed's Adam op on first use")
     if c["TORCH_CUDA_ARCH_LIST"].verdict != OK and gpus:
         results = _need(results, "TORCH_CUDA_ARCH_LIST", "the GPU Adam op is JIT-built")

@@ -220,8 +220,8 @@ def check_shm(gpus: int) -> Check:
     need = GiB if gpus > 1 else GiB // 2
     if free < need:
         verdict = FAIL if gpus > 1 and free < GiB // 4 else WARN
-        return Check("/dev/shm", verdict, found + ": NCCL's intra-node transport, DeepSpeed's CPU all-reduce and "
-                     "vLLM's CPU engine use it", "docker: --shm-size=16g or --ipc=host; or remount larger "
+        return Check("/dev/shm", verdict, found + ": NCCL's intra-node transport and vLLM's CPU engine use it",
+                     "docker: --shm-size=16g or --ipc=host; or remount larger "
                      "(mount -o remount,size=16G /dev/shm)", facts)
     return Check("/dev/shm", OK, found, facts=facts)
 
