@@ -60,8 +60,10 @@ class SupervisedTrainer:
     def _build(self) -> None:
         from ds_rlhf.data.loader import StoreLoader
         from ds_rlhf.data.store import open_store
+        from ds_rlhf.tools.memory_cap import apply_trainer_cap
 
         cfg, task, ctx = self.cfg, self.task, self.ctx
+        apply_trainer_cap(cfg, ctx.dist.device, "colocated")  # run.max_gpu_memory_gb: this process's allocator cap
         store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
         train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
                                             cfg.run.seed)

@@ -140,3 +140,23 @@ def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_col
     assert abs(history[0]["kl/mean"]) < 1e-3 and history[-1]["kl/mean"] > history[0]["kl/mean"]
     # vLLM got the adapters merged in after every sync (never the adapter-disabled base): its log-probs are the actor's
     assert max(h["mismatch/kl_rollout_trainer"] for h in history) < 1e-3
+
+
+def test_supervised_runs_apply_the_cap(tiny_model_path, tmp_path, monkeypatch, dist_single):
+    """SFT and RM (one SupervisedTrainer): the allocator cap is applied when the run builds (a no-op on CPU, so
+    the call is recorded)."""
+    from ds_rlhf.data.synthetic import write_addition_datasets
+    from ds_rlhf.tools import memory_cap
+    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    calls = []
+    monkeypatch.setattr(memory_cap, "apply_trainer_cap", lambda cfg, device, placement: calls.append(
+        (cfg.run.max_gpu_memory_gb, str(device), placement)))
+    stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=8, n_sft=32, n_pref=8,
+                                     max_operand=20)
+    SupervisedTrainer(parse_config(["--model.path", str(tiny_model_path), "--data.train", str(stores["sft"]),
+                                    "--run.output_dir", str(tmp_path / "sft"), "--run.steps", "1",
+                                    "--run.max_gpu_memory_gb", "24", "--run.progress", "false",
+                                    "--run.tensorboard", "false"]), SFTTask())
+    assert calls == [(24.0, "cpu", "colocated")]
