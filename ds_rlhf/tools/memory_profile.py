@@ -25,11 +25,12 @@ class MemoryProfiler:
     def __init__(self, cfg, device, world_size: int, announce=print):
         import torch
 
+        from ds_rlhf.tools.memory_cap import capped_total
         from ds_rlhf.tools.memory_plan import plan_memory
 
         self.cuda = device.type == "cuda"
-        capacity = (torch.cuda.get_device_properties(device).total_memory if self.cuda
-                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        capacity = (capped_total(cfg, torch.cuda.get_device_properties(device).total_memory) if self.cuda
+                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # GPU: run.max_gpu_memory_gb
         self.plan = plan_memory(cfg, kind="rl", device=device.type, capacity=capacity, world_size=world_size)
         self.announce, self.peaks, self.warned = announce, {}, False
         self.base = 0 if self.cuda else _rss()  # on CPU, the process before any model: not in the plan
