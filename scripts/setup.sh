@@ -54,10 +54,14 @@ uv_install() {
     case "$url" in file://*) [ -d "${url#file://}" ] && args+=(--extra-index-url "$url") ;; *) args+=(--extra-index-url "$url") ;; esac
   done
   [ -n "${PIP_INDEX_URL:-}" ] && args+=(--index-url "$PIP_INDEX_URL")
-  "$VENV/bin/uv" pip install "${args[@]}" "$@"
+  # pip's CA bundle and timeout too (a registry behind a TLS-inspecting proxy needs the former)
+  local cert env_args=("UV_HTTP_TIMEOUT=${UV_HTTP_TIMEOUT:-${PIP_DEFAULT_TIMEOUT:-180}}")
+  cert=${PIP_CERT:-$("${pip[@]}" config get global.cert 2>/dev/null || true)}
+  [ -z "${SSL_CERT_FILE:-}" ] && [ -n "$cert" ] && [ -f "$cert" ] && env_args+=("SSL_CERT_FILE=$cert")
+  env "${env_args[@]}" "$VENV/bin/uv" pip install "${args[@]}" "$@"
 }
 
-echo "setup: installing the $DS_RLHF_ENV set from $lock (this takes a few minutes the first time)"
+echo "setup: installing the $DS_RLHF_ENV set from $lock (about a minute the first time; a few with pip)"
 if [ "$DS_RLHF_ENV" = cpu ]; then
   extra=()
   # torch 2.13.0+cpu: on our machines it sits in the local wheel dir; elsewhere it comes from PyTorch's CPU index.
