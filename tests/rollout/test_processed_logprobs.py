@@ -28,19 +28,6 @@ TOP_P_TOL = 5e-3
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def vllm_rollout(vllm_colocated, tiny_model_path):
-    restore_checkpoint_weights(vllm_colocated, tiny_model_path)
-    return vllm_colocated
-
-
-@pytest.fixture(scope="module")
 def hf_rollout(tiny_model_path):
     engine = make_rollout_engine("hf", model_path=str(tiny_model_path), dtype="float32", batch_size=8)
     yield engine

@@ -7,7 +7,6 @@ All tests share the session's single vLLM engine (`vllm_colocated`); each loads 
 from __future__ import annotations
 
 import pytest
-import torch
 from rollout_helpers import (
     PROBE,
     SMALL_BUCKET,
@@ -17,7 +16,6 @@ from rollout_helpers import (
     check_generate_contract,
     reference_logprobs,
     response_logits,
-    restore_checkpoint_weights,
     skipped_sync_fires,
     sync_roundtrip,
     train,
@@ -27,38 +25,25 @@ from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSyn
 from ds_rlhf.rollout.canary import trainer_logprobs
 
 
-@pytest.fixture
-def rollout(vllm_colocated, tiny_model_path):
-    restore_checkpoint_weights(vllm_colocated, tiny_model_path)
-    return vllm_colocated
+def test_generate_contract(vllm_rollout, tiny_tokenizer):
+    check_generate_contract(vllm_rollout, tiny_tokenizer.eos_token_id)
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
-
-
-def test_generate_contract(rollout, tiny_tokenizer):
-    check_generate_contract(rollout, tiny_tokenizer.eos_token_id)
-
-
-def test_rollout_logprobs_and_score_match_hf(rollout, hf_model):
+def test_rollout_logprobs_and_score_match_hf(vllm_rollout, hf_model):
     """Sampled-token log-probs are those of the distribution sampled from (temperature and top-k applied: vLLM's
     processed_logprobs, test_processed_logprobs.py has more cases); `score` is the raw model's."""
     spec = SamplingSpec(n=2, max_new_tokens=12, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
-    for s in rollout.generate([[1, 5, 6, 7], [1, 9]], spec):
+    for s in vllm_rollout.generate([[1, 5, 6, 7], [1, 9]], spec):
         ref = reference_logprobs(response_logits(hf_model, s), s.response_ids, temperature=0.7, top_k=20)
         assert max(abs(a - b) for a, b in zip(ref.tolist(), s.logprobs)) < TOL
-    got = rollout.score([PROBE, PROBE[:10]])
+    got = vllm_rollout.score([PROBE, PROBE[:10]])
     assert len(got[0]) == len(PROBE) - 1 and len(got[1]) == 9
     assert max(abs(a - b) for a, b in zip(trainer_logprobs(hf_model, PROBE), got[0])) < TOL
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_sync_after_optimizer_steps(rollout, tiny_model_path, dist_single, stage):
-    r = sync_roundtrip(rollout, tiny_model_path, stage)
+def test_sync_after_optimizer_steps(vllm_rollout, tiny_model_path, dist_single, stage):
+    r = sync_roundtrip(vllm_rollout, tiny_model_path, stage)
     assert r["initial"] < TOL, "engine and rollout start from the same checkpoint"
     assert r["stale"] > STALE_MIN, "after training, before the sync, the rollout must NOT match"
     assert r["after"] < TOL and r["gen_diff"] < TOL
@@ -69,35 +54,35 @@ def test_sync_after_optimizer_steps(rollout, tiny_model_path, dist_single, stage
         assert r["max_gathered_bytes"] <= max(SMALL_BUCKET, largest)
 
 
-def test_canary_fires_when_sync_skipped(rollout, tiny_model_path, dist_single):
-    msg = skipped_sync_fires(rollout, tiny_model_path, stage=0)
+def test_canary_fires_when_sync_skipped(vllm_rollout, tiny_model_path, dist_single):
+    msg = skipped_sync_fires(vllm_rollout, tiny_model_path, stage=0)
     assert "not serving the trained weights" in msg and "threshold" in msg
 
 
-def test_canary_fires_when_sync_sends_nothing(rollout, tiny_model_path, dist_single):
+def test_canary_fires_when_sync_sends_nothing(vllm_rollout, tiny_model_path, dist_single):
     """A sync that silently loads nothing (here: every name mapped away) is caught by the sync itself."""
     engine = build_engine(tiny_model_path, stage=0)
     train(engine)
-    sync = WeightSync(engine, rollout, canary=SyncCanary(PROBE), name_map=lambda name: None)
+    sync = WeightSync(engine, vllm_rollout, canary=SyncCanary(PROBE), name_map=lambda name: None)
     with pytest.raises(SyncCanaryError, match="not serving the trained weights"):
         sync.sync()
 
 
-def test_sleep_wake_order(rollout, tiny_model_path, dist_single):
+def test_sleep_wake_order(vllm_rollout, tiny_model_path, dist_single):
     """Sleep state is tracked on CPU too (vLLM's CPU worker has no sleep mode): generate refuses while asleep,
     and a sync wakes the weights first and the KV cache last."""
-    rollout.sleep()
-    assert rollout.sleeping
+    vllm_rollout.sleep()
+    assert vllm_rollout.sleeping
     with pytest.raises(RuntimeError, match="asleep"):
-        rollout.generate([[1, 2]], SamplingSpec(max_new_tokens=2))
+        vllm_rollout.generate([[1, 2]], SamplingSpec(max_new_tokens=2))
     engine = build_engine(tiny_model_path, stage=0)
-    info = WeightSync(engine, rollout, canary=SyncCanary(PROBE)).sync()
-    assert not rollout.sleeping and info["canary_max_abs_diff"] < TOL
-    stats = rollout.stats()
+    info = WeightSync(engine, vllm_rollout, canary=SyncCanary(PROBE)).sync()
+    assert not vllm_rollout.sleeping and info["canary_max_abs_diff"] < TOL
+    stats = vllm_rollout.stats()
     assert "wake_weights_seconds" in stats and "wake_kv_cache_seconds" in stats
 
 
-def test_colocated_handover_is_by_reference(rollout, hf_model, monkeypatch):
+def test_colocated_handover_is_by_reference(vllm_rollout, hf_model, monkeypatch):
     """The worker receives the trainer's own tensors (same storage): no serialisation, no copy via the host."""
     from ds_rlhf.rollout.vllm_adapter import WeightSyncWorkerExtension
 
@@ -111,5 +96,5 @@ def test_colocated_handover_is_by_reference(rollout, hf_model, monkeypatch):
 
     monkeypatch.setattr(WeightSyncWorkerExtension, "ds_rlhf_load_weights", spy)
     params = list(hf_model.named_parameters())
-    rollout.update_weights(params)
+    vllm_rollout.update_weights(params)
     assert seen == [p.data_ptr() for _, p in params]
