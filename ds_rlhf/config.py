@@ -130,8 +130,8 @@ class RolloutConfig:
             out["max_num_seqs"] = self.max_num_seqs
         if self.max_num_batched_tokens:
             out["max_num_batched_tokens"] = self.max_num_batched_tokens
-        if self.cudagraph_size_list():
-            out["cudagraph_sizes"] = self.cudagraph_size_list()
+        if sizes := self.cudagraph_size_list():
+            out["cudagraph_sizes"] = sizes
         if self.enforce_eager:
             out["enforce_eager"] = True
         return out

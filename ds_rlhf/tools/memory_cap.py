@@ -23,8 +23,6 @@ import os
 
 from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
-KIND_BY_STORE = {"prompts": "rl", "sft": "sft", "preference": "rm"}
-
 
 def cap_bytes(cfg) -> int:
     return int(cfg.run.max_gpu_memory_gb * GiB)
@@ -96,10 +94,7 @@ def cap_message(cfg, plan: MemoryPlan, kind: str) -> str:
     rollout = next((r for r in plan.roles if r.role == "vllm" or r.role.startswith("rollout")), None)
     fixes = [n.removeprefix("FAIL: ") for n in plan.notes if n.startswith("FAIL")]
     fixes += remedies(cfg, list(plan.roles), rollout, plan.phases, s)
-    seen = []
-    for fix in fixes:
-        if fix not in seen:
-            seen.append(fix)
+    seen = list(dict.fromkeys(fixes))  # first mention of each, in order
     return (f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: this {kind} run needs about {fmt_bytes(need)} "
             f"per GPU at its {phase} peak (reserve {fmt_bytes(s.reserve)} included), more than the cap of "
             f"{fmt_bytes(s.capacity)}; biggest: {biggest or 'n/a'}; to fit: {'; '.join(seen) or 'a bigger cap'} "

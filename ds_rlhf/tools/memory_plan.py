@@ -332,9 +332,13 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
     configs = {role: meta_models.hf_config(path) for role, path in meta_models.role_sources(cfg, kind).items()}
     lora = meta_models.lora_settings(cfg)
     shared = kind == "rl" and shares_base(cfg) and "reference" in configs
-    roles = [plan_role(role, meta_models.meta_model(role, hf, lora), hf, s, zero["frozen_stage"],
-                       zero["frozen_offload"]) if not (shared and role == "reference")
-             else shared_reference(meta_models.meta_model(role, hf), hf, s) for role, hf in configs.items()]
+    roles = []
+    for role, hf in configs.items():
+        if shared and role == "reference":  # no weights of its own: the actor with its adapters off
+            roles.append(shared_reference(meta_models.meta_model(role, hf), hf, s))
+        else:
+            roles.append(plan_role(role, meta_models.meta_model(role, hf, lora), hf, s, zero["frozen_stage"],
+                                   zero["frozen_offload"]))
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)

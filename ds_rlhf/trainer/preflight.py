@@ -147,9 +147,9 @@ def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = No
 
     try:
         memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)
+    except ConfigError:
+        raise
     except (OSError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
         raise ConfigError(f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: the memory plan needs each "
                           f"model's config.json and cannot be made: {type(exc).__name__}: {exc}") from None
 

@@ -102,12 +102,13 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                                          lr=cfg.optim.critic_lr, total_steps=steps_total),
                               init_from=init, **model_opts)
     reference = None
-    if (rl.kl_coef > 0 or rl.kl_target > 0) and cfg.model.share_base:
-        reference = build_shared_reference(actor)  # the actor with its adapters off: no second copy of the base
-    elif rl.kl_coef > 0 or rl.kl_target > 0:
-        reference = build_reference(ctx.model_path, ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg),
-                                                                  lr=0.0, total_steps=1, frozen=True),
-                                    attn_impl=attn)
+    if rl.kl_coef > 0 or rl.kl_target > 0:
+        if cfg.model.share_base:
+            reference = build_shared_reference(actor)  # the actor with its adapters off: no second copy of the base
+        else:
+            frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1,
+                                   frozen=True)
+            reference = build_reference(ctx.model_path, frozen, attn_impl=attn)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     owns_rollout = rollout is None
     if rollout is None:
@@ -121,7 +122,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
-    reward = _reward_stage(ctx, functions)
+    reward = _reward_stage(ctx, functions, attn)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
 
@@ -162,14 +163,14 @@ def reward_functions(cfg) -> RewardSet:
             from None
 
 
-def _reward_stage(ctx: RunContext, functions: RewardSet | None) -> RewardStage:
+def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str) -> RewardStage:
     from ds_rlhf.engines.builder import build_reward
 
     if functions is not None:
         return RewardStage(ctx, fn=functions)
     model = build_reward(resolve_model_path(ctx.cfg.rl.reward_model),
                          ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
-                                       frozen=True), attn_impl=rl_attention(ctx))
+                                       frozen=True), attn_impl=attn)
     return RewardStage(ctx, model=model)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
-from ds_rlhf.config import Config, ConfigError, RLConfig
+from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.trainer.batching import split_micro
 from ds_rlhf.trainer.packed_batch import pack_rows
@@ -69,11 +69,9 @@ def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_row
 
 
 def rl_packing(cfg: Config) -> bool:
-    """`data.rl_packing`, with its rule: a packed micro-batch is filled up to `data.micro_batch_tokens` real
-    tokens, so packing needs that budget (ConfigError otherwise)."""
-    if cfg.data.rl_packing and cfg.data.micro_batch_tokens <= 0:
-        raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
-                          f"data.micro_batch_tokens > 0 (got {cfg.data.micro_batch_tokens})")
+    """`data.rl_packing`, with the schema's rule for it (`DataConfig.check`: packing needs a token budget)
+    re-checked, for configs built without `parse_config`."""
+    cfg.data.check(cfg)
     return cfg.data.rl_packing
 
 
