@@ -182,6 +182,25 @@ class RLTrainer:
         return self.best.update(self.step, metrics)
 
     # ---- loop --------------------------------------------------------------------------------------------
+    def _loop_step(self, logger, stop) -> dict:
+        """One step of the loop: train, evaluate when due, log, then save on a signal, when due or on a new best."""
+        cfg = self.cfg
+        metrics = self.train_step()
+        self.step += 1
+        if self._eval_due():
+            metrics.update(self.evaluate())
+        new_best = self._new_best(metrics)
+        metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
+        logger.log(self.step, metrics)
+        if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
+            self._save()
+            stop.exit(signum, announce=self.ctx.print)
+        due = cfg.run.save_every and self.step % cfg.run.save_every == 0
+        if (due or new_best) and self.step < cfg.run.steps:  # the last step is saved by train()
+            self._save()
+        rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        return metrics
+
     def train(self) -> list[dict]:
         cfg, ctx = self.cfg, self.ctx
         before = cfg.run.eval_before_train and self.evaluation is not None and self.step == 0
@@ -191,44 +210,36 @@ class RLTrainer:
         self.monitor.set_printer(logger.print)
         history = []
         error: BaseException | None = None
-        try:
-            self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
-                                              cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
-                                              wandb_run=logger.wandb_run)
-            with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+        # the handlers cover the whole run, the final save, export and shut-down included: a signal after the last
+        # step waits for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
+        with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+            try:
+                self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
+                                                  cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
+                                                  wandb_run=logger.wandb_run)
                 if before:  # the baseline: logged at step 0, not a candidate for the best checkpoint
                     logger.log(0, self.evaluate())
                 while self.step < cfg.run.steps:
-                    metrics = self.train_step()
-                    self.step += 1
-                    if self._eval_due():
-                        metrics.update(self.evaluate())
-                    new_best = self._new_best(metrics)
-                    metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
-                    logger.log(self.step, metrics)
-                    history.append(metrics)
-                    if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
-                        self._save()
-                        stop.exit(signum, announce=ctx.print)
-                    due = cfg.run.save_every and self.step % cfg.run.save_every == 0
-                    if (due or new_best) and self.step < cfg.run.steps:  # the last step is saved below
-                        self._save()
-                    rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
-            self._save()
-            if cfg.run.export_hf:
-                rl_build.export(self.ctx, self.parts)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            try:
-                if self.sample_logger is not None:
-                    self.sample_logger.close()
-                logger.close()
-                if self.evaluation is not None:
-                    self.evaluation.close()
-                self.parts.close()
+                    history.append(self._loop_step(logger, stop))
+                self._save()
+                if cfg.run.export_hf:
+                    rl_build.export(self.ctx, self.parts)
+                if stop.signum:  # it came during the final save or export, which are done: status.json says stopped
+                    stop.exit(stop.signum, announce=ctx.print)
+            except BaseException as exc:
+                error = exc
+                raise
             finally:
-                self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
-                ctx.close()  # releases the run directory's lock
+                try:
+                    if self.sample_logger is not None:
+                        self.sample_logger.close()
+                    logger.close()
+                    if self.evaluation is not None:
+                        self.evaluation.close()
+                    self.parts.close()
+                finally:
+                    self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
+                    ctx.close()  # releases the run directory's lock
+            if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
+                stop.exit(stop.signum, announce=ctx.print)
         return history

@@ -150,9 +150,11 @@ class SupervisedTrainer:
         self.monitor.set_printer(logger.print)
         error: BaseException | None = None
         summary = {}
-        try:
-            summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
-            with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+        # the handlers cover the whole run, the final save and export included: a signal after the last step waits
+        # for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
+        with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+            try:
+                summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
                 while self.step < self.total_steps:
                     self._logged_step(logger)
                     if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
@@ -160,21 +162,25 @@ class SupervisedTrainer:
                         stop.exit(signum, announce=ctx.print)
                     if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
                         self._save()
-            summary["eval_after"] = self.evaluate()
-            logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
-            self._save()
-            if cfg.run.export_hf:
-                out = Path(ctx.run_dir) / "export"
-                task.export(self.engine, ctx, out)
-                summary["export"] = str(out)
-                ctx.print(f"[{task.name}] exported to {out}")
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            try:
-                logger.close()
+                summary["eval_after"] = self.evaluate()
+                logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
+                self._save()
+                if cfg.run.export_hf:
+                    out = Path(ctx.run_dir) / "export"
+                    task.export(self.engine, ctx, out)
+                    summary["export"] = str(out)
+                    ctx.print(f"[{task.name}] exported to {out}")
+                if stop.signum:  # it came during the final save or export, which are done: status.json says stopped
+                    stop.exit(stop.signum, announce=ctx.print)
+            except BaseException as exc:
+                error = exc
+                raise
             finally:
-                self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
-                ctx.close()  # releases the run directory's lock
+                try:
+                    logger.close()
+                finally:
+                    self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
+                    ctx.close()  # releases the run directory's lock
+            if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
+                stop.exit(stop.signum, announce=ctx.print)
         return summary

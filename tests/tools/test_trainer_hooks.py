@@ -121,3 +121,33 @@ def test_sigterm_stop_is_recorded_in_status_json(small_stores, tmp_path):
                 proc.kill()
     status = json.loads((out / "status.json").read_text())
     assert status["status"] == "stopped" and status["signal"] == "SIGTERM" and 1 <= status["step"] < 500
+
+
+@pytest.mark.parametrize("when", ["final_save", "shutdown"])
+def test_signal_after_the_last_step_still_exits_143_with_the_final_checkpoint(small_stores, dist_single, tmp_path,
+                                                                              when):
+    """A SIGTERM that lands after the last step (during the final save, or while vLLM and the loggers shut down)
+    used to hit the default handler: the process died with -15 and, mid-save, without its final checkpoint."""
+    import signal
+
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 2)))
+    before = signal.getsignal(signal.SIGTERM)
+
+    def deliver_sigterm():  # what the kernel does on a real signal: call the handler installed for it
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler) and handler not in (signal.SIG_DFL, signal.SIG_IGN), handler
+        handler(signal.SIGTERM, None)
+
+    save, close = trainer._save, trainer.parts.close
+    trainer._save = lambda: (deliver_sigterm() if when == "final_save" and trainer.step == 2 else None, save())
+    trainer.parts.close = lambda: (deliver_sigterm() if when == "shutdown" else None, close())
+    with pytest.raises(SystemExit) as stopped:
+        trainer.train()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["step"] == 2
+    assert status["status"] == ("stopped" if when == "final_save" else "finished")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back

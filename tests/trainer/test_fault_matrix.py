@@ -45,7 +45,8 @@ def _logged_steps(run: Path) -> int:
 @pytest.mark.slow
 def test_busy_dir_sigterm_torn_metrics_and_corrupt_weights(sft_run, addition_stores, tmp_path):
     run, model = tmp_path / "run", sft_run[0] / "export"
-    args = rl_args(run, model, addition_stores, steps=40, extra=["--run.save_every", "0"])
+    # steps enough that the SIGTERM below lands mid-run even when the refused second run is slow to start
+    args = rl_args(run, model, addition_stores, steps=400, extra=["--run.save_every", "0"])
     first = _launch(args, tmp_path / "first.log")
     _wait_for(lambda: _logged_steps(run) >= 2, first, tmp_path / "first.log")
 
