@@ -57,7 +57,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.data.store import open_store
-    from ds_rlhf.engines.builder import build_actor, build_critic, build_reference, build_shared_reference
+    from ds_rlhf.engines.builder import build_actor, build_reference, build_shared_reference
     from ds_rlhf.engines.models import lora_settings
     from ds_rlhf.rollout import make_rollout_engine
     from ds_rlhf.rollout.canary import SyncCanary
@@ -67,6 +67,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
+    check_share_base_critic(cfg)  # before the reward workers, the loader or any model
     functions = reward_functions(cfg) if rl.reward_fn else None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
@@ -94,13 +95,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
     critic = None
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
-        critic_path, init = _critic_source(ctx)
-        if cfg.model.share_base:  # not yet: a second adapter + value head on the actor's module (docs/LOW_MEMORY.md)
-            ctx.print("[rl] model.share_base: the critic is its own LoRA model on its own copy of the base "
-                      f"({critic_path}); only the reference shares the actor's base")
-        critic = build_critic(critic_path, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
-                                                         lr=cfg.optim.critic_lr, total_steps=steps_total),
-                              init_from=init, **model_opts)
+        critic = _build_critic(ctx, actor, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
+                                                         lr=cfg.optim.critic_lr, total_steps=steps_total), model_opts)
     reference = None
     if rl.kl_coef > 0 or rl.kl_target > 0:
         if cfg.model.share_base:
@@ -182,6 +178,41 @@ def rl_attention(ctx: RunContext) -> str:
 
     return select_attn_impl(ctx.cfg.model.attn_impl, device=str(ctx.dist.device), dtype=as_dtype(ctx.precision),
                             padded=not ctx.cfg.data.rl_packing)
+
+
+def check_share_base_critic(cfg) -> None:
+    """With `model.share_base` and a critic algorithm, the ZeRO stage the run will use (the `--zero_stage`
+    override, else the ds_config file's) must not be 3 (`engines/shared_critic.py`). Reads the ds_config file only,
+    so it can run before anything is set up."""
+    from ds_rlhf.engines.ds_config import load_ds_config
+    from ds_rlhf.engines.shared_critic import check_shared_critic_stage
+    from ds_rlhf.trainer.run_context import find_ds_config
+
+    if not (cfg.model.share_base and ADVANTAGE_ESTIMATORS.get(cfg.rl.algo).meta.get("critic")):
+        return
+    if cfg.zero_stage >= 0:
+        check_shared_critic_stage(cfg.zero_stage, f"--zero_stage {cfg.zero_stage} sets")
+        return
+    stage = load_ds_config(find_ds_config(cfg.ds_config)).get("zero_optimization", {}).get("stage")
+    check_shared_critic_stage(stage, f"ds_config={cfg.ds_config} has")
+
+
+def _build_critic(ctx: RunContext, actor: Engine, ds_config: dict, model_opts: dict) -> Engine:
+    """The critic engine: its own model from `_critic_source`, or with `model.share_base` LoRA adapters + a value
+    head on the actor's base (`engines/shared_critic.py`; the value head from the source's `score` when the critic
+    starts from a reward model, fresh otherwise)."""
+    from ds_rlhf.engines.builder import build_critic
+    from ds_rlhf.engines.shared_critic import build_shared_critic
+
+    critic_path, init = _critic_source(ctx)
+    if not ctx.cfg.model.share_base:
+        return build_critic(critic_path, ds_config, init_from=init, **model_opts)
+    head_from = critic_path if init == "reward" else None
+    head = (f"the value head is {critic_path}'s score head (its backbone is not loaded)" if head_from else
+            "the value head is fresh (rl.critic_init=actor)")
+    ctx.print(f"[rl] model.share_base: the critic is LoRA adapters + a value head on the actor's base, no copy "
+              f"of its own; {head}")
+    return build_shared_critic(actor, ds_config, lora=model_opts["lora"], head_from=head_from)
 
 
 def _critic_source(ctx: RunContext) -> tuple[str, str]:
