@@ -41,12 +41,38 @@ class ModelConfig:
     lora_alpha: int = opt(16, gt=0)
     lora_targets: str = "all-linear"
     share_base: bool = False  # with lora_rank > 0: one frozen base for all roles (reference = actor, adapter off)
+    # with lora_rank > 0: the actor's / critic's frozen base linear layers in 4-bit NF4 or int8 (bitsandbytes)
+    quantize_base: str = opt("none", choices=("none", "nf4", "int8"))
 
     def check(self, cfg: Config) -> None:
         if self.share_base and self.lora_rank <= 0:
             raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters "
                               "disabled, and full fine-tuning changes the base weights; set --model.lora_rank (e.g. "
                               "16) or --model.share_base false")
+        self._check_quantize_base(cfg)
+
+    def _check_quantize_base(self, cfg: Config) -> None:
+        """A quantized base is frozen (LoRA only) and whole on each rank (ZeRO-0/1/2: ZeRO-3's partitioning drops
+        bitsandbytes' quantization state); the stage is --zero_stage, else the ds_config file's when readable."""
+        if self.quantize_base == "none":
+            return
+        if self.lora_rank <= 0:
+            raise ConfigError(f"model.quantize_base={self.quantize_base} quantizes the frozen base under LoRA "
+                              "adapters, and full fine-tuning trains the base weights; set --model.lora_rank (e.g. "
+                              "16) or --model.quantize_base none")
+        stage, source = cfg.zero_stage, "--zero_stage 3"
+        if stage < 0:
+            from ds_rlhf.engines.ds_config import load_ds_config
+
+            source = f"ds_config {cfg.ds_config} (zero_optimization.stage 3)"
+            try:
+                stage = load_ds_config(cfg.ds_config).get("zero_optimization", {}).get("stage", -1)
+            except (OSError, ValueError):
+                stage = -1  # unreadable here: the engine build checks the resolved stage (quantized.check_ds_config)
+        if stage == 3:
+            raise ConfigError(f"model.quantize_base={self.quantize_base} needs ZeRO stage 0, 1 or 2, got {source}: "
+                              "ZeRO-3 would partition bitsandbytes' packed weights apart from their quantization "
+                              "state; set --zero_stage 2 or --model.quantize_base none")
 
 
 @dataclass

@@ -6,6 +6,9 @@
   an exported critic loads as a reward model and vice versa.
 - reward: ``RewardModel`` wraps ``*ForSequenceClassification`` and scores the last non-pad token.
 
+``quantize="nf4" | "int8"`` (``model.quantize_base``, LoRA only) loads the actor's / critic's frozen base linear
+layers through bitsandbytes (``quantized.py``); the adapters, heads, embeddings and norms stay in floating point.
+
 Padding: when an ``attention_mask`` is given without ``position_ids``, positions are counted from the first real
 token (``cumsum(mask) - 1``), so left- and right-padded copies of a sequence get the same values and scores.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_rlhf.engines import quantized
 from ds_rlhf.engines.attention import select_attn_impl
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -47,10 +51,23 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return length - 1 - attention_mask.long().flip(-1).argmax(-1)
 
 
-def _hf_kwargs(dtype, attn_impl, compute_dtype) -> dict:
+def _hf_kwargs(dtype, attn_impl, compute_dtype, quantize: str | None = None, lora: dict | None = None) -> dict:
+    """`from_pretrained` keywords: weight dtype, attention kernel and, with `quantize`, the bitsandbytes config."""
     dtype = as_dtype(dtype)
-    impl = select_attn_impl(attn_impl, dtype=as_dtype(compute_dtype) if compute_dtype is not None else dtype)
-    return {"dtype": dtype, "attn_implementation": impl}
+    compute = as_dtype(compute_dtype) if compute_dtype is not None else dtype
+    if quantized.enabled(quantize) and not lora:
+        raise ValueError(f"model.quantize_base={quantize} quantizes a frozen base under LoRA adapters: set "
+                         "--model.lora_rank > 0 (a quantized model cannot be fine-tuned in full)")
+    impl = select_attn_impl(attn_impl, dtype=compute)
+    return {"dtype": dtype, "attn_implementation": impl, **quantized.load_kwargs(quantize, compute)}
+
+
+def _prepare(model, *, gradient_checkpointing: bool, quantize: str | None) -> None:
+    """peft's k-bit preparation for a quantized base, then gradient checkpointing (non-reentrant for all)."""
+    if quantized.enabled(quantize):
+        quantized.prepare_for_lora(model)
+    if gradient_checkpointing:
+        _enable_gc(model)
 
 
 def lora_settings(model_cfg) -> dict | None:
@@ -76,16 +93,16 @@ def _enable_gc(model) -> None:
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: str | torch.dtype, attn_impl: str = "auto",
                    gradient_checkpointing: bool = False, lora: dict | None = None,
-                   compute_dtype: str | torch.dtype | None = None):
-    """A Hugging Face causal LM from ``path``; ``compute_dtype`` (default ``dtype``) picks the attention kernel."""
+                   compute_dtype: str | torch.dtype | None = None, quantize: str | None = None):
+    """A Hugging Face causal LM from ``path``; ``compute_dtype`` (default ``dtype``) picks the attention kernel and
+    the quantized matmul's dtype; ``quantize`` ("nf4" | "int8", needs ``lora``) stores the frozen base quantized."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, **_hf_kwargs(dtype, attn_impl, compute_dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, **_hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora))
     # Training/scoring forwards need no KV cache, and with one transformers ignores packed position_ids (it only
     # builds the block-diagonal mask when past_key_values is None). generate() uses generation_config.use_cache.
     model.config.use_cache = False
-    if gradient_checkpointing:
-        _enable_gc(model)
+    _prepare(model, gradient_checkpointing=gradient_checkpointing, quantize=quantize)
     if lora:
         model = apply_lora(model, lora, "CAUSAL_LM")
     return model
@@ -116,12 +133,13 @@ class CriticModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, init_from: str = "reward", *, dtype="fp32",
                         attn_impl: str = "auto", gradient_checkpointing: bool = False, lora: dict | None = None,
-                        compute_dtype=None) -> CriticModel:
+                        compute_dtype=None, quantize: str | None = None) -> CriticModel:
         """``init_from="reward"``: a ``*ForSequenceClassification`` checkpoint; its ``score`` head becomes the value
-        head. ``init_from="actor"``: a causal-LM checkpoint; the backbone is loaded and the head is fresh."""
+        head. ``init_from="actor"``: a causal-LM checkpoint; the backbone is loaded and the head is fresh.
+        ``quantize`` (with ``lora``) stores the backbone's linear layers quantized; the heads stay as loaded."""
         from transformers import AutoModel, AutoModelForSequenceClassification
 
-        kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
+        kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora)
         if init_from == "reward":
             seqcls = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
             backbone, score = _seqcls_parts(seqcls)
@@ -131,8 +149,7 @@ class CriticModel(nn.Module):
             backbone, head = AutoModel.from_pretrained(path, **kwargs), None
         else:
             raise ValueError(f"init_from must be 'reward' or 'actor', got {init_from!r}")
-        if gradient_checkpointing:
-            _enable_gc(backbone)
+        _prepare(backbone, gradient_checkpointing=gradient_checkpointing, quantize=quantize)
         if lora:
             backbone = apply_lora(backbone, lora, None)
         return cls(backbone, head)
@@ -224,7 +241,9 @@ def unwrap(engine_or_module, *, peft: bool = False) -> nn.Module:
 
 def merge_lora_state_dict(state: dict, module: nn.Module) -> dict:
     """Fold LoRA adapters into their base weights (``W + scaling * B @ A``) and drop peft's name prefixes, giving
-    the state dict of the plain model. A no-op for models without LoRA."""
+    the state dict of the plain model. A no-op for models without LoRA. A quantized base (``model.quantize_base``)
+    is dequantized first, so the export holds full-precision weights, not bitsandbytes' packed storage."""
+    state = quantized.dequantize_state_dict(state, module)
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:

@@ -8,7 +8,10 @@ whole; they are bucketed the same way so consumers see one code path.
 
 What comes out is what vLLM's `load_weights` expects: checkpoint (Hugging Face) names, wrappers stripped, tied
 weights sent once (vLLM re-ties them), LoRA adapters merged into their base weights (vLLM then serves the merged
-model; no LoRA support needed on its side), tensor-parallel slicing left to vLLM's loaders.
+model; no LoRA support needed on its side), tensor-parallel slicing left to vLLM's loaders. A quantized base
+(`model.quantize_base`: bitsandbytes 4-/8-bit weights, `engines/quantized.py`) goes out dequantized: each packed
+weight is expanded by bitsandbytes to its [out, in] value (plus the LoRA delta) and cast to the output dtype, so vLLM
+receives the same full-precision checkpoint names and shapes as without quantization, never the packed storage.
 
 The iterator is collective under ZeRO-3: every trainer rank must drain it, even ranks that send nothing.
 Tensors in a bucket are only valid until the next bucket is requested (the gathered storage is released).
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ds_rlhf.engines import quantized
 from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout.base import BucketPlan, TensorMeta
 
@@ -50,7 +54,20 @@ def _is_partitioned(p: torch.Tensor) -> bool:
 
 
 def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple(p.ds_shape) if _is_partitioned(p) else tuple(p.shape)
+    """The tensor's full shape (a 4-bit weight's [out, in], not its packed storage's)."""
+    if _is_partitioned(p):
+        return tuple(p.ds_shape)
+    return quantized.logical_shape(p) if quantized.is_quantized(p) else tuple(p.shape)
+
+
+def _value_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor goes out in when no output dtype is given (a quantized weight: its dequantized dtype)."""
+    return quantized.logical_dtype(p) if quantized.is_quantized(p) else p.dtype
+
+
+def _value(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: its data, or a quantized weight dequantized by bitsandbytes."""
+    return quantized.dequantize(p) if quantized.is_quantized(p) else p.data
 
 
 def _gathered_bytes(p: torch.Tensor) -> int:
@@ -130,7 +147,7 @@ def plan_buckets(entries: list[_Entry], bucket_bytes: int, dtype: torch.dtype | 
     size, cur_dtype = 0, None
     for e in entries:
         nbytes = sum(_gathered_bytes(p) for p in e.params)
-        out_dtype = dtype or e.params[0].dtype
+        out_dtype = dtype or _value_dtype(e.params[0])
         if not buckets or size + nbytes > bucket_bytes or out_dtype != cur_dtype:
             buckets.append([])
             size, cur_dtype = 0, out_dtype
@@ -150,7 +167,7 @@ class WeightBuckets:
         self.module = unwrap(engine_or_module)
         self.dtype = dtype
         self._buckets = plan_buckets(collect_entries(self.module, name_map), bucket_bytes, dtype)
-        self.plan: BucketPlan = [[TensorMeta(e.name, e.shape, dtype or e.params[0].dtype) for e in b]
+        self.plan: BucketPlan = [[TensorMeta(e.name, e.shape, dtype or _value_dtype(e.params[0])) for e in b]
                                  for b in self._buckets]
         self.zero3 = any(_is_partitioned(p) for b in self._buckets for e in b for p in e.params)
         self.bytes = 0  # bytes yielded so far (output dtype)
@@ -184,13 +201,13 @@ class WeightBuckets:
                 del out
 
     def _materialize(self, e: _Entry) -> torch.Tensor:
-        w = e.params[0].data
+        w = _value(e.params[0])
+        out_dtype = self.dtype or _value_dtype(e.params[0])
         if e.lora:
             parts, fan_in_fan_out = e.lora
             delta = sum(b.data.float() @ a.data.float() * scale for a, b, scale in parts)
             w = w.float() + (delta.T if fan_in_fan_out else delta)
-            return w.to(self.dtype or e.params[0].dtype)
-        return w if self.dtype is None else w.to(self.dtype)
+        return w if w.dtype == out_dtype else w.to(out_dtype)
 
 
 def _gather(params: list[torch.Tensor]):

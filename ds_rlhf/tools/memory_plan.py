@@ -10,7 +10,11 @@ estimate); this module adds what an RL step holds on top of them:
   frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
   become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference is the actor
   with its adapters off (`engines/shared_base.py`): its row holds no weights, only its forward's activations at the
-  actor's ZeRO stage;
+  actor's ZeRO stage. With `model.quantize_base` (nf4 | int8, LoRA) the actor's and critic's frozen base linear
+  weights count at bitsandbytes' stored size (`engines.quantized.quantized_weight_bytes`: nf4 ~0.52 byte per
+  parameter with its double-quantized scales, int8 1 byte plus an fp32 scale per row) instead of the compute
+  dtype's; embeddings, heads, norms and adapters keep theirs. vLLM's copy stays in the rollout dtype (the sync sends
+  the dequantized weights);
 - activations per micro-batch of `data.micro_batch_tokens` tokens (or `optim.micro_batch_size` x the sequence
   length). The actor's and reference's log-probs use the chunked head (`trainer/policy_forward.py`): no
   [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
@@ -42,6 +46,7 @@ import inspect
 import os
 from dataclasses import dataclass, field
 
+from ds_rlhf.engines import quantized
 from ds_rlhf.engines.memory import activation_bytes, memory_breakdown
 from ds_rlhf.tools import meta_models
 
@@ -179,6 +184,17 @@ def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, froz
               + (", weights on host" if b["params"] == 0 and b["num_params"] else ""))
     return RolePlan(role, b["num_params"], b["params"], grads, b["optimizer_states"], acts, 0, b["host"], detail,
                     buffers, resident_grads=stage == 3 and trainable)
+
+
+def quantized_base(plan: RolePlan, module, s: Settings, mode: str) -> RolePlan:
+    """`plan` with the frozen base linear weights at their quantized size (`model.quantize_base`); ZeRO-0/1/2 keep
+    them whole on the device (the schema refuses ZeRO-3 with a quantized base)."""
+    act = 2 if s.precision in ("bf16", "fp16") else 4
+    numel, saved = quantized.base_bytes_saved(module, mode, act)
+    if not numel or plan.params == 0:
+        return plan
+    return dataclasses.replace(plan, params=plan.params - saved,
+                               detail=f"{plan.detail}, base {mode} ({numel / 1e6:.2f}M weights quantized)")
 
 
 def shares_base(cfg) -> bool:
@@ -337,8 +353,11 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
         if shared and role == "reference":  # no weights of its own: the actor with its adapters off
             roles.append(shared_reference(meta_models.meta_model(role, hf), hf, s))
         else:
-            roles.append(plan_role(role, meta_models.meta_model(role, hf, lora), hf, s, zero["frozen_stage"],
-                                   zero["frozen_offload"]))
+            module = meta_models.meta_model(role, hf, lora)
+            plan = plan_role(role, module, hf, s, zero["frozen_stage"], zero["frozen_offload"])
+            if lora and role in ("actor", "critic") and quantized.enabled(cfg.model.quantize_base):
+                plan = quantized_base(plan, module, s, cfg.model.quantize_base)
+            roles.append(plan)
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)
@@ -348,6 +367,10 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
     fits = max(phases.values()) + s.reserve <= capacity and not any(n.startswith("FAIL") for n in notes)
     if not fits:
         notes += remedies(cfg, roles, rollout, phases, s)
+    if quantized.enabled(cfg.model.quantize_base) and s.zero_stage == 3:
+        notes.append(f"FAIL: model.quantize_base={cfg.model.quantize_base} needs ZeRO stage 0, 1 or 2 (this plan is "
+                     "ZeRO-3): set --zero_stage 2")
+        fits = False
     if s.precision == "fp16" and device == "cpu":
         notes.append("FAIL: model.dtype=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16)")
         fits = False

@@ -1,0 +1,189 @@
+"""A quantized frozen base (`model.quantize_base`: nf4 | int8) under LoRA, through bitsandbytes.
+
+Why: with LoRA only the adapters train, so the base weights are read-only and may be stored at 4 or 8 bits (QLoRA).
+An 8B model's base then takes ~4.5 GiB (nf4) or ~8 GiB (int8) instead of 16 GiB in bf16, which is what lets the
+actor, vLLM and the activations share one 24 GiB GPU without streaming the base from host memory (ZeRO-3 offload).
+
+How: transformers loads the model with a `BitsAndBytesConfig` (`load_kwargs`): every `nn.Linear` of the decoder
+becomes a bitsandbytes `Linear4bit` (NF4, double-quantized absmax, blocks of 64) or `Linear8bitLt` (row-wise absmax
+int8) whose weight is a `Params4bit` / `Int8Params` (packed uint8 / int8 storage, scales beside it). The output head
+(`lm_head`), a reward model's `score` head and the embeddings stay in the compute dtype, as do the norms and biases.
+peft's `prepare_model_for_kbit_training` (`prepare_for_lora`) freezes the base and sets up gradient checkpointing
+the way peft's k-bit LoRA layers expect; `apply_lora` then wraps the bitsandbytes layers with peft's `lora.bnb`
+layers, so the adapters (and only they) train in the compute dtype on top of the quantized matmul.
+
+bitsandbytes (>= 0.45) has a CPU backend, so the CPU tests exercise the same code as a GPU run. What leaves the
+trainer is always dequantized: the weight sync to vLLM (`rollout/weight_gather.py`) and the export
+(`models.merge_lora_state_dict`) send `dequantize(base) + scaling * B @ A` in the rollout / export dtype.
+
+ZeRO-3 is refused (`config.ModelConfig.check` at parse time, `check_ds_config` on the resolved ds_config): it would
+partition the packed uint8 / int8 storage into flat shards while the `quant_state` / `SCB` that bitsandbytes keeps
+on the parameter object stays whole, a combination neither DeepSpeed nor bitsandbytes supports (a probe trained at
+world size 1, which proves nothing about the gathers across ranks, the offload or the weight sync); a 4-bit 8B
+base needs no partitioning on a 24 GiB GPU. ZeRO-0/1/2 leave frozen weights whole and untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+QUANT_MODES = ("none", "nf4", "int8")
+KEEP_FULL = ["lm_head", "score"]  # heads stay in the compute dtype (transformers skips the tied/output embedding)
+NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
+NESTED_BLOCK = 256  # double quantization: one fp32 scale per 256 blocks' 8-bit absmax
+
+
+def enabled(mode: str | None) -> bool:
+    return bool(mode) and mode != "none"
+
+
+def check_mode(mode: str) -> None:
+    if mode not in QUANT_MODES:
+        raise ValueError(f"model.quantize_base={mode!r}: use one of {', '.join(QUANT_MODES)}")
+
+
+def check_ds_config(mode: str | None, ds_config: dict) -> None:
+    """Refuse ZeRO-3 with a quantized base, on the resolved ds_config (the schema's rule, `ModelConfig.check`,
+    sees only --zero_stage and a readable ds_config file); one line naming the keys."""
+    from ds_rlhf.config import ConfigError
+
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if enabled(mode) and stage == 3:
+        raise ConfigError(f"model.quantize_base={mode} needs ZeRO stage 0, 1 or 2, got zero_optimization.stage 3: "
+                          "ZeRO-3 would partition bitsandbytes' packed weights apart from their quantization state; "
+                          "set --zero_stage 2 or --model.quantize_base none")
+
+
+def _device_map() -> dict:
+    """bitsandbytes quantizes when the weights reach their device: this rank's GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}
+    return {"": "cpu"}
+
+
+def bnb_config(mode: str, compute_dtype: torch.dtype):
+    """transformers' `BitsAndBytesConfig` for `mode` (QLoRA's defaults for nf4: double quantization)."""
+    from transformers import BitsAndBytesConfig
+
+    check_mode(mode)
+    if mode == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=list(KEEP_FULL))
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(KEEP_FULL))
+
+
+def load_kwargs(mode: str | None, compute_dtype: torch.dtype) -> dict:
+    """Extra `from_pretrained` keywords that load the base quantized (empty for "none")."""
+    if not enabled(mode):
+        return {}
+    return {"quantization_config": bnb_config(mode, compute_dtype), "device_map": _device_map()}
+
+
+def prepare_for_lora(model: nn.Module) -> nn.Module:
+    """peft's k-bit preparation: the base frozen, half-precision float weights (norms, embeddings) up-cast to fp32.
+    Gradient checkpointing is left to the caller (`models._enable_gc`, non-reentrant: no input-grad hook needed),
+    since peft only enables it on a top-level model flagged `is_loaded_in_4bit`, not on a critic's backbone."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)
+
+
+# ---- quantized parameters --------------------------------------------------------------------------------------
+def is_quantized(p: torch.Tensor) -> bool:
+    """A bitsandbytes weight (4-bit `Params4bit` with its quant_state, or 8-bit `Int8Params` with its SCB)."""
+    return (type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None) or (
+        type(p).__name__ == "Int8Params" and getattr(p, "SCB", None) is not None)
+
+
+def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The weight's [out, in] shape (a 4-bit weight is stored packed as [numel / 2, 1] uint8)."""
+    if type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None:
+        return tuple(p.quant_state.shape)
+    return tuple(p.shape)
+
+
+def logical_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized weight dequantizes to (its quant_state's; fp16 for int8's scales by default)."""
+    if type(p).__name__ == "Params4bit":
+        return p.quant_state.dtype
+    return p.SCB.dtype if type(p).__name__ == "Int8Params" else p.dtype
+
+
+def dequantize(p: torch.Tensor) -> torch.Tensor:
+    """The full-precision [out, in] weight of a quantized parameter, through bitsandbytes' own kernels."""
+    import bitsandbytes.functional as F
+
+    if type(p).__name__ == "Params4bit":
+        return F.dequantize_4bit(p.data, p.quant_state)
+    if type(p).__name__ == "Int8Params":
+        return F.int8_vectorwise_dequant(p.data, p.SCB.to(p.data.device))
+    raise TypeError(f"{type(p).__name__} is not a bitsandbytes quantized weight")
+
+
+def quantized_names(module: nn.Module) -> dict[str, torch.Tensor]:
+    """State-dict name -> parameter of every quantized weight in `module`."""
+    return {n: p for n, p in module.named_parameters() if is_quantized(p)}
+
+
+def dequantize_state_dict(state: dict, module: nn.Module) -> dict:
+    """`state` (a `module.state_dict()`) with each quantized weight replaced by its dequantized value, in the dtype
+    of the state's other floating-point weights, and bitsandbytes' side entries (`.absmax`, `.quant_map`,
+    `.quant_state.*`, `.SCB`, `.weight_format`) dropped. `state` itself is returned when nothing is quantized."""
+    weights = {n: p for n, p in quantized_names(module).items() if n in state}
+    if not weights:
+        return state
+    out = dict(state)
+    for name in weights:
+        for key in [k for k in out if k.startswith(name + ".")]:
+            del out[key]
+        out.pop(name.removesuffix("weight") + "SCB", None)
+        out.pop(name.removesuffix("weight") + "weight_format", None)
+    floats = [v.dtype for k, v in out.items() if k not in weights and torch.is_tensor(v) and v.is_floating_point()]
+    for name, p in weights.items():
+        value = dequantize(p)
+        out[name] = value.to(floats[0]) if floats else value
+    return out
+
+
+# ---- the memory plan ---------------------------------------------------------------------------------------------
+def quantized_weight_bytes(out_features: int, in_features: int, mode: str) -> int:
+    """Bytes of one quantized [out, in] weight as bitsandbytes stores it: nf4 packs two values per byte plus one
+    8-bit absmax per 64-value block and one fp32 per 256 blocks (double quantization) and a 16-entry code book;
+    int8 stores one byte per value plus one fp32 scale per row."""
+    numel = out_features * in_features
+    if mode == "nf4":
+        blocks = -(-numel // NF4_BLOCK)
+        return -(-numel // 2) + blocks + 4 * -(-blocks // NESTED_BLOCK) + 16 * 4 + 4
+    if mode == "int8":
+        return numel + 4 * out_features
+    raise ValueError(f"no quantized size for mode {mode!r}")
+
+
+def quantizable_linears(module: nn.Module) -> list[nn.Linear]:
+    """The `nn.Linear` layers a quantized load would convert: every one except the heads and the LoRA adapters
+    (works on `meta` models: only shapes are read). peft's LoRA layers count by their `base_layer`."""
+    out = []
+    for name, sub in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(sub, nn.Linear) or leaf in KEEP_FULL or leaf == "value_head":
+            continue
+        if ".lora_" in f".{name}" or any(part.startswith("lora_") for part in name.split(".")):
+            continue
+        out.append(sub)
+    return out
+
+
+def base_bytes_saved(module: nn.Module, mode: str, weight_bytes: int) -> tuple[int, int]:
+    """(parameters quantized, bytes saved) when `module`'s linear weights, counted at `weight_bytes` each, are
+    stored quantized instead."""
+    if not enabled(mode):
+        return 0, 0
+    numel = saved = 0
+    for lin in quantizable_linears(module):
+        n = lin.out_features * lin.in_features
+        numel += n
+        saved += n * weight_bytes - quantized_weight_bytes(lin.out_features, lin.in_features, mode)
+    return numel, saved
