@@ -118,7 +118,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
-    reward = _reward_stage(ctx, functions, attn)
+    reward = _reward_stage(ctx, functions, attn, actor)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
 
@@ -159,15 +159,26 @@ def reward_functions(cfg) -> RewardSet:
             from None
 
 
-def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str) -> RewardStage:
+def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:
+    """Reward functions, or the reward model: a frozen engine of its own, or with `model.share_base` and an RM that
+    is a LoRA adapter of the actor's base, its adapters + score head on that base (`engines/shared_reward.py`)."""
     from ds_rlhf.engines.builder import build_reward
+    from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
 
     if functions is not None:
         return RewardStage(ctx, fn=functions)
-    model = build_reward(resolve_model_path(ctx.cfg.rl.reward_model),
-                         ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
-                                       frozen=True), attn_impl=attn)
-    return RewardStage(ctx, model=model)
+    path = resolve_model_path(ctx.cfg.rl.reward_model)
+    ds_config = ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
+                              frozen=True)
+    if ctx.cfg.model.share_base:
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        why = shared_reward_refusal(path, ctx.model_path, stage)
+        if why is None:
+            ctx.print(f"[rl] model.share_base: the reward model is {path}'s LoRA adapters + score head on the "
+                      "actor's base, no copy of its own")
+            return RewardStage(ctx, model=build_shared_reward(actor, path, ds_config))
+        ctx.print(f"[rl] model.share_base: the reward model is a separate frozen model with its own weights: {why}")
+    return RewardStage(ctx, model=build_reward(path, ds_config, attn_impl=attn))
 
 
 def rl_attention(ctx: RunContext) -> str:
