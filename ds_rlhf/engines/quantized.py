@@ -34,6 +34,7 @@ QUANT_MODES = ("none", "nf4", "int8")
 KEEP_FULL = ["lm_head", "score"]  # heads stay in the compute dtype (transformers skips the tied/output embedding)
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
 NESTED_BLOCK = 256  # double quantization: one fp32 scale per 256 blocks' 8-bit absmax
+INT8_STATE = "ds_rlhf_int8_state"  # attribute on an Int8Params: its layer's MatmulLtState (holds SCB after a forward)
 
 
 def enabled(mode: str | None) -> bool:
@@ -85,17 +86,32 @@ def load_kwargs(mode: str | None, compute_dtype: torch.dtype) -> dict:
 def prepare_for_lora(model: nn.Module) -> nn.Module:
     """peft's k-bit preparation: the base frozen, half-precision float weights (norms, embeddings) up-cast to fp32.
     Gradient checkpointing is left to the caller (`models._enable_gc`, non-reentrant: no input-grad hook needed),
-    since peft only enables it on a top-level model flagged `is_loaded_in_4bit`, not on a critic's backbone."""
+    since peft only enables it on a top-level model flagged `is_loaded_in_4bit`, not on a critic's backbone.
+
+    An 8-bit layer moves its row scales from the weight (`Int8Params.SCB`) to the layer's `state` on its first
+    forward; the weight keeps a reference to that state (`INT8_STATE`) so it can be dequantized from the parameter
+    alone (the weight sync walks parameters, not layers)."""
     from peft import prepare_model_for_kbit_training
 
+    for sub in model.modules():
+        if type(getattr(sub, "weight", None)).__name__ == "Int8Params" and hasattr(sub, "state"):
+            setattr(sub.weight, INT8_STATE, sub.state)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)
 
 
 # ---- quantized parameters --------------------------------------------------------------------------------------
+def _int8_scales(p: torch.Tensor) -> torch.Tensor | None:
+    """An 8-bit weight's fp32 row scales: on the weight until the first forward, then on its layer's state."""
+    scb = getattr(p, "SCB", None)
+    if scb is None and getattr(p, INT8_STATE, None) is not None:
+        scb = getattr(p, INT8_STATE).SCB
+    return scb
+
+
 def is_quantized(p: torch.Tensor) -> bool:
-    """A bitsandbytes weight (4-bit `Params4bit` with its quant_state, or 8-bit `Int8Params` with its SCB)."""
+    """A bitsandbytes weight (4-bit `Params4bit` with its quant_state, or 8-bit `Int8Params` with its scales)."""
     return (type(p).__name__ == "Params4bit" and getattr(p, "quant_state", None) is not None) or (
-        type(p).__name__ == "Int8Params" and getattr(p, "SCB", None) is not None)
+        type(p).__name__ == "Int8Params" and _int8_scales(p) is not None)
 
 
 def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -106,10 +122,10 @@ def logical_shape(p: torch.Tensor) -> tuple[int, ...]:
 
 
 def logical_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype a quantized weight dequantizes to (its quant_state's; fp16 for int8's scales by default)."""
+    """The dtype a quantized weight dequantizes to: a 4-bit weight's load dtype (its quant_state's), fp32 for int8."""
     if type(p).__name__ == "Params4bit":
         return p.quant_state.dtype
-    return p.SCB.dtype if type(p).__name__ == "Int8Params" else p.dtype
+    return torch.float32 if type(p).__name__ == "Int8Params" else p.dtype
 
 
 def dequantize(p: torch.Tensor) -> torch.Tensor:
@@ -118,9 +134,9 @@ def dequantize(p: torch.Tensor) -> torch.Tensor:
 
     if type(p).__name__ == "Params4bit":
         return F.dequantize_4bit(p.data, p.quant_state)
-    if type(p).__name__ == "Int8Params":
-        return F.int8_vectorwise_dequant(p.data, p.SCB.to(p.data.device))
-    raise TypeError(f"{type(p).__name__} is not a bitsandbytes quantized weight")
+    if type(p).__name__ == "Int8Params" and (scales := _int8_scales(p)) is not None:
+        return F.int8_vectorwise_dequant(p.data, scales.to(p.data.device))
+    raise TypeError(f"{type(p).__name__} is not a bitsandbytes quantized weight (or has lost its scales)")
 
 
 def quantized_names(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -150,16 +166,34 @@ def dequantize_state_dict(state: dict, module: nn.Module) -> dict:
 
 # ---- the memory plan ---------------------------------------------------------------------------------------------
 def quantized_weight_bytes(out_features: int, in_features: int, mode: str) -> int:
-    """Bytes of one quantized [out, in] weight as bitsandbytes stores it: nf4 packs two values per byte plus one
-    8-bit absmax per 64-value block and one fp32 per 256 blocks (double quantization) and a 16-entry code book;
-    int8 stores one byte per value plus one fp32 scale per row."""
+    """Bytes of one quantized [out, in] weight as bitsandbytes stores it. nf4: two values per byte, one 8-bit absmax
+    per 64-value block, and for that absmax (double quantization) one fp32 per 256 blocks, a 256-entry fp32 code
+    book and an fp32 offset, plus the 16-entry fp32 NF4 code book (~0.516 byte per value). int8: one byte per value
+    and one fp32 scale per row. `stored_bytes` measures the same on a loaded weight."""
     numel = out_features * in_features
     if mode == "nf4":
         blocks = -(-numel // NF4_BLOCK)
-        return -(-numel // 2) + blocks + 4 * -(-blocks // NESTED_BLOCK) + 16 * 4 + 4
+        return -(-numel // 2) + blocks + 4 * -(-blocks // NESTED_BLOCK) + 4 * (NESTED_BLOCK + 1) + 4 * 16
     if mode == "int8":
         return numel + 4 * out_features
     raise ValueError(f"no quantized size for mode {mode!r}")
+
+
+def stored_bytes(p: torch.Tensor) -> int:
+    """Bytes a loaded bitsandbytes weight really holds: its packed storage plus every tensor of its quantization
+    state (absmax, code books, offset, the nested state) or its row scales."""
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+    total = nbytes(p.data)
+    if type(p).__name__ == "Params4bit":
+        qs = p.quant_state
+        total += nbytes(qs.absmax) + nbytes(qs.code) + nbytes(getattr(qs, "offset", None))
+        if getattr(qs, "nested", False):
+            total += nbytes(qs.state2.absmax) + nbytes(qs.state2.code)
+    elif type(p).__name__ == "Int8Params":
+        total += nbytes(_int8_scales(p))
+    return total
 
 
 def quantizable_linears(module: nn.Module) -> list[nn.Linear]:
