@@ -136,3 +136,22 @@ def test_shared_critic_refuses_zero3(tiny_model_path, dist_single):
     with pytest.raises(ConfigError, match="model.share_base") as err:
         build_shared_critic(actor, resolved("zero3", lr=1e-3), lora=LORA)
     assert "\n" not in str(err.value) and "--zero_stage 2" in str(err.value)
+
+
+def test_shared_critic_exports_as_a_reward_model(tiny_model_path, dist_single, tmp_path):
+    """The export merges the critic's adapters into (a copy of) the shared base: it loads as a reward model whose
+    score at the last token is the critic's value there; the actor's base is left as it was."""
+    from ds_rlhf.engines.engine_io import export_hf
+    from ds_rlhf.engines.models import RewardModel
+
+    actor, critic = _pair(tiny_model_path, 0)
+    train_critic(critic, 0, 3)
+    base_before = _base_state(actor)
+    out = export_hf(critic, None, tmp_path / "critic")
+    batch = lm_batch(0)
+    critic.eval()
+    with torch.no_grad():
+        values = critic(batch)
+        scores = RewardModel.from_pretrained(out, attn_impl="sdpa").eval()(input_ids=batch)
+    torch.testing.assert_close(scores, values[:, -1], atol=1e-5, rtol=0)
+    assert all(torch.equal(v, base_before[n]) for n, v in _base_state(actor).items())
