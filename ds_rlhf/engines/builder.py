@@ -16,7 +16,10 @@ actor's precision handling and ZeRO-3 partitioning:
   i.e. a full replica on the device in the run's precision.
 
 With ``model.share_base`` (LoRA) the reference is no engine at all: ``build_shared_reference`` returns a view of the
-actor with its adapters disabled (``shared_base.AdapterOffReference``), so the base weights exist once.
+actor with its adapters disabled (``shared_base.AdapterOffReference``), so the base weights exist once. The critic
+(``shared_critic.build_shared_critic``) and, when the RM is a LoRA adapter of the actor's base, the reward model
+(``shared_reward.build_shared_reward``) are engines of their own over module trees that hold the actor's base
+tensors plus their own adapters and head (ZeRO 0-2 only).
 
 Trainable models are loaded in fp32 so DeepSpeed's fp32 master weights are exact; frozen ones in the compute dtype.
 """
