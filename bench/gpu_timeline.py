@@ -1,6 +1,7 @@
 """GPU utilisation over a benchmark run: an NVML sampler thread, per-phase means, and a PNG timeline.
 
-`Sampler(period_s=0.1)` samples NVML (utilisation %, memory used) every 100 ms in a daemon thread; `summarize`
+`Sampler(period_s=0.1)` samples NVML (utilisation %, memory used) every 100 ms in a daemon thread (without pynvml it
+reads `nvidia-smi --query-gpu=... -lms` instead, where that is on PATH; `Sampler.source` says which); `summarize`
 averages the samples over a time window and over each phase's intervals (from `PhaseTimer.events`); `render`
 draws the utilisation with the phases shaded (matplotlib; `python bench/gpu_timeline.py result.json out.png`
 renders a saved result where the GPU machine has no matplotlib).
@@ -9,6 +10,8 @@ renders a saved result where the GPU machine has no matplotlib).
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -18,17 +21,26 @@ PHASE_COLOURS = {"rollout": "#4c72b0", "reward": "#dd8452", "old_logp": "#8172b3
 
 
 class Sampler:
+    """`source`: "nvml" (pynvml), "nvidia-smi" (no pynvml: `nvidia-smi -lms` parsed in the thread) or None (no GPU
+    or neither tool: no samples, the benchmark still runs)."""
+
+    NVIDIA_SMI = ("nvidia-smi", "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits")
+
     def __init__(self, period_s: float = 0.1, device_index: int = 0):
         self.period_s, self.samples = period_s, []  # (time.time(), util %, memory used GiB)
+        self.device_index, self.source, self._proc = device_index, None, None
         self._stop = threading.Event()
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
-        except Exception:  # noqa: BLE001 - no GPU / no NVML: an empty timeline, the benchmark still runs
+            self.source = "nvml"
+        except Exception:  # noqa: BLE001 - no GPU / no NVML: try nvidia-smi, else an empty timeline
             self._nvml = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
+            if shutil.which(self.NVIDIA_SMI[0]):
+                self.source = "nvidia-smi"
+        self._thread = threading.Thread(target=self._run if self._nvml else self._run_smi, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -36,15 +48,44 @@ class Sampler:
             mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30
             self.samples.append((time.time(), float(util), mem))
 
+    def _run_smi(self) -> None:
+        """One `nvidia-smi -lms` process printing "memory.used MiB, utilization %" lines until __exit__ ends it."""
+        cmd = [*self.NVIDIA_SMI, f"--id={self.device_index}", f"-lms={max(1, int(self.period_s * 1000))}"]
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        for line in self._proc.stdout:
+            if self._stop.is_set():
+                break
+            sample = parse_smi_line(line)
+            if sample is not None:
+                self.samples.append((time.time(), sample[1], sample[0]))
+
     def __enter__(self) -> Sampler:
-        if self._nvml is not None:
+        if self.source is not None:
             self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(timeout=10)
+
+
+def parse_smi_line(line: str) -> tuple[float, float] | None:
+    """(memory used GiB, utilisation %) from one `memory.used,utilization.gpu` csv line (MiB, %), else None."""
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        return float(parts[0]) / 1024, float(parts[1])
+    except (IndexError, ValueError):  # a header, "[N/A]", an error line
+        return None
 
 
 def _mean(values: list[float]) -> float | None:
