@@ -77,6 +77,19 @@ def test_quantized_load_stores_the_base_packed(tiny_model_path, mode):
             assert p.dtype == torch.float32, n
 
 
+def test_quantized_critic_keeps_its_value_head(tiny_reward_path):
+    from ds_rlhf.engines.models import CriticModel
+
+    critic = CriticModel.from_pretrained(tiny_reward_path, "reward", dtype="fp32", attn_impl="sdpa", lora=LORA,
+                                         quantize="nf4", gradient_checkpointing=True).train()
+    assert len(quantized.quantized_names(critic)) == 14 and type(critic.value_head) is torch.nn.Linear
+    values = critic(lm_batch(0))
+    values.sum().backward()
+    trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert trained - {"value_head.weight"} and all("lora_" in n for n in trained - {"value_head.weight"})
+    assert critic.value_head.weight.grad.abs().sum() > 0 and values.dtype == torch.float32
+
+
 def _base_snapshot(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
 
