@@ -222,8 +222,8 @@ def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict |
         module.save_pretrained(out)
     elif isinstance(module, CriticModel):
         module.save_pretrained(out, state_dict=state)
-    elif isinstance(module, RewardModel):
-        weights = {k.removeprefix("model."): v for k, v in state.items()}
+    elif isinstance(module, RewardModel):  # a LoRA reward model (model.lora_rank) is written merged
+        weights = {k.removeprefix("model."): v for k, v in merge_lora_state_dict(state, module).items()}
         module.model.save_pretrained(out, state_dict=weights)
     else:
         base = unwrap(module, peft=True)
