@@ -118,11 +118,41 @@ LOW_MEMORY_PPO = ["--model.lora_rank", "16", "--model.lora_alpha", "32", "--mode
                   "--rl.kl_coef", "0.01", "--optim.lr", "3e-3", "--optim.critic_lr", "1e-3"]
 
 
+def test_share_base_critic_refuses_zero3_before_loading(monkeypatch):
+    """A critic on the shared base needs ZeRO 0-2: build_parts refuses ZeRO-3 first, in one line naming the keys."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from ds_rlhf.trainer import rl_build
+
+    def no_loading(*_, **__):
+        raise AssertionError("a model started loading before the ZeRO stage was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(rl_build, "reward_functions", no_loading)
+    lora = ("--model.lora_rank", "8", "--model.share_base", "true", "--rl.algo", "ppo")
+    for args, names in ((lora + ("--zero_stage", "3"), "--zero_stage 3"),
+                        (("--config", RECIPE, "--rl.algo", "ppo"), "ds_config=ds_configs/low_memory_24g.json")):
+        with pytest.raises(ConfigError) as err:
+            rl_build.build_parts(SimpleNamespace(cfg=parse_config(list(args)), dist=None))
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("model.share_base=true with a critic") and names in msg, msg
+        assert "--zero_stage 2" in msg and "--model.share_base false" in msg
+    rl_build.check_share_base_critic(parse_config([*lora, "--zero_stage", "2"]))  # ZeRO-2: fine
+    rl_build.check_share_base_critic(parse_config(["--config", RECIPE]))  # GRPO (no critic) at ZeRO-3: fine
+
+
 @pytest.mark.slow
 def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_colocated, tmp_path):
     """The tiny PPO task with the low-memory code path: LoRA actor, reference = the actor with its adapters off
-    (KL in the loss), LoRA critic. No reference engine is built; the reward rises as in test_rl_e2e."""
+    (KL in the loss), critic = LoRA adapters + value head on the actor's base. No reference engine and no second
+    base are built; the base does not change; the reward rises as in test_rl_e2e."""
+    import torch
+
+    from ds_rlhf.engines.models import unwrap
     from ds_rlhf.engines.shared_base import AdapterOffReference
+    from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
     from ds_rlhf.trainer.rl_trainer import RLTrainer
     from tests.trainer.test_rl_e2e import _mean, rl_args
 
@@ -131,11 +161,21 @@ def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_col
     parts = trainer.parts
     assert isinstance(parts.reference, AdapterOffReference) and parts.reference.actor is parts.actor
     assert sum(p.numel() for p in parts.reference.parameters()) == 0
+    base = {n: p for n, p in unwrap(parts.actor).named_parameters() if "lora_" not in n}
+    own = owned_parameters(parts.critic.module, actor_decoder(parts.actor))
+    assert own and all("lora_" in n or n.startswith("value_head.") for n, _ in own)
+    base_ptrs = {p.data_ptr() for p in base.values()}
+    own_ids = {id(p) for _, p in own}
+    assert all(p.data_ptr() in base_ptrs for p in parts.critic.module.parameters() if id(p) not in own_ids)
+    base_before = {n: p.detach().clone() for n, p in base.items()}
     history = trainer.train()
     rewards = [h["reward/mean"] for h in history]
     print("lora + share_base ppo rewards", [round(r, 3) for r in rewards])
+    print("critic loss", [round(h["critic/loss"], 4) for h in history])
     assert _mean(rewards[-4:]) > _mean(rewards[:4]) + 0.1, rewards
     assert "critic/loss" in history[-1] and "actor/kl_loss" in history[-1]
+    assert all(torch.equal(p.detach(), base_before[n]) for n, p in base.items())  # one frozen base, unchanged
+    assert set(parts.engines_to_checkpoint()) == {"actor", "critic"}
     # step 1 trains from B = 0: the actor is its base, so the reference's KL starts at ~0 and grows as it learns
     assert abs(history[0]["kl/mean"]) < 1e-3 and history[-1]["kl/mean"] > history[0]["kl/mean"]
     # vLLM got the adapters merged in after every sync (never the adapter-disabled base): its log-probs are the actor's
