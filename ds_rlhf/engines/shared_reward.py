@@ -7,8 +7,8 @@ actor's), with a `*ForSequenceClassification` shell built on the meta device aro
 adapters and trained `score` head into that tree (`PeftModel.from_pretrained`, frozen), and `RewardModel` scores it
 in a frozen DeepSpeed engine as usual. Nothing is merged into the base.
 
-Any other RM (a full `*ForSequenceClassification` model, which is what our RM stage exports; an adapter of another
-base; or any RM at ZeRO-3, which cannot share a module between engines) stays a separate frozen model:
+Any other RM (a full `*ForSequenceClassification` model, which is what our RM stage exports, LoRA merged; an adapter of
+another base; or any RM at ZeRO-3, which cannot share a module between engines) stays a separate frozen model:
 `shared_reward_refusal` says why in words, and `rl_build` prints it.
 """
 
