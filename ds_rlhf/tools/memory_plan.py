@@ -353,7 +353,8 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
         if shared and role == "reference":  # no weights of its own: the actor with its adapters off
             roles.append(shared_reference(meta_models.meta_model(role, hf), hf, s))
         else:
-            module = meta_models.meta_model(role, hf, lora)
+            # the reward model trains with LoRA in an RM run only; in RL it is a frozen, already trained model
+            module = meta_models.meta_model(role, hf, lora if role != "reward" or kind == "rm" else None)
             plan = plan_role(role, module, hf, s, zero["frozen_stage"], zero["frozen_offload"])
             if lora and role in ("actor", "critic") and quantized.enabled(cfg.model.quantize_base):
                 plan = quantized_base(plan, module, s, cfg.model.quantize_base)

@@ -33,7 +33,11 @@ def meta_model(role: str, config, lora: dict | None = None):
         scored = copy.deepcopy(config)
         scored.num_labels = 1  # one score, as engines.models loads it
         seqcls = AutoModelForSequenceClassification.from_config(scored)
-        if role == "reward":
+        if role == "reward":  # with `lora` (a LoRA-trained RM, trainer/rm.py): adapters on the backbone, score trained
+            if lora:
+                prefix = seqcls.base_model_prefix
+                setattr(seqcls, prefix, apply_lora(getattr(seqcls, prefix), lora, None))
+                seqcls.score.weight.requires_grad_(True)
             return seqcls
         backbone = getattr(seqcls, seqcls.base_model_prefix)
         return CriticModel(apply_lora(backbone, lora, None) if lora else backbone)

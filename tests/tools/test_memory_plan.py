@@ -120,6 +120,16 @@ def test_lora_trains_only_the_adapters():
     assert "trainable" in lora.detail
 
 
+def test_lora_reward_model_trains_only_its_adapters_and_score_in_an_rm_run():
+    full = _roles(_plan("--zero_stage", "0", kind="rm"))["reward"]
+    lora = _roles(_plan("--zero_stage", "0", "--model.lora_rank", "4", kind="rm"))["reward"]
+    assert lora.num_params > full.num_params and 0 < lora.grads < full.grads / 10
+    assert "trainable" in lora.detail
+    # in an RL run the reward model is frozen: LoRA settings (the actor's) add nothing to it
+    frozen = _roles(_plan("--zero_stage", "0", "--model.lora_rank", "4", "--rl.reward_model", "tiny"))["reward"]
+    assert frozen.grads == 0 and frozen.num_params == full.num_params
+
+
 def test_chunked_head_keeps_no_full_logits(tmp_path):
     """The actor's log-prob head costs one chunk's logits plus 12 bytes a token, not [tokens x vocab] fp32."""
     from transformers import AutoConfig, Qwen2Config
