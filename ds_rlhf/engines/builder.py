@@ -32,6 +32,7 @@ import logging
 import torch
 
 from ds_rlhf.distributed import ensure_distributed
+from ds_rlhf.engines import quantized
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
 from ds_rlhf.engines.onebit_adam import OneBitAdam, onebit_from_config
@@ -152,15 +153,18 @@ def _dtypes(ds_config: dict, trainable: bool) -> dict:
 
 
 def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradient_checkpointing: bool = False,
-                lora: dict | None = None):
+                lora: dict | None = None, quantize: str | None = None):
+    """`quantize` (model.quantize_base, with `lora`): the frozen base's linear layers stored by bitsandbytes."""
+    quantized.check_ds_config(quantize, ds_config)  # before loading: ZeRO-3 cannot partition packed weights
     model = load_causal_lm(model_path, attn_impl=attn_impl, gradient_checkpointing=gradient_checkpointing,
-                           lora=lora, **_dtypes(ds_config, True))
+                           lora=lora, quantize=quantize, **_dtypes(ds_config, True))
     return build_engine(model, ds_config, role="actor", trainable=True)
 
 
 def build_critic(model_path, ds_config: dict, *, init_from: str = "reward", attn_impl: str = "auto",
-                 gradient_checkpointing: bool = False, lora: dict | None = None):
-    model = CriticModel.from_pretrained(model_path, init_from, attn_impl=attn_impl, lora=lora,
+                 gradient_checkpointing: bool = False, lora: dict | None = None, quantize: str | None = None):
+    quantized.check_ds_config(quantize, ds_config)
+    model = CriticModel.from_pretrained(model_path, init_from, attn_impl=attn_impl, lora=lora, quantize=quantize,
                                         gradient_checkpointing=gradient_checkpointing, **_dtypes(ds_config, True))
     return build_engine(model, ds_config, role="critic", trainable=True)
 

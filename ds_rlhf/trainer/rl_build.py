@@ -89,8 +89,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
             ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
                       f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
     attn = rl_attention(ctx)
-    model_opts = dict(attn_impl=attn,
-                      gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora_settings(cfg.model))
+    model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                      lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base)
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
     critic = None
