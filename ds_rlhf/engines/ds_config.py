@@ -85,7 +85,7 @@ def _fill(section: dict, key: str, value: Any, where: str) -> None:
 _EXTRA_KEYS = {"progressive_layer_drop", "quantize_training", "compression_training", "nebula", "elasticity",
                "sequence_parallel_size", "graph_harvesting", "compile", "timers", "expert_parallel_size",
                "weight_quantization", "hybrid_engine", "tensorboard", "wandb", "csv_monitor", "comet"}
-_CONSTANT_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants",
+_CONSTANT_MODULES = ("deepspeed.runtime.constants", "deepspeed.runtime.zero.constants", "deepspeed.runtime.zero.config",
                      "deepspeed.runtime.activation_checkpointing.config", "deepspeed.profiling.constants",
                      "deepspeed.monitor.config", "deepspeed.autotuning.constants", "deepspeed.elasticity.constants",
                      "deepspeed.compression.constants", "deepspeed.runtime.data_pipeline.constants",

@@ -97,6 +97,19 @@ def test_misspelt_deepspeed_key_is_an_error_and_unknown_ones_are_said(tmp_path, 
     assert "keys DeepSpeed does not read (ignored): my_team_notes" in capsys.readouterr().out
 
 
+def test_shipped_ds_configs_have_no_keys_deepspeed_ignores():
+    """Every ds_configs/*.json is read by DeepSpeed in full: no false "does not read" warning (DeepSpeed 0.19 moved
+    ZERO_OPTIMIZATION to deepspeed.runtime.zero.config, and every run warned that zero_optimization was ignored)."""
+    from pathlib import Path
+
+    from ds_rlhf.engines.ds_config import check_top_level_keys
+
+    files = sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("*.json"))
+    assert files
+    for path in files:
+        assert check_top_level_keys(json.loads(path.read_text()), str(path)) == [], path.name
+
+
 def test_an_explicit_ds_config_value_overriding_the_run_is_recorded():
     """The one precedence rule (explicit ds_config values win) is reported per key; the run prints it at start."""
     from ds_rlhf.engines import ds_config as dsc
