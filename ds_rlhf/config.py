@@ -127,6 +127,9 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, ge=1)  # vLLM TP (disaggregated: over `devices`; colocated: over ranks)
     bucket_mb: int = opt(1024, ge=1)  # weight-sync gather bucket
     canary_threshold: float = opt(0.0, ge=0)  # 0 = backend default; max |logp trainer - rollout| after a sync
+    # weight sync of a LoRA actor: merged (base + B@A, every step) or adapter (vLLM LoRA: base once, adapters per
+    # step; needs model.lora_rank > 0, colocated vLLM, no level-2 sleep); auto = merged (see docs/LOW_MEMORY.md)
+    lora_sync: str = opt("auto", choices=("auto", "merged", "adapter"))
     # vLLM engine options (every placement; the HF backend ignores them). Defaults leave vLLM's own choice.
     async_scheduling: str = opt("auto", choices=("auto", "true", "false"))  # vLLM async scheduling; auto: vLLM decides
     max_num_seqs: int = opt(0, ge=0)  # vLLM: most sequences per engine step; 0 = vLLM's default
@@ -176,8 +179,30 @@ class RolloutConfig:
                               f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} can never run (vLLM "
                               "drops them); keep every size <= it")
 
+    def sync_mode(self) -> str:
+        """The weight sync `WeightSync(mode=...)` runs: "adapter" only when asked for, else "merged"."""
+        return "adapter" if self.lora_sync == "adapter" else "merged"
+
+    def _check_lora_sync(self, cfg: Config) -> None:
+        if self.lora_sync != "adapter":
+            return
+        allowed = "allowed: auto, merged, adapter"
+        if cfg.model.lora_rank <= 0:
+            raise ConfigError(f"rollout.lora_sync=adapter sends only LoRA adapters, but model.lora_rank="
+                              f"{cfg.model.lora_rank} trains the whole model ({allowed}): set --model.lora_rank (e.g. "
+                              "16) or --rollout.lora_sync merged")
+        if self.backend == "hf" or self.placement != "colocated":
+            raise ConfigError(f"rollout.lora_sync=adapter needs the colocated vLLM engine's LoRA support, got "
+                              f"rollout.backend={self.backend}, rollout.placement={self.placement} ({allowed}): use "
+                              "--rollout.lora_sync merged, or --rollout.backend vllm --rollout.placement colocated")
+        if self.sleep and self.sleep_level >= 2:
+            raise ConfigError("rollout.lora_sync=adapter with rollout.sleep_level=2: level 2 drops vLLM's base "
+                              f"weights at every sleep and adapter sync never sends them again ({allowed}): use "
+                              "--rollout.sleep_level 1, --rollout.sleep false, or --rollout.lora_sync merged")
+
     def check(self, cfg: Config) -> None:
         self._check_vllm_options()
+        self._check_lora_sync(cfg)
         if self.async_generation and cfg.rl.mismatch == "off":
             raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
                               "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")

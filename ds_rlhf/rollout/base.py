@@ -141,6 +141,16 @@ class RolloutEngine(ABC):
         for bucket in buckets:
             self.update_weights(bucket)
 
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves the base plus a LoRA adapter that `load_adapter` replaces (adapter sync)."""
+        return False
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Serve the peft adapter directory `path` from now on, as adapter version `version` (a new id per sync)."""
+        raise RolloutError(f"{type(self).__name__} has no LoRA adapter support: rollout.lora_sync=adapter needs the "
+                           "colocated vLLM engine started with LoRA (make_rollout_engine(..., lora={'rank': r}))")
+
     def sleep(self) -> None:
         """Free accelerator memory (weights and KV cache) while the trainer runs; no-op where unsupported."""
         self.sleeping = True

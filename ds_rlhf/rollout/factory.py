@@ -43,10 +43,16 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     """Build a RolloutEngine. Extra keywords go to the engine (e.g. tensor_parallel_size, sleep_level, devices,
     weight_backend, load_format, skip_tokenizer_init, batch_size for HF), among them the vLLM engine options of
     `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
-    enforce_eager) for every placement; the HF backend has none of those and says so when one is set."""
+    enforce_eager) for every placement; the HF backend has none of those and says so when one is set.
+    `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     backend = resolve_backend(backend)
+    if kw.get("lora") and (backend != "vllm" or placement != "colocated"):
+        raise ValueError(f"adapter sync (lora={kw['lora']}) needs the colocated vLLM engine, got backend={backend!r}, "
+                         f"placement={placement!r}: use rollout.lora_sync=merged there")
+    if not kw.get("lora"):
+        kw.pop("lora", None)  # lora=None: an ordinary engine, whatever the backend
     common = dict(dtype=dtype, max_model_len=max_model_len, seed=seed)
     if backend == "hf":
         if placement != "colocated":

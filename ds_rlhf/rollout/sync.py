@@ -10,6 +10,11 @@
 5. run the canary (all ranks), which raises SyncCanaryError when the engine does not match the trainer.
 Returns (and logs) seconds, bytes and GB/s of step 2, the bucket count, the largest gathered bucket and the canary
 difference.
+
+`mode="adapter"` (a LoRA actor on a frozen base, an engine started with LoRA: `rollout.lora_sync=adapter`) replaces
+step 2 by an adapter-only transfer (`adapter_sync.py`): gather the LoRA A/B tensors, write them as a peft adapter
+directory, and have the engine serve it as the next adapter version; a quantized base is sent once, at the first
+sync. `bytes` is then what actually moved: the adapters (plus that one base), not the merged model.
 """
 
 from __future__ import annotations
@@ -20,21 +25,40 @@ from collections.abc import Callable
 
 import torch
 
-from ds_rlhf.rollout.base import RolloutEngine
+from ds_rlhf.rollout import adapter_sync
+from ds_rlhf.rollout.base import RolloutEngine, RolloutError
 from ds_rlhf.rollout.canary import SyncCanary
-from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
 
 log = logging.getLogger(__name__)
 
 
+MODES = ("merged", "adapter")
+
+
 class WeightSync:
+    """`mode`: "merged" (full weights, LoRA merged in) or "adapter" (LoRA adapters only; `adapter_dir`: where the
+    adapter versions are written, a private temporary directory when None; `send_base`: send the base once at the
+    first sync, None = only when it is quantized, i.e. differs from the checkpoint the engine loaded)."""
+
     def __init__(self, engine, rollout: RolloutEngine | None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 canary: SyncCanary | None = None, name_map: Callable[[str], str | None] | None = None) -> None:
+                 canary: SyncCanary | None = None, name_map: Callable[[str], str | None] | None = None,
+                 mode: str = "merged", adapter_dir: str | None = None, send_base: bool | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown weight sync mode {mode!r}: expected one of {MODES}")
+        if mode == "adapter" and rollout is not None and not rollout.lora_enabled:
+            raise RolloutError(f"WeightSync(mode='adapter') needs a rollout engine started with LoRA, but "
+                               f"{type(rollout).__name__} has none (make_rollout_engine(..., lora={{'rank': r}}))")
         self.engine = engine
         self.rollout = rollout
         self.bucket_bytes = bucket_bytes
         self.canary = canary
         self.name_map = name_map
+        self.mode = mode
+        self.send_base = send_base
+        self.adapter_version = 0
+        self._adapter_dir = adapter_dir
+        self._dirs: adapter_sync.AdapterDir | None = None
         self.history: list[dict] = []
 
     def sync(self, *, check: bool = True) -> dict:
@@ -44,23 +68,16 @@ class WeightSync:
         if was_asleep:
             rollout.wake(("weights",))
         t0 = time.perf_counter()
-        buckets = iter_weight_buckets(self.engine, self.bucket_bytes, name_map=self.name_map,
-                                      dtype=rollout.weight_dtype if rollout is not None else None)
+        info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
         if rollout is not None:
-            rollout.update_weight_buckets(buckets, plan=buckets.plan)
             rollout.reset_cache()
-        elif buckets.zero3:
-            buckets.drain()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
         seconds = time.perf_counter() - t0
         if was_asleep:
             rollout.wake(("kv_cache",))
-        info = {
-            "seconds": seconds, "bytes": buckets.bytes, "gbps": buckets.bytes / seconds / 1e9 if seconds > 0 else 0.0,
-            "buckets": len(buckets), "max_gathered_bytes": buckets.max_gathered_bytes, "zero3": buckets.zero3,
-            "canary_max_abs_diff": None,
-        }
+        info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
+                    gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
         if self.canary is not None and check:
             try:
                 self.canary.check(self.engine, rollout)
@@ -69,6 +86,55 @@ class WeightSync:
                 info.update(canary_max_abs_diff=c.get("max_abs_diff"), canary_seconds=c.get("seconds"))
         info["total_seconds"] = time.perf_counter() - t_start
         self.history.append(info)
-        log.info("weight sync: %.3f GB in %.3f s (%.2f GB/s, %d buckets, canary diff %s)", info["bytes"] / 1e9,
-                 seconds, info["gbps"], info["buckets"], info["canary_max_abs_diff"])
+        log.info("weight sync (%s): %.3f GB in %.3f s (%.2f GB/s, %d buckets, canary diff %s)", self.mode,
+                 info["bytes"] / 1e9, seconds, info["gbps"], info["buckets"], info["canary_max_abs_diff"])
         return info
+
+    def _dtype(self):
+        return self.rollout.weight_dtype if self.rollout is not None else None
+
+    def _stream(self, buckets: WeightBuckets) -> None:
+        """Buckets into the engine, or (no engine on this rank) drained for ZeRO-3's collective gathers."""
+        if self.rollout is not None:
+            self.rollout.update_weight_buckets(buckets, plan=buckets.plan)
+        elif buckets.zero3:
+            buckets.drain()
+
+    def _send_merged(self) -> dict:
+        buckets = iter_weight_buckets(self.engine, self.bucket_bytes, name_map=self.name_map, dtype=self._dtype())
+        self._stream(buckets)
+        return {"bytes": buckets.bytes, "buckets": len(buckets), "max_gathered_bytes": buckets.max_gathered_bytes,
+                "zero3": buckets.zero3}
+
+    def _send_adapter(self) -> dict:
+        """The base once where needed, then the adapters as the next version of the engine's LoRA adapter."""
+        from ds_rlhf.engines.models import unwrap
+
+        module = unwrap(self.engine)
+        base_bytes, gathered = 0, 0
+        if self.adapter_version == 0:
+            adapter_sync.check_frozen_base(module)
+            if self.send_base or (self.send_base is None and adapter_sync.base_is_quantized(module)):
+                base = iter_weight_buckets(self.engine, self.bucket_bytes, name_map=self.name_map,
+                                           dtype=self._dtype(), merge_lora=False)
+                self._stream(base)
+                base_bytes, gathered = base.bytes, base.max_gathered_bytes
+        buckets = WeightBuckets(self.engine, self.bucket_bytes, dtype=self._dtype(),
+                                entries=adapter_sync.adapter_entries(module))
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for bucket in buckets for name, t in bucket}
+        self.adapter_version += 1
+        if self.rollout is not None:
+            if self._dirs is None:
+                self._dirs = adapter_sync.AdapterDir(self._adapter_dir)
+            path = self._dirs.write(self.adapter_version, tensors, adapter_sync.lora_config(module))
+            self.rollout.load_adapter(str(path), self.adapter_version)
+            self._dirs.prune(keep=path)
+        return {"bytes": base_bytes + buckets.bytes, "adapter_bytes": buckets.bytes, "base_bytes": base_bytes,
+                "adapter_version": self.adapter_version, "buckets": len(buckets), "zero3": buckets.zero3,
+                "max_gathered_bytes": max(gathered, buckets.max_gathered_bytes)}
+
+    def close(self) -> None:
+        """Remove the adapter directories this sync wrote into its own temporary directory (idempotent)."""
+        if self._dirs is not None:
+            self._dirs.close()
+            self._dirs = None

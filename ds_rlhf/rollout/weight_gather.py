@@ -103,15 +103,17 @@ def _lora_parts(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, torch.Tensor
     return parts, bool(getattr(layer, "fan_in_fan_out", False))
 
 
-def collect_entries(module: nn.Module, name_map: Callable[[str], str | None] | None = None) -> list[_Entry]:
-    """Walk the module once: canonical names, tied weights once, LoRA layers as merged entries."""
+def collect_entries(module: nn.Module, name_map: Callable[[str], str | None] | None = None, *,
+                    merge_lora: bool = True) -> list[_Entry]:
+    """Walk the module once: canonical names, tied weights once, LoRA layers as merged entries (`merge_lora=False`:
+    their base weights alone, for an engine that applies the adapters itself)."""
     lora_layers = {n: m for n, m in module.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
     if any(getattr(m, "lora_embedding_A", None) for m in lora_layers.values()):
         raise NotImplementedError("LoRA on embeddings: merging for sync is not supported; target Linear layers")
     skip_ids: set[int] = set()
     lora_of: dict[int, tuple[list, bool]] = {}
     for layer in lora_layers.values():
-        parts, fan = _lora_parts(layer)
+        parts, fan = _lora_parts(layer) if merge_lora else ([], False)
         for sub in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"):
             for p in getattr(layer, sub, nn.ModuleDict()).parameters():
                 skip_ids.add(id(p))
@@ -161,12 +163,15 @@ class WeightBuckets:
     (a disaggregated engine sends it ahead as the sync's one control message)."""
 
     def __init__(self, engine_or_module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None,
-                 name_map: Callable[[str], str | None] | None = None) -> None:
+                 name_map: Callable[[str], str | None] | None = None, merge_lora: bool = True,
+                 entries: list[_Entry] | None = None) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be positive")
         self.module = unwrap(engine_or_module)
         self.dtype = dtype
-        self._buckets = plan_buckets(collect_entries(self.module, name_map), bucket_bytes, dtype)
+        if entries is None:
+            entries = collect_entries(self.module, name_map, merge_lora=merge_lora)
+        self._buckets = plan_buckets(entries, bucket_bytes, dtype)
         self.plan: BucketPlan = [[TensorMeta(e.name, e.shape, dtype or _value_dtype(e.params[0])) for e in b]
                                  for b in self._buckets]
         self.zero3 = any(_is_partitioned(p) for b in self._buckets for e in b for p in e.params)
@@ -217,11 +222,12 @@ def _gather(params: list[torch.Tensor]):
 
 
 def iter_weight_buckets(engine_or_module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                        dtype: torch.dtype | None = None,
-                        name_map: Callable[[str], str | None] | None = None) -> WeightBuckets:
+                        dtype: torch.dtype | None = None, name_map: Callable[[str], str | None] | None = None,
+                        merge_lora: bool = True) -> WeightBuckets:
     """Buckets of (HF name, full tensor) from a DeepSpeed engine (any ZeRO stage) or plain nn.Module.
 
     `dtype` casts on the way out (e.g. to the rollout engine's dtype, halving bytes for fp32 masters -> bf16).
     `name_map` renames (or drops, by returning None) a tensor after the standard wrapper stripping.
+    `merge_lora=False` sends LoRA layers' base weights without their adapters (adapter sync's base, sent once).
     """
-    return WeightBuckets(engine_or_module, bucket_bytes, dtype=dtype, name_map=name_map)
+    return WeightBuckets(engine_or_module, bucket_bytes, dtype=dtype, name_map=name_map, merge_lora=merge_lora)
