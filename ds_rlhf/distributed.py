@@ -72,8 +72,8 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
         # Patched before the early return: deepspeed.initialize sets up DeepSpeed's comm even when torch's is up.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = _no_shm_op
         # FusedAdam's CPU op is DeepSpeed's CPU Adam step, JIT-built (~90 s); served in torch ops instead
-        # (engines/cpu_fused_adam.py: the same update, FusedAdam itself unchanged)
-        from ds_rlhf.engines.cpu_fused_adam import install as install_cpu_fused_adam
+        # (cpu_fused_adam.py: the same update, FusedAdam itself unchanged)
+        from ds_rlhf.cpu_fused_adam import install as install_cpu_fused_adam
 
         install_cpu_fused_adam()
     if dist.is_initialized():

@@ -1,4 +1,4 @@
-"""DeepSpeed's FusedAdam on the CPU accelerator runs on torch ops (engines/cpu_fused_adam.py): no JIT build, and the
+"""DeepSpeed's FusedAdam on the CPU accelerator runs on torch ops (ds_rlhf/cpu_fused_adam.py): no JIT build, and the
 same update as torch's AdamW (mode 1) / Adam with L2 decay (mode 0), which is what DeepSpeed's CPU op computes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_rlhf.engines import cpu_fused_adam
+from ds_rlhf import cpu_fused_adam
 
 
 def _params(seed: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
