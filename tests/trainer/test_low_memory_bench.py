@@ -1,6 +1,6 @@
 """bench/low_memory_gpu.py (issue 16's H200 figures: SFT / RM / PPO / GRPO of an 8B shape under a 24 GiB cap; the
 lead runs it on the GPU). Fast: each phase's CLI arguments parse as the trainer's config, the plan summary, failure
-reasons, the nvidia-smi fallback of bench/gpu_timeline.py's sampler. Slow: `--shape tiny --phases sft,rm,grpo` on
+reasons, the nvidia-smi fallback of bench/gpu_timeline.py's sampler. Slow: `--shape tiny --phases sft,grpo` on
 CPU through the real CLI, one child process per phase."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_sampler_reads_nvidia_smi_without_pynvml(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_low_memory_bench_tiny_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--phases", "sft,rm,grpo", "--steps", "2",
+    cmd = [sys.executable, str(SCRIPT), "--shape", "tiny", "--phases", "sft,grpo", "--steps", "2",
            "--rollout-backend", "hf", "--no-plan", "--workdir", str(work), "--out", str(out)]
     env = clean_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -125,7 +125,7 @@ def test_low_memory_bench_tiny_on_cpu(tmp_path):
     result = json.loads((out / "low_memory.json").read_text())
     assert result == json.loads((work / "low_memory.json").read_text())
     phases = result["runs"]["tiny"]["phases"]
-    assert list(phases) == ["sft", "rm", "grpo"]
+    assert list(phases) == ["sft", "grpo"]
     for name, r in phases.items():
         assert r["exit"] == 0 and r["ok"] and r["reason"] is None, (name, r.get("log_tail"))
         assert r["steps_logged"] == 2 and len(r["step_seconds"]) == 2 and min(r["step_seconds"]) > 0
