@@ -146,8 +146,9 @@ class RolloutEngine(ABC):
         """True when the engine serves the base plus a LoRA adapter that `load_adapter` replaces (adapter sync)."""
         return False
 
-    def load_adapter(self, path: str, version: int) -> None:
-        """Serve the peft adapter directory `path` from now on, as adapter version `version` (a new id per sync)."""
+    def load_adapter(self, path: str) -> int:
+        """Serve the peft adapter directory `path` from now on; returns the engine's id for it (new on every call,
+        so the engine never serves a cached older adapter, whichever `WeightSync` calls)."""
         raise RolloutError(f"{type(self).__name__} has no LoRA adapter support: rollout.lora_sync=adapter needs the "
                            "colocated vLLM engine started with LoRA (make_rollout_engine(..., lora={'rank': r}))")
 

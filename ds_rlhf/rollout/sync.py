@@ -123,13 +123,14 @@ class WeightSync:
                                 entries=adapter_sync.adapter_entries(module))
         tensors = {name: t.detach().to("cpu", copy=True).contiguous() for bucket in buckets for name, t in bucket}
         self.adapter_version += 1
+        info: dict = {"adapter_id": None}
         if self.rollout is not None:
             if self._dirs is None:
                 self._dirs = adapter_sync.AdapterDir(self._adapter_dir)
             path = self._dirs.write(self.adapter_version, tensors, adapter_sync.lora_config(module))
-            self.rollout.load_adapter(str(path), self.adapter_version)
+            info["adapter_id"] = self.rollout.load_adapter(str(path))
             self._dirs.prune(keep=path)
-        return {"bytes": base_bytes + buckets.bytes, "adapter_bytes": buckets.bytes, "base_bytes": base_bytes,
+        return {**info, "bytes": base_bytes + buckets.bytes, "adapter_bytes": buckets.bytes, "base_bytes": base_bytes,
                 "adapter_version": self.adapter_version, "buckets": len(buckets), "zero3": buckets.zero3,
                 "max_gathered_bytes": max(gathered, buckets.max_gathered_bytes)}
 

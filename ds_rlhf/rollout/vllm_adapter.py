@@ -305,20 +305,22 @@ class VLLMHandle:
             raise RolloutError("load_weights hands tensors by reference and needs an in-process executor")
         self.llm.collective_rpc("ds_rlhf_load_weights", args=(list(named_tensors),))
 
-    def load_adapter(self, path: str, version: int) -> None:
-        """Serve the peft adapter directory `path` as LoRA id `version` from now on. vLLM caches adapters by id, so
-        each version needs a new id to be read at all; `add_lora` reads the files before it returns (in-process and
-        "mp" alike), and the one LoRA slot (`max_loras=1`) then evicts the previous version."""
+    def load_adapter(self, path: str) -> int:
+        """Serve the peft adapter directory `path` from now on, under a new LoRA id (returned). vLLM caches adapters
+        by id, so the same id again would serve the old tensors; `add_lora` reads the files before it returns
+        (in-process and "mp" alike), and the one LoRA slot (`max_loras=1`) then evicts the previous adapter."""
         from vllm.lora.request import LoRARequest
 
         if not self.llm.llm_engine.vllm_config.lora_config:
             raise RolloutError("this vLLM engine was started without LoRA (lora_rank=0): it cannot load adapters")
-        request = LoRARequest(f"ds_rlhf_v{version}", int(version), str(path))
+        adapter_id = (self.lora_request.lora_int_id if self.lora_request is not None else 0) + 1
+        request = LoRARequest(f"ds_rlhf_{adapter_id}", adapter_id, str(path))
         if not self.llm.llm_engine.add_lora(request):
-            raise RolloutError(f"vLLM {self.version} did not load the LoRA adapter {path} (id {version} in use?)")
+            raise RolloutError(f"vLLM {self.version} did not load the LoRA adapter {path} (id {adapter_id})")
         old, self.lora_request = self.lora_request, request
         if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
             self.llm.llm_engine.remove_lora(old.lora_int_id)
+        return adapter_id
 
     def init_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         self.llm.collective_rpc("ds_rlhf_init_weight_group", args=(host, port, world_size, backend, timeout_s))

@@ -13,7 +13,7 @@ go through to `VLLMHandle` (checked against the installed vLLM there); `stats()[
 running engine uses.
 
 LoRA (`lora={"rank": r, "targets": ...}`, for `rollout.lora_sync=adapter`): vLLM starts with LoRA enabled, loads
-the frozen base from `model_path` once, and `load_adapter(path, version)` switches every later request to the
+the frozen base from `model_path` once, and `load_adapter(path)` switches every later request to the
 synced adapter; `targets` are recorded only (the adapter's own `adapter_config.json` says which layers it adapts).
 
 Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
@@ -126,14 +126,15 @@ class VLLMRolloutEngine(RolloutEngine):
     def lora_enabled(self) -> bool:
         return self.lora is not None
 
-    def load_adapter(self, path: str, version: int) -> None:
+    def load_adapter(self, path: str) -> int:
         if "weights" not in self._awake:
             raise RuntimeError("wake(('weights',)) before loading an adapter: the weight memory is released")
         t0 = time.perf_counter()
-        self.handle.load_adapter(path, version)
+        adapter_id = self.handle.load_adapter(path)
         nbytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         self._record_update(nbytes, time.perf_counter() - t0)
-        self._c.extra["adapter_version"] = version
+        self._c.extra["adapter_id"] = adapter_id
+        return adapter_id
 
     def reset_cache(self) -> None:
         self.handle.reset_prefix_cache()
