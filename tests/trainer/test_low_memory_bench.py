@@ -137,5 +137,5 @@ def test_low_memory_bench_tiny_on_cpu(tmp_path):
     assert phases["grpo"]["config"]["rl"]["algo"] == "grpo" and "time/rollout" in phases["grpo"]["time_median"]
     assert any(k.startswith("memory/") for k in phases["grpo"]["profile_memory"])  # --run.profile_memory on CPU: RSS
     table = proc.stdout[proc.stdout.index("| phase |"):]
-    for name in ("sft", "rm", "grpo"):
+    for name in ("sft", "grpo"):
         assert f"| {name} | 0 | 2 |" in table
