@@ -8,13 +8,14 @@ estimate); this module adds what an RL step holds on top of them:
 - roles as the trainer builds them: the actor; a critic when the algorithm needs one
   (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
   frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
-  become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference is the actor
-  with its adapters off (`engines/shared_base.py`): its row holds no weights, only its forward's activations at the
-  actor's ZeRO stage. With `model.quantize_base` (nf4 | int8, LoRA) the actor's and critic's frozen base linear
-  weights count at bitsandbytes' stored size (`engines.quantized.quantized_weight_bytes`: nf4 ~0.52 byte per
-  parameter with its double-quantized scales, int8 1 byte plus an fp32 scale per row) instead of the compute
-  dtype's; embeddings, heads, norms and adapters keep theirs. vLLM's copy stays in the rollout dtype (the sync sends
-  the dequantized weights);
+  become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference, the critic
+  and a LoRA RM adapter of the actor's base run on the actor's base (`memory_plan_shared.py`): the reference holds
+  no weights, the critic and that RM only their adapters and heads, each plus its activations. With
+  `model.quantize_base` (nf4 | int8, LoRA) the actor's and a separate critic's frozen base linear weights count at
+  bitsandbytes' stored size (`engines.quantized.quantized_weight_bytes`: nf4 ~0.52 byte per parameter with its
+  double-quantized scales, int8 1 byte plus an fp32 scale per row) instead of the compute dtype's; embeddings,
+  heads, norms and adapters keep theirs. vLLM's copy stays in the rollout dtype (the sync sends the dequantized
+  weights);
 - activations per micro-batch of `data.micro_batch_tokens` tokens (or `optim.micro_batch_size` x the sequence
   length). The actor's and reference's log-probs use the chunked head (`trainer/policy_forward.py`): no
   [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
@@ -197,19 +198,6 @@ def quantized_base(plan: RolePlan, module, s: Settings, mode: str) -> RolePlan:
                                detail=f"{plan.detail}, base {mode} ({numel / 1e6:.2f}M weights quantized)")
 
 
-def shares_base(cfg) -> bool:
-    """`model.share_base` in effect: the reference is the LoRA actor with its adapters disabled."""
-    return bool(cfg.model.share_base) and cfg.model.lora_rank > 0
-
-
-def shared_reference(module, hf_config, s: Settings) -> RolePlan:
-    """The reference of `model.share_base`: no weights of its own, a no-grad forward through the actor's engine (at
-    the actor's ZeRO stage, so ZeRO-3 gathers as the actor does)."""
-    full = plan_role("reference", module, hf_config, s, s.zero_stage, s.offload_param)
-    return dataclasses.replace(full, num_params=0, params=0, grads=0, optimizer_states=0, host=0,
-                               detail="the actor with LoRA off (model.share_base): no weights of its own")
-
-
 def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -334,6 +322,8 @@ def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) ->
 def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_name: str = "", world_size: int = 1,
                 reserve: int | None = None) -> MemoryPlan:
     """The plan for `cfg` on `world_size` ranks of `capacity` bytes each (no weights are loaded)."""
+    from ds_rlhf.tools.memory_plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row
+
     precision = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     zero = resolve_zero(cfg, precision, world_size)
     tokens, length = sequence_tokens(cfg, kind)
@@ -345,13 +335,18 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
                  cfg.rollout.sleep_level, zero["prefetch"], zero["reduce_bucket"])
     notes = [] if zero["optimizer_type"] in ("adam", "adamw", "onebitadam") else [
         f"optimizer {zero['optimizer_type']}: planned with Adam-sized states (two fp32 values per parameter)"]
-    configs = {role: meta_models.hf_config(path) for role, path in meta_models.role_sources(cfg, kind).items()}
+    sources = meta_models.role_sources(cfg, kind)
+    shared = shared_roles(cfg, kind, sources, zero["stage"])  # roles on the actor's base (memory_plan_shared.py)
+    configs = {role: meta_models.hf_config(cfg.model.path if role in shared else path)
+               for role, path in sources.items()}
     lora = meta_models.lora_settings(cfg)
-    shared = kind == "rl" and shares_base(cfg) and "reference" in configs
+    rm_adapter = shared_reward_adapter(cfg, s.zero_stage) if "reward" in shared else None
     roles = []
     for role, hf in configs.items():
-        if shared and role == "reference":  # no weights of its own: the actor with its adapters off
-            roles.append(shared_reference(meta_models.meta_model(role, hf), hf, s))
+        if role in shared:
+            roles.append(shared_row(role, hf, s, lora=lora, rm_path=rm_adapter,
+                                    frozen_stage=zero["frozen_stage"], frozen_offload=zero["frozen_offload"],
+                                    detail=shared[role]))
         else:
             # the reward model trains with LoRA in an RM run only; in RL it is a frozen, already trained model
             module = meta_models.meta_model(role, hf, lora if role != "reward" or kind == "rm" else None)
@@ -359,6 +354,7 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
             if lora and role in ("actor", "critic") and quantized.enabled(cfg.model.quantize_base):
                 plan = quantized_base(plan, module, s, cfg.model.quantize_base)
             roles.append(plan)
+    notes += shared_notes(cfg, shared, s.zero_stage)
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)
@@ -380,9 +376,14 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
 
 def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[str, int], s: Settings) -> list[str]:
     """What would make an over-budget plan fit, phase by phase (first-order: one setting at a time)."""
+    from ds_rlhf.tools.memory_plan_shared import shares_base
+
     out = []
     free = s.capacity - s.reserve
     trained = [r for r in roles if r is not rollout]
+    # ZeRO-3 is refused with a quantized base, and with a critic on the shared base
+    zero3 = not (quantized.enabled(cfg.model.quantize_base) or (shares_base(cfg) and any(
+        r.role == "critic" for r in trained)))
     resident = sum(r.resident for r in trained)
     if phases["rollout"] > free and rollout is not None and rollout.role == "vllm" and s.placement == "colocated":
         util = (free - resident) / s.capacity
@@ -390,8 +391,9 @@ def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[
         if util > need:
             out.append(f"rollout.gpu_memory_utilization <= {util:.2f} fits (now {cfg.rollout.gpu_memory_utilization})")
         else:
-            out.append(f"the model states alone ({fmt_bytes(resident)}) leave vLLM too little: ZeRO-3 (--zero_stage 3)"
-                       ", --offload true, or rollout.placement=disaggregated")
+            out.append(f"the model states alone ({fmt_bytes(resident)}) leave vLLM too little: "
+                       + ("ZeRO-3 (--zero_stage 3), " if zero3 else "") + "--offload true, or "
+                       "rollout.placement=disaggregated")
     if phases["train"] > free:
         acts = max(r.activations for r in trained)
         if not s.gradient_checkpointing and acts > 0.2 * phases["train"]:
@@ -399,7 +401,7 @@ def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[
         if s.tokens > s.seq_len:
             out.append(f"a smaller micro-batch (data.micro_batch_tokens / optim.micro_batch_size; now {s.tokens} "
                        "tokens) lowers the activations")
-        if s.zero_stage < 3 and s.world_size > 1:
+        if s.zero_stage < 3 and s.world_size > 1 and zero3:
             out.append("ZeRO-3 (--zero_stage 3) partitions the weights over the ranks")
     return out + low_memory_remedies(cfg, trained, s)
 

@@ -7,11 +7,22 @@ import copy
 
 
 def hf_config(path: str):
+    """The model's config; for a peft adapter directory (adapter_config.json, no config.json) its base model's,
+    which is the shape transformers loads the adapter onto (the adapters themselves are not counted)."""
+    import json
+    from pathlib import Path
+
     from transformers import AutoConfig
 
     from ds_rlhf.trainer.run_context import resolve_model_path
 
-    return AutoConfig.from_pretrained(resolve_model_path(path))
+    resolved = Path(resolve_model_path(path))
+    adapter = resolved / "adapter_config.json"
+    if adapter.is_file() and not (resolved / "config.json").exists():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        if base:
+            return AutoConfig.from_pretrained(resolve_model_path(base))
+    return AutoConfig.from_pretrained(str(resolved))
 
 
 def lora_settings(cfg) -> dict | None:

@@ -174,3 +174,65 @@ def test_cli_table_json_and_exit_status(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False and plan["settings"]["device"] == "cuda" and plan["roles"][0]["role"] == "actor"
     assert memory_cli.main(["--rl.algo", "nonsense"]) == 2
+
+
+def test_share_base_critic_holds_only_its_adapters_and_value_head():
+    """With model.share_base the PPO critic is LoRA adapters + a value head on the actor's base
+    (engines/shared_critic.py): no base weights of its own, the same trained states and activations."""
+    from transformers import AutoConfig
+
+    args = ("--rl.algo", "ppo", "--model.lora_rank", "4", "--zero_stage", "2", "--rollout.backend", "hf",
+            "--rl.kl_coef", "0")
+    own_plan, shared_plan = _plan(*args), _plan(*args, "--model.share_base", "true")
+    own, shared = _roles(own_plan), _roles(shared_plan)
+    sep, crit = own["critic"], shared["critic"]
+    hidden = AutoConfig.from_pretrained(_tiny()).hidden_size
+    assert crit.num_params == own["actor"].grads // 4 + hidden  # the actor's adapter count (fp32) + a value head
+    assert crit.params == crit.grads == 4 * crit.num_params  # everything it holds trains (fp32 plan)
+    assert (crit.grads, crit.optimizer_states, crit.activations, crit.buffers, crit.host) == (
+        sep.grads, sep.optimizer_states, sep.activations, sep.buffers, sep.host)
+    base = sep.params - crit.params  # the separate LoRA critic's frozen base, bytes
+    assert base == 4 * (sep.num_params - crit.num_params) > 0
+    assert "share_base" in crit.detail and "no base weights" in crit.detail
+    assert shared["actor"] == own["actor"]
+    for phase in ("rollout", "train"):
+        assert own_plan.phases[phase] - shared_plan.phases[phase] == base, phase
+    # ZeRO-3 with a critic on the shared base is refused by the trainer (rl_build.check_share_base_critic)
+    zero3 = _plan(*args[:4], "--zero_stage", "3", *args[6:], "--model.share_base", "true")
+    assert not zero3.fits and any(n.startswith("FAIL: model.share_base with a critic") for n in zero3.notes)
+
+
+@pytest.fixture(scope="module")
+def rm_adapter(tmp_path_factory):
+    """A LoRA RM adapter of the tiny model as peft writes it (SEQ_CLS, trained score), and its trained count."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    seqcls = AutoModelForSequenceClassification.from_pretrained(_tiny(), num_labels=1)
+    peft = get_peft_model(seqcls, LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=16, target_modules="all-linear"))
+    out = tmp_path_factory.mktemp("rm_adapter")
+    peft.save_pretrained(out)
+    return str(out), sum(p.numel() for p in peft.parameters() if p.requires_grad)  # adapters + the score copy
+
+
+def test_share_base_lora_rm_adapter_holds_only_its_adapters_and_score(rm_adapter):
+    path, trained = rm_adapter
+    args = ("--model.lora_rank", "4", "--zero_stage", "2", "--rollout.backend", "hf", "--rl.kl_coef", "0")
+    shared_plan = _plan(*args, "--rl.reward_model", path, "--model.share_base", "true")
+    separate_plan = _plan(*args, "--rl.reward_model", path)  # no share_base: its own frozen model of the base
+    rm, sep = _roles(shared_plan)["reward"], _roles(separate_plan)["reward"]
+    full = _roles(_plan(*args, "--rl.reward_model", "tiny"))["reward"]  # a full RM of the same shape
+    assert rm.num_params == trained and rm.params == 4 * trained  # adapters + score head, fp32 plan
+    assert rm.grads == rm.optimizer_states == rm.host == 0 and rm.activations == full.activations > 0
+    assert "share_base" in rm.detail and "no base weights" in rm.detail
+    assert sep == full  # the adapter planned separately: a whole RM of its base
+    for phase in ("rollout", "train"):
+        assert separate_plan.phases[phase] - shared_plan.phases[phase] == sep.params - rm.params, phase
+    # what shared_reward.py keeps separate keeps its whole row: a full RM, or the adapter at ZeRO-3
+    full_shared = _roles(_plan(*args, "--rl.reward_model", "tiny", "--model.share_base", "true"))["reward"]
+    assert full_shared == full
+    zero3 = _roles(_plan(*args[:2], "--zero_stage", "3", *args[4:], "--rl.reward_model", path,
+                         "--model.share_base", "true"))["reward"]
+    assert zero3.num_params == full.num_params and "share_base" not in zero3.detail

@@ -59,6 +59,43 @@ def test_share_base_drops_the_reference_copy_from_the_plan(llama8b):
     assert own.phases["rollout"] - shared.phases["rollout"] == ref_own.params
 
 
+def _ppo_plans(llama8b, *extra):
+    """The recipe's PPO plan at ZeRO-2 (a critic on the shared base needs ZeRO 0-2) without and with share_base."""
+    args = ("--model.path", llama8b, "--rl.algo", "ppo", "--zero_stage", "2", "--run.max_gpu_memory_gb", "1000",
+            *extra)
+    return tuple(check_memory_cap(_recipe(*args, "--model.share_base", share), total_bytes=int(1000 * GiB))
+                 for share in ("false", "true"))
+
+
+def test_share_base_critic_plans_no_copy_of_the_base(llama8b):
+    """PPO with share_base: the critic's row holds its LoRA adapters and value head only; both phase peaks drop by
+    the reference's copy plus the separate critic's base, exactly."""
+    own, shared = _ppo_plans(llama8b)
+    c_own, c_shared, ref_own = _roles(own)["critic"], _roles(shared)["critic"], _roles(own)["reference"]
+    assert c_own.params > 13 * GiB and c_shared.params < 0.01 * c_own.params  # bf16 8B base, or 42M adapters
+    assert c_shared.params == 2 * c_shared.num_params and c_shared.num_params == c_shared.grads // 2  # all trained
+    assert (c_shared.grads, c_shared.activations, c_shared.host) == (c_own.grads, c_own.activations, c_own.host)
+    assert "share_base" in c_shared.detail and "no base weights" in c_shared.detail
+    assert ref_own.params > 14 * GiB and _roles(shared)["reference"].params == 0
+    for phase in ("rollout", "train"):
+        assert own.phases[phase] - shared.phases[phase] == ref_own.params + c_own.params - c_shared.params, phase
+
+
+def test_quantized_shared_base_critic_counts_no_base(llama8b):
+    """quantize_base nf4 + share_base: the actor's base is quantized, the critic still has no base to count (the
+    same row as without quantization); a separate critic's quantized base is what share_base takes away."""
+    q_own, q_shared = _ppo_plans(llama8b, "--model.quantize_base", "nf4")
+    plain = _roles(_ppo_plans(llama8b)[1])
+    c_own, c_shared = _roles(q_own)["critic"], _roles(q_shared)["critic"]
+    assert c_shared == plain["critic"] and "base nf4" not in c_shared.detail
+    assert "base nf4" in c_own.detail and c_shared.params < 0.02 * c_own.params  # 80 MiB against 4.4 GiB of nf4
+    actor = _roles(q_shared)["actor"]
+    assert "base nf4" in actor.detail and actor.params < plain["actor"].params - 9 * GiB
+    ref_own = _roles(q_own)["reference"].params
+    for phase in ("rollout", "train"):
+        assert q_own.phases[phase] - q_shared.phases[phase] == ref_own + c_own.params - c_shared.params, phase
+
+
 def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_stores, monkeypatch):
     """Full fine-tuning with its own reference under a 24 GiB cap: one line naming the contributors and the fixes,
     raised by the trainer's preflight before any process group or weight."""
