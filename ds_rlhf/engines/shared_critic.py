@@ -66,15 +66,19 @@ def score_head(path: str | Path, hidden_size: int) -> nn.Linear:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    # a peft SEQ_CLS adapter directory (a LoRA RM) keeps its trained head as base_model.model.score.* beside the
+    # adapters; a full checkpoint as score.*
+    adapter = path / "adapter_model.safetensors"
+    prefix = "base_model.model." if adapter.exists() and not (path / "model.safetensors").exists() else ""
     tensors = {}
     for key in ("score.weight", "score.bias"):
-        file = path / weight_map.get(key, "model.safetensors")
+        file = adapter if prefix else path / weight_map.get(key, "model.safetensors")
         if not file.exists():
             raise ValueError(f"{path} has no safetensors weights: the shared critic reads the value head from a "
                              "*ForSequenceClassification checkpoint's 'score' there (or use --rl.critic_init actor)")
         with safe_open(str(file), framework="pt") as f:
-            if key in set(f.keys()):  # a safetensors handle has no __contains__
-                tensors[key.removeprefix("score.")] = f.get_tensor(key).float()
+            if prefix + key in set(f.keys()):  # a safetensors handle has no __contains__
+                tensors[key.removeprefix("score.")] = f.get_tensor(prefix + key).float()
     weight = tensors.get("weight")
     if weight is None or tuple(weight.shape) != (1, hidden_size):
         found = "no score.weight" if weight is None else f"score.weight of shape {tuple(weight.shape)}"

@@ -155,3 +155,22 @@ def test_shared_critic_exports_as_a_reward_model(tiny_model_path, dist_single, t
         scores = RewardModel.from_pretrained(out, attn_impl="sdpa").eval()(input_ids=batch)
     torch.testing.assert_close(scores, values[:, -1], atol=1e-5, rtol=0)
     assert all(torch.equal(v, base_before[n]) for n, v in _base_state(actor).items())
+
+
+def test_value_head_from_a_lora_rm_adapter_directory(tiny_model_path, tmp_path):
+    """rl.critic_init auto with a shared LoRA RM (a peft SEQ_CLS adapter dir, no model.safetensors): the value head
+    is the adapter's trained score head (peft stores it as base_model.model.score.*), not an error."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from ds_rlhf.engines.shared_critic import score_head
+
+    seqcls = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    peft = get_peft_model(seqcls, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        peft.base_model.model.score.modules_to_save["default"].weight.normal_()  # a "trained" head, not the init
+    trained = peft.base_model.model.score.modules_to_save["default"].weight.detach().float().clone()
+    peft.save_pretrained(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+    head = score_head(tmp_path, seqcls.config.hidden_size)
+    torch.testing.assert_close(head.weight.detach(), trained, atol=0, rtol=0)
