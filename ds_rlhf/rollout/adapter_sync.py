@@ -90,12 +90,17 @@ def lora_config(module: nn.Module):
 
 
 class AdapterDir:
-    """Numbered peft adapter directories under `root` (a private temporary directory when None), written
-    atomically: tensors and config go to a hidden temporary directory that is then renamed to `v<version>`."""
+    """Numbered peft adapter directories under `root` (a private temporary directory when None; `per_rank`: a
+    given root gets a `rank<r>` subdirectory, so the ranks of one run never write over each other's versions),
+    written atomically: tensors and config go to a hidden temporary directory that is then renamed to `v<version>`."""
 
-    def __init__(self, root: str | os.PathLike | None = None) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, *, per_rank: bool = False) -> None:
+        from ds_rlhf.distributed import world
+
         self._tmp = tempfile.TemporaryDirectory(prefix="ds_rlhf_lora_") if root is None else None
         self.root = Path(self._tmp.name if self._tmp is not None else root)
+        if root is not None and per_rank:
+            self.root = self.root / f"rank{world()[0]}"
         self.root.mkdir(parents=True, exist_ok=True)
 
     def write(self, version: int, tensors: dict[str, torch.Tensor], config) -> Path:

@@ -126,7 +126,7 @@ class WeightSync:
         info: dict = {"adapter_id": None}
         if self.rollout is not None:
             if self._dirs is None:
-                self._dirs = adapter_sync.AdapterDir(self._adapter_dir)
+                self._dirs = adapter_sync.AdapterDir(self._adapter_dir, per_rank=True)
             path = self._dirs.write(self.adapter_version, tensors, adapter_sync.lora_config(module))
             info["adapter_id"] = self.rollout.load_adapter(str(path))
             self._dirs.prune(keep=path)

@@ -8,10 +8,11 @@ whole; they are bucketed the same way so consumers see one code path.
 
 What comes out is what vLLM's `load_weights` expects: checkpoint (Hugging Face) names, wrappers stripped, tied
 weights sent once (vLLM re-ties them), LoRA adapters merged into their base weights (vLLM then serves the merged
-model; no LoRA support needed on its side), tensor-parallel slicing left to vLLM's loaders. A quantized base
-(`model.quantize_base`: bitsandbytes 4-/8-bit weights, `engines/quantized.py`) goes out dequantized: each packed
-weight is expanded by bitsandbytes to its [out, in] value (plus the LoRA delta) and cast to the output dtype, so vLLM
-receives the same full-precision checkpoint names and shapes as without quantization, never the packed storage.
+model; no LoRA support needed on its side; `adapter_sync.py` is the adapters-only alternative), tensor-parallel
+slicing left to vLLM's loaders. A quantized base (`model.quantize_base`: bitsandbytes 4-/8-bit weights,
+`engines/quantized.py`) goes out dequantized: each packed weight is expanded by bitsandbytes to its [out, in] value
+(plus the LoRA delta) and cast to the output dtype, so vLLM receives the same full-precision checkpoint names and
+shapes as without quantization, never the packed storage.
 
 The iterator is collective under ZeRO-3: every trainer rank must drain it, even ranks that send nothing.
 Tensors in a bucket are only valid until the next bucket is requested (the gathered storage is released).

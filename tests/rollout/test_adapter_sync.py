@@ -1,11 +1,11 @@
 """Adapter-only weight sync (`rollout.lora_sync=adapter`): vLLM (CPU, float32) started with LoRA serves the tiny
 model's base from its checkpoint, and each sync sends only the LoRA actor's adapters (a peft adapter directory).
 
-One LoRA engine for the module (the session engine has no LoRA). Proven by log-probs and greedy tokens against the
-trainer's own (merged) model after a few optimizer steps (non-zero B), the bytes sent being exactly the adapters',
-a second sync after more steps being picked up (a new adapter version, not vLLM's cached old one), a quantized
-(nf4) base being sent once at the first sync only, and the refusals (schema at parse time, engines without LoRA,
-trainable base weights).
+One LoRA engine for these tests (the session engine has no LoRA), closed at the session's end. Proven by log-probs
+and greedy tokens against the trainer's own (merged) model after a few optimizer steps (non-zero B), the bytes sent
+being exactly the adapters', a second sync after more steps being picked up (a new adapter version, not vLLM's
+cached old one), ZeRO-3, a quantized (nf4) base being sent once at the first sync only, and the refusals (schema
+at parse time, engines without LoRA, trainable base weights).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ LORA = {"r": 8, "lora_alpha": 16}
 PROMPT = [1, 5, 6, 7, 8]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lora_rollout(tiny_model_path, dist_single):
-    """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model, for this module's tests."""
+    """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model, for this module's tests. Session-scoped
+    although only this module uses it: closing a vLLM engine (EngineCore.shutdown -> cleanup_dist_env_and_memory)
+    destroys torch.distributed's default group, which later tests in the same worker still need."""
     from ds_rlhf.rollout.vllm_adapter import vllm_version
 
     if vllm_version() is None:
@@ -39,8 +41,8 @@ def lora_rollout(tiny_model_path, dist_single):
     engine.close()
 
 
-def _lora_actor(model_path, quantize=None):
-    """A DeepSpeed ZeRO-0 engine around the tiny model with peft LoRA adapters (B = 0), AdamW at lr 1e-2."""
+def _lora_actor(model_path, quantize=None, stage: int = 0):
+    """A DeepSpeed engine (ZeRO `stage`) around the tiny model with peft LoRA adapters (B = 0), AdamW at lr 1e-2."""
     import deepspeed
 
     from ds_rlhf.engines.models import load_causal_lm
@@ -48,7 +50,7 @@ def _lora_actor(model_path, quantize=None):
     torch.manual_seed(0)
     model = load_causal_lm(str(model_path), dtype="fp32", attn_impl="sdpa", lora=LORA, quantize=quantize)
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 0}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
@@ -63,7 +65,8 @@ def _train(engine, steps: int, seed: int) -> None:
 
 
 def _adapter_bytes(engine) -> int:
-    return sum(p.numel() * 4 for n, p in engine.module.named_parameters() if ".lora_A." in n or ".lora_B." in n)
+    return sum(getattr(p, "ds_numel", p.numel()) * 4 for n, p in engine.module.named_parameters()
+               if ".lora_A." in n or ".lora_B." in n)
 
 
 def _greedy_matches_trainer(rollout, engine) -> None:
@@ -104,6 +107,19 @@ def test_adapter_sync_serves_the_trained_adapters_and_picks_up_the_next(lora_rol
         assert lora_rollout.stats()["adapter_id"] == info["adapter_id"]
     finally:
         sync.close()
+
+
+def test_adapter_sync_at_zero3_into_a_given_directory(lora_rollout, tiny_model_path, tmp_path):
+    """ZeRO-3 partitions the adapters too: they are gathered for the sync; a given directory gets a per-rank folder
+    holding the peft adapter (safetensors + config)."""
+    engine = _lora_actor(tiny_model_path, stage=3)
+    sync = WeightSync(engine, lora_rollout, canary=SyncCanary(PROBE, threshold=1e-3), mode="adapter",
+                      adapter_dir=str(tmp_path))
+    _train(engine, 2, seed=5)
+    info = sync.sync()
+    assert info["zero3"] and info["canary_max_abs_diff"] < TOL and info["bytes"] == _adapter_bytes(engine)
+    written = tmp_path / "rank0" / "v000001"
+    assert sorted(p.name for p in written.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_quantized_base_is_sent_once(lora_rollout, tiny_model_path):
