@@ -9,6 +9,8 @@ rebuilt from their source path.
 materialises the whole model at once on the device), folds LoRA adapters in, and writes a ``save_pretrained``
 directory on rank 0 in the engine's compute dtype (bf16/fp16 — the "16-bit gather" — or fp32). A critic is written
 as ``*ForSequenceClassification`` so ``CriticModel.from_pretrained``/``RewardModel.from_pretrained`` load it.
+``export_reward_adapter`` writes a LoRA reward model unmerged, as a peft LoRA SEQ_CLS adapter directory of its base
+(adapters + ``score``; peft's own ``save_pretrained`` on a meta-device view), the RM form ``model.share_base`` uses.
 The export is written into a temp directory beside ``out_dir`` and swapped in (``renameat2(RENAME_EXCHANGE)`` where
 the filesystem has it, two renames otherwise), so a crash or a full disk mid-export leaves the previous export whole.
 
@@ -20,6 +22,7 @@ the run checkpoints guard it by checking every file's sha256 before DeepSpeed re
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import logging
@@ -91,9 +94,10 @@ def load_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
     return (client_state or {}).get(_CLIENT_KEY, {})
 
 
-def gather_state_dict(module: torch.nn.Module) -> dict:
+def gather_state_dict(module: torch.nn.Module, keep: Callable[[str], bool] | None = None) -> dict:
     """Full ``state_dict`` of ``module`` on rank 0 (CPU tensors); ``{}`` on other ranks. Works at every ZeRO stage:
-    ZeRO-3 parameters are gathered one at a time; tied parameters are gathered once."""
+    ZeRO-3 parameters are gathered one at a time; tied parameters are gathered once. ``keep(name)``: only those
+    entries (the same names on every rank), e.g. a LoRA model's adapters without its frozen base."""
     import deepspeed
 
     gathered = deepspeed.zero.GatheredParameters
@@ -101,6 +105,8 @@ def gather_state_dict(module: torch.nn.Module) -> dict:
     rank0 = _rank() == 0
     out, seen = {}, {}
     for name, tensor in module.state_dict(keep_vars=True).items():
+        if keep is not None and not keep(name):
+            continue
         if id(tensor) in seen:
             if rank0:
                 out[name] = seen[id(tensor)]
@@ -204,6 +210,96 @@ def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
         logger.info("exported %s to %s", type(module).__name__, out)
     _barrier()
     return out
+
+
+def _reward_backbone(module):
+    """The peft model on a LoRA reward model's backbone (`trainer/rm.py:add_backbone_lora`), else None."""
+    if not isinstance(module, RewardModel):
+        return None
+    backbone = getattr(module.model, module.model.base_model_prefix, None)
+    return backbone if hasattr(backbone, "peft_config") else None
+
+
+def _is_reward_adapter_entry(name: str) -> bool:
+    return "lora_" in name or name.startswith("model.score.")
+
+
+def export_reward_adapter(engine, tokenizer, out_dir: str | os.PathLike, base_model: str | os.PathLike) -> Path:
+    """A LoRA reward model (`model.lora_rank`) as a peft LoRA SEQ_CLS adapter directory of `base_model` (its
+    adapters + its `score` head in `modules_to_save`), the form `model.share_base` runs on the actor's own base
+    (`engines/shared_reward.py`). Only the adapters and the head are gathered. Collective: call on every rank."""
+    module = getattr(engine, "module", engine)
+    if _reward_backbone(module) is None:
+        raise ValueError(f"{type(module).__name__} has no LoRA adapters on its backbone: nothing to write as an "
+                         "adapter (the merged export is the whole model)")
+    state = gather_state_dict(module, keep=_is_reward_adapter_entry)
+    out = Path(out_dir)
+    if _rank() == 0:
+        info = role_info(engine)
+        publish_dir(out, lambda tmp: write_reward_adapter(module, state, tokenizer, tmp, base_model,
+                                                          ds_config=info.ds_config if info is not None else None))
+        logger.info("exported the reward model's LoRA adapters + score head to %s", out)
+    _barrier()
+    return out
+
+
+def _adapter_targets(backbone) -> set[str]:
+    """The module names that carry the trained LoRA layers, as peft `target_modules` that select exactly those
+    modules both on the backbone and on the `*ForSequenceClassification` model around it (peft matches a name
+    as a suffix at a `.`): the leaf names (`q_proj`, ...) where every module of that name is adapted, else the
+    full paths inside the backbone."""
+    from peft.tuners.lora import LoraLayer
+
+    base = backbone.get_base_model()
+    adapted = {n for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    leaves = {n.rsplit(".", 1)[-1] for n in adapted}
+    same_leaf = {n for n, _ in base.named_modules() if n and n.rsplit(".", 1)[-1] in leaves}
+    return leaves if same_leaf == adapted else adapted
+
+
+def write_reward_adapter(module: RewardModel, state: dict, tokenizer, out: Path, base_model: str | os.PathLike, *,
+                         ds_config: dict | None = None) -> None:
+    """Write the LoRA reward model ``module`` (weights ``state``, names as in ``module.state_dict()``; the adapters
+    and the score head are enough) as peft writes a LoRA SEQ_CLS model of ``base_model``: a
+    ``PeftModelForSequenceClassification`` built on the meta device from the RM's config and its LoRA settings is
+    given the trained tensors under its own names, and peft's ``save_pretrained`` writes ``adapter_config.json``
+    and ``adapter_model.safetensors`` (``score`` as the module to save). The tokenizer and ds_config go beside."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    backbone = _reward_backbone(module)
+    if backbone is None:
+        raise ValueError(f"{type(module).__name__} has no LoRA adapters on its backbone")
+    if len(backbone.peft_config) != 1:
+        raise ValueError(f"the reward model's backbone has {len(backbone.peft_config)} adapters; one is written")
+    name, trained = next(iter(backbone.peft_config.items()))
+    prefix = module.model.base_model_prefix
+    settings = {**trained.to_dict(), "task_type": "SEQ_CLS", "base_model_name_or_path": str(base_model),
+                "target_modules": sorted(_adapter_targets(backbone)), "layers_to_transform": None,
+                "layers_pattern": None, "modules_to_save": None, "inference_mode": False}
+    settings = {k: v for k, v in settings.items() if k not in ("peft_type", "auto_mapping", "peft_version")}
+    config = LoraConfig(**settings)
+    with torch.device("meta"):
+        shell = AutoModelForSequenceClassification.from_config(copy.deepcopy(module.model.config))
+    view = get_peft_model(shell, config, adapter_name=name, low_cpu_mem_usage=True)
+    # our names -> the view's: model.<prefix>.base_model.model.X.lora_* -> base_model.model.<prefix>.X.lora_*,
+    # model.score.W -> base_model.model.score.modules_to_save.<adapter>.W
+    lora_from = f"model.{prefix}.base_model.model."
+    weights = {}
+    for key, tensor in state.items():
+        if "lora_" in key and key.startswith(lora_from):
+            weights[f"base_model.model.{prefix}.{key.removeprefix(lora_from)}"] = tensor
+        elif key.startswith("model.score."):
+            weights[f"base_model.model.score.modules_to_save.{name}.{key.removeprefix('model.score.')}"] = tensor
+    wanted = {k for k in view.state_dict() if "lora_" in k or ".modules_to_save." in k}
+    if set(weights) != wanted:
+        raise ValueError(f"the reward model's adapters do not map onto peft's SEQ_CLS model: missing "
+                         f"{sorted(wanted - set(weights))[:4]}, unexpected {sorted(set(weights) - wanted)[:4]}")
+    view.save_pretrained(out, state_dict=weights, save_embedding_layers=False)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if ds_config is not None:
+        save_resolved_config(ds_config, out)
 
 
 def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict | None = None,

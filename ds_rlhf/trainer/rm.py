@@ -2,7 +2,8 @@
 
 loss = -log sigmoid(r(chosen) - r(rejected) - margin)  (Ouyang et al. 2022, eq. 1; margin as in Llama 2).
 The export is a sequence-classification checkpoint, so `train_ppo.py` loads it as `--rl.reward_model` and as the
-critic's initialisation.
+critic's initialisation. With `model.lora_rank` the run also writes run_dir/export_adapter: the RM as a peft LoRA
+SEQ_CLS adapter of its `model.path`, which `--model.share_base true` runs on the actor's base without a copy.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def pair_scores(engine, rows: list[dict], pad_id: int, device) -> tuple[torch.Te
 def add_backbone_lora(model, lora: dict) -> None:
     """`model.lora_rank > 0` for the reward model: LoRA adapters on its backbone (the transformer), the score head
     trained in full (it is one hidden-size row). The frozen backbone then needs no gradients or Adam states, as for
-    the LoRA actor; the export merges the adapters (a plain sequence-classification checkpoint, `engine_io`)."""
+    the LoRA actor; the export merges the adapters (a plain sequence-classification checkpoint, `engine_io`) and
+    writes them unmerged beside it as well (`RewardModelTask.export`)."""
     from ds_rlhf.engines.models import apply_lora
 
     seqcls = model.model
@@ -87,6 +89,25 @@ class RewardModelTask:
         return {"eval/accuracy": correct / max(n, 1), "eval/loss": loss / max(n, 1)}
 
     def export(self, engine, ctx: RunContext, out_dir: Path) -> None:
-        from ds_rlhf.engines.engine_io import export_hf
+        """`out_dir` (run_dir/export): the RM as a plain sequence-classification checkpoint (LoRA merged). With
+        `model.lora_rank`, also `adapter_dir(out_dir)`: the same RM as a peft LoRA SEQ_CLS adapter of the run's
+        `model.path` (adapters + score head), which PPO's `model.share_base` runs on the actor's own base."""
+        import shutil
+
+        from ds_rlhf.engines.engine_io import export_hf, export_reward_adapter
 
         export_hf(engine, ctx.tokenizer, out_dir)
+        adapter = adapter_dir(out_dir)
+        if ctx.cfg.model.lora_rank > 0:
+            export_reward_adapter(engine, ctx.tokenizer, adapter, Path(ctx.model_path).resolve())
+            ctx.print(f"[rm] LoRA adapters + score head of {ctx.model_path} exported to {adapter} (for "
+                      f"--model.share_base true --rl.reward_model {adapter})")
+        elif ctx.dist.is_main and adapter.exists():  # an earlier LoRA run's adapter is not this model
+            shutil.rmtree(adapter)
+
+
+def adapter_dir(export_dir: str | Path) -> Path:
+    """Where a LoRA RM's adapter directory goes: beside the merged export (run_dir/export_adapter), so that
+    run_dir/export stays a plain full model."""
+    export_dir = Path(export_dir)
+    return export_dir.with_name(f"{export_dir.name}_adapter")
