@@ -152,7 +152,12 @@ def build_module(role: str, cfg: dict, model_path: str):
 
     lora = lora_settings(_model_section(cfg, ""))
     if role == "rm":
-        return RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager")
+        from ds_rlhf.trainer.rm import add_backbone_lora
+
+        model = RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager")
+        if lora:  # a LoRA RM run (trainer/rm.py): adapters on the backbone, the score head trained in full
+            add_backbone_lora(model, lora)
+        return model
     if role == "critic":
         rl = cfg.get("rl", {})  # as rl_build._critic_source
         source = rl.get("critic_path") or rl.get("reward_model") or model_path
@@ -167,7 +172,7 @@ def build_module(role: str, cfg: dict, model_path: str):
 def load_weights(module, state: dict) -> None:
     """Every tensor of `module` from `state`; a name may be absent only when its tensor is tied to a loaded one
     (e.g. lm_head.weight tied to the input embeddings)."""
-    if any(".lora_A." in name for name in state) and not hasattr(module, "peft_config"):
+    if any(".lora_A." in name for name in state) and not any(hasattr(m, "peft_config") for m in module.modules()):
         raise ExportError("the checkpoint holds LoRA adapters but the model was built without them: the run's "
                           "config.json (model.lora_rank, lora_alpha, lora_targets) must sit two levels above the "
                           "checkpoint (run_dir/checkpoints/step_X)")

@@ -129,3 +129,17 @@ def test_grpo_with_the_lora_rm_adapter_on_a_shared_base(lora_rm, addition_stores
     assert len(owned_parameters(reward, actor_decoder(trainer.parts.actor))) < len(list(reward.parameters()))
     history = trainer.train()
     assert len(history) == 2 and all("reward/mean" in h for h in history), history
+
+
+def test_ds_rlhf_export_of_a_lora_rm_checkpoint_is_merged(lora_rm, tmp_path):
+    """`ds-rlhf export` rebuilds the RM as the trainer built it (LoRA on the backbone), so a LoRA RM checkpoint
+    exports merged and scores as the trained model (it used to fail on the adapters' keys)."""
+    from ds_rlhf.engines.models import RewardModel
+    from ds_rlhf.entrypoints.export import export_checkpoint
+
+    step = sorted((lora_rm["out"] / "checkpoints").glob("step_*"))[-1]
+    out = export_checkpoint(step, tmp_path / "hf", dtype="fp32")
+    plain = RewardModel.from_pretrained(out)
+    assert not any("lora_" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(plain(IDS, ATTN), lora_rm["scores"], rtol=1e-4, atol=1e-4)
