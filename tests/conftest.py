@@ -97,6 +97,25 @@ def vllm_colocated(tiny_model_path, dist_single):
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def lora_rollout(tiny_model_path, dist_single):
+    """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model (adapter-only sync: tests/rollout/
+    test_adapter_sync.py, tests/trainer/test_low_memory.py). Session-scoped: closing a vLLM engine
+    (EngineCore.shutdown -> cleanup_dist_env_and_memory) destroys torch.distributed's default group, which later
+    tests in the same worker still need."""
+    from ds_rlhf.rollout.vllm_adapter import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not importable here")
+    from ds_rlhf.rollout import make_rollout_engine
+
+    engine = make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), dtype="float32",
+                                 max_model_len=256, seed=0, gpu_memory_utilization=0.3,
+                                 lora={"rank": 8, "targets": "all-linear"})
+    yield engine
+    engine.close()
+
+
 def pytest_collection_modifyitems(config, items):
     """Slow tests first (stable otherwise), so parallel workers start the long runs early and finish together."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

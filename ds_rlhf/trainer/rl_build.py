@@ -45,6 +45,7 @@ class RLParts:
     def close(self) -> None:
         self.loader.close()
         self.reward.close()
+        self.sync.close()
         if self.owns_rollout:
             self.rollout.close()
 
@@ -107,6 +108,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
             reference = build_reference(ctx.model_path, frozen, attn_impl=attn)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     owns_rollout = rollout is None
+    sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
+    lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
     if rollout is None:
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
@@ -114,10 +117,10 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
-                                      **cfg.rollout.vllm_options())
+                                      lora=lora_engine, **cfg.rollout.vllm_options())
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
-    sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary)
+    sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary, mode=sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)

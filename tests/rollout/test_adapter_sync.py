@@ -1,11 +1,11 @@
 """Adapter-only weight sync (`rollout.lora_sync=adapter`): vLLM (CPU, float32) started with LoRA serves the tiny
 model's base from its checkpoint, and each sync sends only the LoRA actor's adapters (a peft adapter directory).
 
-One LoRA engine for these tests (the session engine has no LoRA), closed at the session's end. Proven by log-probs
-and greedy tokens against the trainer's own (merged) model after a few optimizer steps (non-zero B), the bytes sent
-being exactly the adapters', a second sync after more steps being picked up (a new adapter version, not vLLM's
-cached old one), ZeRO-3, a quantized (nf4) base being sent once at the first sync only, and the refusals (schema
-at parse time, engines without LoRA, trainable base weights).
+One LoRA engine for these tests (`lora_rollout`, tests/conftest.py; the session engine has no LoRA). Proven by
+log-probs and greedy tokens against the trainer's own (merged) model after a few optimizer steps (non-zero B), the
+bytes sent being exactly the adapters', a second sync after more steps being picked up (a new adapter version, not
+vLLM's cached old one), ZeRO-3, a quantized (nf4) base being sent once at the first sync only, and the refusals
+(schema at parse time, engines without LoRA, trainable base weights).
 """
 
 from __future__ import annotations
@@ -21,24 +21,6 @@ from ds_rlhf.rollout.canary import trainer_logprobs
 
 LORA = {"r": 8, "lora_alpha": 16}
 PROMPT = [1, 5, 6, 7, 8]
-
-
-@pytest.fixture(scope="session")
-def lora_rollout(tiny_model_path, dist_single):
-    """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model, for this module's tests. Session-scoped
-    although only this module uses it: closing a vLLM engine (EngineCore.shutdown -> cleanup_dist_env_and_memory)
-    destroys torch.distributed's default group, which later tests in the same worker still need."""
-    from ds_rlhf.rollout.vllm_adapter import vllm_version
-
-    if vllm_version() is None:
-        pytest.skip("vLLM is not importable here")
-    from ds_rlhf.rollout import make_rollout_engine
-
-    engine = make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), dtype="float32",
-                                 max_model_len=256, seed=0, gpu_memory_utilization=0.3,
-                                 lora={"rank": LORA["r"], "targets": "all-linear"})
-    yield engine
-    engine.close()
 
 
 def _lora_actor(model_path, quantize=None, stage: int = 0):

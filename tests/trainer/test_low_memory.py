@@ -237,3 +237,37 @@ def test_supervised_runs_apply_the_cap(tiny_model_path, tmp_path, monkeypatch, d
                                     "--run.max_gpu_memory_gb", "24", "--run.progress", "false",
                                     "--run.tensorboard", "false"]), SFTTask())
     assert calls == [(24.0, "cpu", "colocated")]
+
+
+def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_rollout, tmp_path):
+    """`rollout.lora_sync adapter` through the trainer (build_parts' wiring): every step's sync sends the LoRA
+    adapters only, the canary passes, and vLLM's sampling log-probs are the trainer's (the KL between them ~ 0)
+    while the adapters move the policy away from the base (a reward that varies on the random tiny model's text)."""
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    cfg = parse_config(["--model.path", "tiny", "--data.train", str(addition_stores["prompts"]), "--run.output_dir",
+                        str(tmp_path), "--run.steps", "3", "--rl.algo", "grpo", "--rl.reward_fn",
+                        f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio", "--rl.reward_workers", "0",
+                        "--model.lora_rank", "8", "--model.lora_alpha", "16", "--rollout.lora_sync", "adapter",
+                        "--rollout.sleep", "false", "--optim.lr", "1e-2", "--rl.prompts_per_step", "4",
+                        "--rollout.n_samples", "4", "--rollout.max_new_tokens", "8", "--data.max_prompt_len", "64",
+                        "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])
+    trainer = RLTrainer(cfg, rollout=lora_rollout)
+    reports, sync = [], trainer.schedule.sync
+
+    def recorded(version):
+        reports.append(sync(version))
+        return reports[-1]
+
+    trainer.schedule.sync = recorded
+    history = trainer.train()
+    assert len(history) == 3 and len(reports) >= 3
+    for r in reports[-3:]:
+        assert r["mode"] == "adapter" and 0 < r["adapter_bytes"] == r["bytes"] and not r["base_bytes"], r
+        assert r["canary_max_abs_diff"] is not None and r["canary_max_abs_diff"] < 1e-3, r
+    versions = [r["adapter_version"] for r in reports]
+    assert versions == sorted(set(versions))  # a new adapter each sync, not vLLM's cached one
+    for h in history:
+        assert abs(h["mismatch/kl_rollout_trainer"]) < 1e-4, h["mismatch/kl_rollout_trainer"]
+    lora_b = [p for n, p in trainer.parts.actor.module.named_parameters() if "lora_B" in n]
+    assert lora_b and max(float(p.detach().abs().max()) for p in lora_b) > 0  # the adapters did move
