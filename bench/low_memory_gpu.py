@@ -57,7 +57,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
 RECIPE = "ds_configs/low_memory_24g.yaml"
 GiB = 1 << 30
 
