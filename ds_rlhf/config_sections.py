@@ -1,0 +1,355 @@
+"""The config schema's sections (`model`, `data`, `optim`, `rollout`, `rl`, `run`): one dataclass each, every field
+with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help` shows, and the section's
+cross-field rules in its `check`. `ds_rlhf/config.py` puts them together (`Config`) and parses, validates and
+prints them; import them from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ds_rlhf.config import Config
+
+
+class ConfigError(ValueError):
+    """A config key or value the schema does not accept."""
+
+
+def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None) -> Any:
+    """A schema field with its rule: `choices` (a tuple, or the name of an algorithm registry in
+    `ds_rlhf.algos.registry.ALL`, read when checked so entries registered later count) and numeric bounds."""
+    rule = {k: v for k, v in dict(choices=choices, ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
+    return field(default=default, metadata={"rule": rule})
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"  # HF directory; "tiny" / "tiny:small" build the offline tiny model
+    tokenizer: str = ""  # defaults to `path`
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
+    attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
+    gradient_checkpointing: bool = False
+    lora_rank: int = opt(0, ge=0)  # 0 = full fine-tuning
+    lora_alpha: int = opt(16, gt=0)
+    lora_targets: str = "all-linear"
+    share_base: bool = False  # with lora_rank > 0: one frozen base for all roles (reference = actor, adapter off)
+    # with lora_rank > 0: the actor's / critic's frozen base linear layers in 4-bit NF4 or int8 (bitsandbytes)
+    quantize_base: str = opt("none", choices=("none", "nf4", "int8"))
+
+    def check(self, cfg: Config) -> None:
+        if self.share_base and self.lora_rank <= 0:
+            raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters "
+                              "disabled, and full fine-tuning changes the base weights; set --model.lora_rank (e.g. "
+                              "16) or --model.share_base false")
+        self._check_quantize_base(cfg)
+
+    def _check_quantize_base(self, cfg: Config) -> None:
+        """A quantized base is frozen (LoRA only) and whole on each rank (ZeRO-0/1/2: ZeRO-3's partitioning drops
+        bitsandbytes' quantization state); the stage is --zero_stage, else the ds_config file's when readable."""
+        if self.quantize_base == "none":
+            return
+        if self.lora_rank <= 0:
+            raise ConfigError(f"model.quantize_base={self.quantize_base} quantizes the frozen base under LoRA "
+                              "adapters, and full fine-tuning trains the base weights; set --model.lora_rank (e.g. "
+                              "16) or --model.quantize_base none")
+        stage, source = cfg.zero_stage, "--zero_stage 3"
+        if stage < 0:
+            from ds_rlhf.engines.ds_config import load_ds_config
+
+            source = f"ds_config {cfg.ds_config} (zero_optimization.stage 3)"
+            try:
+                stage = load_ds_config(cfg.ds_config).get("zero_optimization", {}).get("stage", -1)
+            except (OSError, ValueError):
+                stage = -1  # unreadable here: the engine build checks the resolved stage (quantized.check_ds_config)
+        if stage == 3:
+            raise ConfigError(f"model.quantize_base={self.quantize_base} needs ZeRO stage 0, 1 or 2, got {source}: "
+                              "ZeRO-3 would partition bitsandbytes' packed weights apart from their quantization "
+                              "state; set --zero_stage 2 or --model.quantize_base none")
+
+
+@dataclass
+class DataConfig:
+    train: str = ""  # Arrow store directory written by data_prep/
+    eval: str = ""
+    eval_fraction: float = opt(0.0, ge=0, lt=1)  # hold out this share of `train` when `eval` is empty (SFT/RM)
+    max_prompt_len: int = opt(256, ge=1)  # RL prompt tokens; the store's longest is checked before training
+    overlong_prompts: str = opt("error", choices=("error", "drop"))  # RL prompts over max_prompt_len: refuse | skip
+    max_len: int = opt(512, ge=2)  # SFT/RM sequence length
+    micro_batch_tokens: int = opt(0, ge=0)  # token budget per micro-batch; 0 = fixed `optim.micro_batch_size`
+    rl_packing: bool = False  # RL: each micro-batch as one padding-free packed row (needs micro_batch_tokens)
+    shuffle: bool = True
+    reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
+
+    def check(self, cfg: Config) -> None:
+        if self.rl_packing and self.micro_batch_tokens <= 0:
+            raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
+                              f"data.micro_batch_tokens > 0 (got {self.micro_batch_tokens})")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-6, gt=0)
+    critic_lr: float = opt(5e-6, gt=0)
+    weight_decay: float = opt(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = opt(1e-8, gt=0)
+    warmup_steps: int = opt(0, ge=0)
+    grad_clip: float = opt(1.0, ge=0)  # 0 = no clipping
+    micro_batch_size: int = opt(4, ge=1)  # sequences per micro-batch (per rank) when no token budget is set
+    batch_size: int = opt(32, ge=1)  # SFT/RM: sequences (pairs) per optimizer step per rank
+    rm_margin: float = 0.0  # RM: margin in the Bradley-Terry loss -log sigmoid(r_c - r_r - margin)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = opt("auto", choices=("auto", "vllm", "hf"))  # auto (vLLM if importable, else HF generate)
+    placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
+    async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
+    max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
+    n_samples: int = opt(4, ge=1)  # responses per prompt
+    max_new_tokens: int = opt(128, ge=1)
+    temperature: float = opt(1.0, gt=0)
+    top_p: float = opt(1.0, gt=0, le=1)
+    top_k: int = opt(-1, ge=-1)  # -1 or 0 = off
+    max_model_len: int = opt(0, ge=0)  # 0 = max_prompt_len + max_new_tokens
+    gpu_memory_utilization: float = opt(0.5, gt=0, le=1)
+    sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
+    sleep_level: int = opt(2, choices=(1, 2))  # 1: keep a CPU copy of the weights; 2: drop them (then a full sync)
+    devices: str = ""  # disaggregated: GPU ids for the vLLM server, e.g. "4,5,6,7" (must not hold a training rank)
+    tensor_parallel_size: int = opt(1, ge=1)  # vLLM TP (disaggregated: over `devices`; colocated: over ranks)
+    bucket_mb: int = opt(1024, ge=1)  # weight-sync gather bucket
+    canary_threshold: float = opt(0.0, ge=0)  # 0 = backend default; max |logp trainer - rollout| after a sync
+    # weight sync of a LoRA actor: merged (base + B@A, every step) or adapter (vLLM LoRA: base once, adapters per
+    # step; needs model.lora_rank > 0, colocated vLLM, no level-2 sleep); auto = merged (see docs/LOW_MEMORY.md)
+    lora_sync: str = opt("auto", choices=("auto", "merged", "adapter"))
+    # vLLM engine options (every placement; the HF backend ignores them). Defaults leave vLLM's own choice.
+    async_scheduling: str = opt("auto", choices=("auto", "true", "false"))  # vLLM async scheduling; auto: vLLM decides
+    max_num_seqs: int = opt(0, ge=0)  # vLLM: most sequences per engine step; 0 = vLLM's default
+    max_num_batched_tokens: int = opt(0, ge=0)  # vLLM: most tokens per engine step; 0 = vLLM's default
+    cudagraph_sizes: str = ""  # vLLM CUDA-graph batch sizes, comma list ("8,16,32"); "" = vLLM's (ignored on CPU)
+    enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile (always eager on CPU)
+
+    def cudagraph_size_list(self) -> list[int]:
+        """`cudagraph_sizes` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
+        try:
+            sizes = [int(s) for s in self.cudagraph_sizes.split(",") if s.strip()]
+        except ValueError:
+            sizes = [0]
+        if (self.cudagraph_sizes.strip() and not sizes) or any(s < 1 for s in sizes):
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r}: give a comma list of batch sizes "
+                              "(integers >= 1), e.g. 8,16,32,64; \"\" = vLLM's default sizes")
+        return sizes
+
+    def vllm_options(self) -> dict:
+        """The vLLM engine options set away from their defaults, as `make_rollout_engine` keywords (empty by
+        default, so vLLM keeps its own choices): async_scheduling (bool), max_num_seqs, max_num_batched_tokens,
+        cudagraph_sizes (list of ints), enforce_eager."""
+        out: dict = {}
+        if self.async_scheduling != "auto":
+            out["async_scheduling"] = self.async_scheduling == "true"
+        if self.max_num_seqs:
+            out["max_num_seqs"] = self.max_num_seqs
+        if self.max_num_batched_tokens:
+            out["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if sizes := self.cudagraph_size_list():
+            out["cudagraph_sizes"] = sizes
+        if self.enforce_eager:
+            out["enforce_eager"] = True
+        return out
+
+    def _check_vllm_options(self) -> None:
+        sizes = self.cudagraph_size_list()
+        if sizes and self.enforce_eager:
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r} with rollout.enforce_eager true: "
+                              "eager mode captures no CUDA graphs; drop one of the two")
+        if 0 < self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                              f"rollout.max_num_seqs={self.max_num_seqs}: vLLM needs at least one token per "
+                              "sequence in a step")
+        if sizes and self.max_num_batched_tokens and max(sizes) > self.max_num_batched_tokens:
+            raise ConfigError(f"rollout.cudagraph_sizes={self.cudagraph_sizes!r}: sizes above "
+                              f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} can never run (vLLM "
+                              "drops them); keep every size <= it")
+
+    def sync_mode(self) -> str:
+        """The weight sync `WeightSync(mode=...)` runs: "adapter" only when asked for, else "merged"."""
+        return "adapter" if self.lora_sync == "adapter" else "merged"
+
+    def _check_lora_sync(self, cfg: Config) -> None:
+        if self.lora_sync != "adapter":
+            return
+        allowed = "allowed: auto, merged, adapter"
+        if cfg.model.lora_rank <= 0:
+            raise ConfigError(f"rollout.lora_sync=adapter sends only LoRA adapters, but model.lora_rank="
+                              f"{cfg.model.lora_rank} trains the whole model ({allowed}): set --model.lora_rank (e.g. "
+                              "16) or --rollout.lora_sync merged")
+        if self.backend == "hf" or self.placement != "colocated":
+            raise ConfigError(f"rollout.lora_sync=adapter needs the colocated vLLM engine's LoRA support, got "
+                              f"rollout.backend={self.backend}, rollout.placement={self.placement} ({allowed}): use "
+                              "--rollout.lora_sync merged, or --rollout.backend vllm --rollout.placement colocated")
+        if self.sleep and self.sleep_level >= 2:
+            raise ConfigError("rollout.lora_sync=adapter with rollout.sleep_level=2: level 2 drops vLLM's base "
+                              f"weights at every sleep and adapter sync never sends them again ({allowed}): use "
+                              "--rollout.sleep_level 1, --rollout.sleep false, or --rollout.lora_sync merged")
+
+    def check(self, cfg: Config) -> None:
+        self._check_vllm_options()
+        self._check_lora_sync(cfg)
+        if self.async_generation and cfg.rl.mismatch == "off":
+            raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
+                              "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")
+        if self.max_model_len and self.max_model_len < cfg.data.max_prompt_len + self.max_new_tokens:
+            raise ConfigError(f"rollout.max_model_len={self.max_model_len} is shorter than data.max_prompt_len + "
+                              f"rollout.max_new_tokens = {cfg.data.max_prompt_len + self.max_new_tokens}")
+
+
+@dataclass
+class RLConfig:
+    algo: str = opt("grpo", choices="advantage")  # advantage estimator (dr_grpo: pair with loss_agg const-norm)
+    prompts_per_step: int = opt(8, ge=1)  # prompts per step per rank
+    ppo_epochs: int = opt(1, ge=1)
+    mini_batch_size: int = opt(0, ge=0)  # rollouts per optimizer step; 0 = all of a step's rollouts
+    policy_loss: str = opt("ppo", choices="policy_loss")  # policy-gradient loss
+    clip_low: float = opt(0.2, ge=0, lt=1)
+    clip_high: float = opt(0.2, ge=0)  # > clip_low: DAPO clip-higher
+    dual_clip: float = opt(0.0, ge=0)  # 0 = off; else the dual-clip constant c > 1
+    value_clip: float = opt(0.2, ge=0)  # 0 = off
+    gamma: float = opt(1.0, ge=0, le=1)
+    lam: float = opt(0.95, ge=0, le=1)
+    kl_coef: float = opt(0.0, ge=0)  # > 0 builds a frozen reference model
+    kl_estimator: str = opt("k3", choices="kl")  # k1 | k2 | k3
+    kl_in: str = opt("loss", choices=("loss", "reward"))  # loss | reward
+    kl_target: float = opt(0.0, ge=0)  # > 0 turns on the adaptive controller
+    kl_horizon: int = opt(10000, ge=1)  # adaptive KL: samples over which beta moves by the clipped error
+    entropy_coef: float = opt(0.0, ge=0)
+    loss_agg: str = opt("token-mean", choices="aggregation")  # how token losses are reduced
+    mismatch: str = opt("tis", choices="mismatch")  # rollout/trainer mismatch correction
+    tis_cap: float = opt(2.0, gt=0)
+    reward_fn: str = ""  # gsm8k | format | math_shaped | math_verify | file.py:func[@trl|@verl|@openrlhf], comma list
+    reward_weights: str = ""  # comma-separated weights, one per reward_fn entry (default 1 each)
+    reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
+    reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker; longer = a bad reward
+    reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start
+    reward_model: str = ""  # HF dir of a sequence-classification reward model
+    on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
+    critic_path: str = ""  # default: reward_model if set, else the actor
+    critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor
+    eval_max_prompts: int = opt(0, ge=0)  # held-out eval (data.eval): its first N prompts; 0 = all
+    eval_samples: int = opt(1, ge=1)  # eval responses per prompt (sampled eval; greedy decodes one)
+    eval_greedy: bool = True  # eval decodes greedily (temperature 0, one response per prompt)
+    eval_temperature: float = opt(1.0, gt=0)  # sampled eval (eval_greedy false): temperature
+    eval_top_p: float = opt(1.0, gt=0, le=1)  # sampled eval: nucleus top_p
+    eval_max_new_tokens: int = opt(0, ge=0)  # eval response budget; 0 = rollout.max_new_tokens
+    eval_k: str = "1"  # comma list of k for eval/pass@k and eval/mean@k (each <= the eval responses per prompt)
+    eval_threshold: float = 1.0  # an eval response is correct when its reward >= this (for pass@k)
+    eval_reward_fn: str = ""  # eval reward, as rl.reward_fn; "" = rl.reward_fn (needed with rl.reward_model)
+    best_metric: str = ""  # keep checkpoints/best at the best value of this eval metric (e.g. eval/pass@1); "" = off
+    best_mode: str = opt("max", choices=("max", "min"))  # best_metric: higher (max) or lower (min) is better
+    dynamic_sampling: bool = False  # DAPO: drop prompts whose samples' raw rewards are all equal, refill from new ones
+    dynamic_sampling_max_rounds: int = opt(3, ge=1)  # dynamic sampling: generation rounds per step at most (>= 1)
+    overlong_mask: bool = False  # DAPO overlong filtering: truncated responses get zero loss weight
+    overlong_buffer: int = opt(0, ge=0)  # DAPO soft overlong penalty over the last N of rollout.max_new_tokens; 0 = off
+    overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
+
+    def check(self, cfg: Config) -> None:
+        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+
+        r = cfg.rollout
+        # No rule for temperature / top_p / top_k with the mismatch correction (rl.mismatch tis/mis): both rollout
+        # backends return the log-probs of the distribution they sampled from (temperature, then top-k / top-p),
+        # the trainer scores at the same temperature, so the ratio is the behaviour-policy correction; with top-p /
+        # top-k it also corrects for the truncation (rho_t = the kept mass <= 1). See rollout/base.py.
+        if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("groups") and r.n_samples < 2:
+            raise ConfigError(f"rl.algo={self.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
+        if 0 < self.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (0 = off)")
+        if self.reward_fn and self.reward_model:
+            raise ConfigError(f"both rl.reward_fn={self.reward_fn!r} and rl.reward_model={self.reward_model!r} are "
+                              "set: give one (the other would be ignored)")
+        self._check_dapo(cfg)
+        samples = self.prompts_per_step * r.n_samples
+        if self.mini_batch_size > samples:
+            raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
+                              "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
+        self._check_eval(cfg)
+
+    def _check_dapo(self, cfg: Config) -> None:
+        r = cfg.rollout
+        if self.dynamic_sampling and r.async_generation:
+            raise ConfigError("rl.dynamic_sampling generates more prompts when a batch has too few with differing "
+                              "rewards, in the step that trains on it; rollout.async_generation generates the next "
+                              "batch before this step trains, so the extra rounds would run with other weights: use "
+                              "one of the two (--rollout.async_generation false)")
+        if self.dynamic_sampling and r.n_samples < 2:
+            raise ConfigError("rl.dynamic_sampling keeps prompts whose samples' rewards differ: set "
+                              "rollout.n_samples >= 2")
+        if self.overlong_buffer > r.max_new_tokens:
+            raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than the generation budget "
+                              f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
+                              "overlong_buffer; 0 = off)")
+
+    def eval_ks(self) -> list[int]:
+        """`eval_k` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
+        try:
+            ks = [int(k) for k in self.eval_k.split(",") if k.strip()]
+        except ValueError:
+            ks = []
+        if not ks or min(ks) < 1:
+            raise ConfigError(f"rl.eval_k={self.eval_k!r}: give a comma list of integers >= 1, e.g. 1,4")
+        return ks
+
+    def _check_eval(self, cfg: Config) -> None:
+        r, run = cfg.rollout, cfg.run
+        per_prompt = 1 if self.eval_greedy else self.eval_samples
+        if self.eval_greedy and self.eval_samples > 1:
+            raise ConfigError(f"rl.eval_samples={self.eval_samples} with rl.eval_greedy true: greedy decoding gives "
+                              "one response per prompt; set --rl.eval_greedy false to sample several")
+        if max(self.eval_ks()) > per_prompt:
+            raise ConfigError(f"rl.eval_k={self.eval_k!r}: k cannot exceed the {per_prompt} eval response(s) per "
+                              "prompt (rl.eval_samples, with rl.eval_greedy false)")
+        context = r.max_model_len or (cfg.data.max_prompt_len + r.max_new_tokens)
+        if cfg.data.max_prompt_len + self.eval_max_new_tokens > context:
+            raise ConfigError(f"rl.eval_max_new_tokens={self.eval_max_new_tokens}: data.max_prompt_len + it exceeds "
+                              f"the rollout context of {context} tokens; raise --rollout.max_model_len")
+        if self.best_metric and not self.best_metric.startswith("eval/"):
+            raise ConfigError(f"rl.best_metric={self.best_metric!r}: must be an eval metric (eval/pass@1, "
+                              "eval/reward_mean, eval/<data source>/pass@1, ...)")
+        if self.best_metric and run.eval_every <= 0:
+            raise ConfigError(f"rl.best_metric={self.best_metric!r} needs evaluations: set --run.eval_every N > 0")
+        if (run.eval_every > 0 or run.eval_before_train) and r.async_generation and r.max_staleness > 1:
+            raise ConfigError("evaluation reports the weights of its step, but with rollout.async_generation and "
+                              f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "
+                              "it for the evaluation would change the weights later batches are generated with: "
+                              "use --rollout.max_staleness 1, or turn evaluation off")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/latest"
+    steps: int = opt(20, ge=0)  # RL steps, or optimizer steps for SFT/RM (0 = run `epochs`)
+    epochs: int = opt(1, ge=1)
+    save_every: int = opt(0, ge=0)  # 0 = only at the end
+    eval_every: int = opt(0, ge=0)  # evaluate every N steps (SFT/RM: the eval split; RL: data.eval); 0 = off
+    eval_before_train: bool = False  # RL: also evaluate before the first step (logged at step 0)
+    sample_log_every: int = opt(0, ge=0)  # RL: log sample rollouts (samples.jsonl, TensorBoard, wandb) every N steps
+    sample_log_k: int = opt(4, ge=1)  # RL: rollouts per sample log
+    keep_last: int = opt(2, ge=0)  # complete checkpoints kept (>= 1; 0 = keep all); the newest is never deleted
+    resume: str = ""  # "" | latest | path to a checkpoint directory
+    overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)
+    resume_fallback: bool = False  # if the newest checkpoint fails verification, resume from the newest valid one
+    seed: int = 0
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "ds_rlhf"
+    export_hf: bool = True
+    export_every: int = opt(0, ge=0)  # RL: also export the actor (HF) every N steps to export/step_XXXXXXXX; 0 = off
+    progress: bool = True
+    log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
+    metrics_port: int = opt(0, ge=0, le=65535)  # serve live Prometheus metrics on this port (0 = off)
+    profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
+    health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
+    dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
+    max_gpu_memory_gb: float = opt(0.0, ge=0)  # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off
