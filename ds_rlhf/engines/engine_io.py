@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import shutil
@@ -64,10 +65,15 @@ def save_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str, client_state:
         raise ValueError(f"{info.role} engine is frozen; it is rebuilt from its source checkpoint, so there is "
                          "nothing to save")
     ckpt_dir = Path(ckpt_dir)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})})
+    frozen = excludable_frozen(engine)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={_CLIENT_KEY: dict(client_state or {})},
+                           **({"exclude_frozen_parameters": True} if frozen else {}))
     path = ckpt_dir / tag
-    if info is not None and _rank() == 0:
-        save_resolved_config(info.ds_config, path)
+    if _rank() == 0:
+        if info is not None:
+            save_resolved_config(info.ds_config, path)
+        if frozen:
+            (path / FROZEN_FILE).write_text(json.dumps({"excluded": frozen}) + "\n")
     onebit = find_onebit(engine)
     if onebit is not None:
         torch.save({"errors": onebit.error_state_dict()}, _onebit_file(path, _rank()))
@@ -75,12 +81,50 @@ def save_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str, client_state:
     return path
 
 
+FROZEN_FILE = "frozen_excluded.json"
+
+
+def excludable_frozen(engine) -> list[str]:
+    """The frozen parameters a checkpoint of this trainable engine leaves out: a LoRA model's (or the shared-base
+    critic's) base, which never changes and is rebuilt from `model.path` on resume, so a checkpoint holds what
+    trains (an 8B LoRA actor: its adapters and their optimizer states, not 16 GB of base weights). None at ZeRO-3
+    (DeepSpeed saves and restores partitioned parameters apart from the module's state dict) or with a quantized
+    base (bitsandbytes keeps each weight's quantization state beside it in the state dict)."""
+    module = getattr(engine, "module", engine)
+    if not isinstance(module, torch.nn.Module):
+        return []
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    params = list(module.named_parameters())
+    frozen = [n for n, p in params if not p.requires_grad]
+    if stage == 3 or not frozen or len(frozen) == len(params) or any(
+            p.dtype in (torch.uint8, torch.int8) for _, p in params):
+        return []
+    return frozen
+
+
+def _trained_weights_loader(excluded: set[str]):
+    """DeepSpeed's `custom_load_fn` for a checkpoint without its frozen parameters: every other tensor must be
+    there (a missing trained weight would silently keep its initial value), and the frozen ones stay as built."""
+
+    def load(src: dict, dst: torch.nn.Module) -> None:
+        result = dst.load_state_dict(src, strict=False)
+        missing = sorted(set(result.missing_keys) - excluded)
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"checkpoint weights do not match the model: missing {missing[:5]}, unexpected "
+                               f"{sorted(result.unexpected_keys)[:5]}")
+
+    return load
+
+
 def load_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
     """Restore module, optimizer, scheduler (and 1-bit error buffers) into ``engine``; return the client state."""
     if not (Path(ckpt_dir) / tag).is_dir():
         raise FileNotFoundError(f"no checkpoint with tag {tag!r} under {ckpt_dir}")
+    frozen_file = Path(ckpt_dir) / tag / FROZEN_FILE
+    excluded = set(json.loads(frozen_file.read_text())["excluded"]) if frozen_file.is_file() else None
+    loader = {} if excluded is None else {"custom_load_fn": _trained_weights_loader(excluded)}
     load_path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                                     load_lr_scheduler_states=True)
+                                                     load_lr_scheduler_states=True, **loader)
     if load_path is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint with tag {tag!r} under {ckpt_dir}")
     onebit = find_onebit(engine)

@@ -112,10 +112,20 @@ def verify(step_dir: Path | None) -> str:
 
 
 # ---- weights ----------------------------------------------------------------------------------------------
+def frozen_excluded(tag_dir: Path) -> set[str]:
+    """The frozen parameters (a LoRA run's base) the checkpoint left out (`engine_io.excludable_frozen`): they come
+    from the base model the export loads, as on resume."""
+    from ds_rlhf.engines.engine_io import FROZEN_FILE
+
+    path = tag_dir / FROZEN_FILE
+    return set(json.loads(path.read_text())["excluded"]) if path.is_file() else set()
+
+
 def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
-    """The full state dict of the engine's module (CPU tensors) and where it came from: the fp32 master weights
-    from the ZeRO / bf16 optimizer partitions when there are any (any stage, any world size), else the module
-    weights DeepSpeed saved (ZeRO stage 0 without a partitioned optimizer)."""
+    """The state dict of the engine's module (CPU tensors; without the frozen base a LoRA checkpoint leaves out)
+    and where it came from: the fp32 master weights from the ZeRO / bf16 optimizer partitions when there are any
+    (any stage, any world size), else the module weights DeepSpeed saved (ZeRO stage 0 without a partitioned
+    optimizer)."""
     import torch
 
     if any(tag_dir.glob("*optim_states.pt")):
@@ -124,8 +134,8 @@ def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
         noise = io.StringIO()
         try:
             with contextlib.redirect_stdout(noise):
-                state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                                                 exclude_frozen_parameters=False)
+                state = get_fp32_state_dict_from_zero_checkpoint(
+                    str(tag_dir.parent), tag=tag_dir.name, exclude_frozen_parameters=bool(frozen_excluded(tag_dir)))
             return dict(state), "fp32 master weights (optimizer partitions)"
         except (ValueError, KeyError) as exc:  # an optimizer layout zero_to_fp32 does not know: the module's own
             print(f"[export] zero_to_fp32 cannot read {tag_dir} ({exc}); using the module weights", file=sys.stderr)
@@ -169,9 +179,10 @@ def build_module(role: str, cfg: dict, model_path: str):
     return load_causal_lm(model_path, dtype="fp32", attn_impl="eager", lora=lora)
 
 
-def load_weights(module, state: dict) -> None:
+def load_weights(module, state: dict, frozen: set[str] = frozenset()) -> None:
     """Every tensor of `module` from `state`; a name may be absent only when its tensor is tied to a loaded one
-    (e.g. lm_head.weight tied to the input embeddings)."""
+    (e.g. lm_head.weight tied to the input embeddings) or it is a frozen base weight the checkpoint left out
+    (`frozen`: kept as `module` loaded it from the base model)."""
     if any(".lora_A." in name for name in state) and not any(hasattr(m, "peft_config") for m in module.modules()):
         raise ExportError("the checkpoint holds LoRA adapters but the model was built without them: the run's "
                           "config.json (model.lora_rank, lora_alpha, lora_targets) must sit two levels above the "
@@ -184,7 +195,8 @@ def load_weights(module, state: dict) -> None:
                           f"({first[1].strip() if len(first) > 1 else first[0]} ...): wrong --model?") from None
     tensors = module.state_dict(keep_vars=True)
     loaded = {id(tensors[name]) for name in tensors if name in state}
-    untied = sorted(name for name in missing if id(tensors[name]) not in loaded)
+    kept = loaded | {id(tensors[name]) for name in frozen if name in tensors}  # loaded, or the base's (and ties)
+    untied = sorted(name for name in missing if id(tensors[name]) not in kept)
     if untied or unexpected:
         raise ExportError(f"the checkpoint's weights do not fit the model {type(module).__name__}: missing "
                           f"{untied[:5]}, unexpected {sorted(unexpected)[:5]} (wrong --model or --role?)")
@@ -220,7 +232,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     checked = verify(step_dir)
     state, source = checkpoint_state_dict(tag_dir)
     module = build_module(role, cfg, model_path)
-    load_weights(module, state)
+    load_weights(module, state, frozen_excluded(tag_dir))
     module.to(as_dtype(precision))
     for part in (module, unwrap(module, peft=True)):
         if hasattr(part, "config"):
