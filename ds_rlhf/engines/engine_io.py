@@ -102,6 +102,13 @@ def excludable_frozen(engine) -> list[str]:
     return frozen
 
 
+def excluded_frozen(tag_dir: Path) -> set[str]:
+    """The frozen parameters the checkpoint at `tag_dir` left out (`excludable_frozen`; empty for one that holds
+    every weight): on resume and export they come from the base model."""
+    path = tag_dir / FROZEN_FILE
+    return set(json.loads(path.read_text())["excluded"]) if path.is_file() else set()
+
+
 def _trained_weights_loader(excluded: set[str]):
     """DeepSpeed's `custom_load_fn` for a checkpoint without its frozen parameters: every other tensor must be
     there (a missing trained weight would silently keep its initial value), and the frozen ones stay as built."""
@@ -120,9 +127,8 @@ def load_checkpoint(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
     """Restore module, optimizer, scheduler (and 1-bit error buffers) into ``engine``; return the client state."""
     if not (Path(ckpt_dir) / tag).is_dir():
         raise FileNotFoundError(f"no checkpoint with tag {tag!r} under {ckpt_dir}")
-    frozen_file = Path(ckpt_dir) / tag / FROZEN_FILE
-    excluded = set(json.loads(frozen_file.read_text())["excluded"]) if frozen_file.is_file() else None
-    loader = {} if excluded is None else {"custom_load_fn": _trained_weights_loader(excluded)}
+    excluded = excluded_frozen(Path(ckpt_dir) / tag)
+    loader = {"custom_load_fn": _trained_weights_loader(excluded)} if excluded else {}
     load_path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                                      load_lr_scheduler_states=True, **loader)
     if load_path is None:
@@ -257,7 +263,7 @@ def export_hf(engine, tokenizer, out_dir: str | os.PathLike) -> Path:
 
 
 def _reward_backbone(module):
-    """The peft model on a LoRA reward model's backbone (`trainer/rm.py:add_backbone_lora`), else None."""
+    """The peft model on a LoRA reward model's backbone (`models.apply_seqcls_lora`), else None."""
     if not isinstance(module, RewardModel):
         return None
     backbone = getattr(module.model, module.model.base_model_prefix, None)

@@ -112,15 +112,6 @@ def verify(step_dir: Path | None) -> str:
 
 
 # ---- weights ----------------------------------------------------------------------------------------------
-def frozen_excluded(tag_dir: Path) -> set[str]:
-    """The frozen parameters (a LoRA run's base) the checkpoint left out (`engine_io.excludable_frozen`): they come
-    from the base model the export loads, as on resume."""
-    from ds_rlhf.engines.engine_io import FROZEN_FILE
-
-    path = tag_dir / FROZEN_FILE
-    return set(json.loads(path.read_text())["excluded"]) if path.is_file() else set()
-
-
 def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
     """The state dict of the engine's module (CPU tensors; without the frozen base a LoRA checkpoint leaves out)
     and where it came from: the fp32 master weights from the ZeRO / bf16 optimizer partitions when there are any
@@ -131,11 +122,13 @@ def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
     if any(tag_dir.glob("*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        from ds_rlhf.engines.engine_io import excluded_frozen
+
         noise = io.StringIO()
         try:
             with contextlib.redirect_stdout(noise):
                 state = get_fp32_state_dict_from_zero_checkpoint(
-                    str(tag_dir.parent), tag=tag_dir.name, exclude_frozen_parameters=bool(frozen_excluded(tag_dir)))
+                    str(tag_dir.parent), tag=tag_dir.name, exclude_frozen_parameters=bool(excluded_frozen(tag_dir)))
             return dict(state), "fp32 master weights (optimizer partitions)"
         except (ValueError, KeyError) as exc:  # an optimizer layout zero_to_fp32 does not know: the module's own
             print(f"[export] zero_to_fp32 cannot read {tag_dir} ({exc}); using the module weights", file=sys.stderr)
@@ -157,16 +150,14 @@ def _model_section(cfg: dict, model: str) -> SimpleNamespace:
 
 def build_module(role: str, cfg: dict, model_path: str):
     """The role's module as the trainer built it (same class, same LoRA wrapping: same state-dict names), in fp32."""
-    from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm, lora_settings
+    from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, load_causal_lm, lora_settings
     from ds_rlhf.trainer.run_context import resolve_model_path
 
     lora = lora_settings(_model_section(cfg, ""))
     if role == "rm":
-        from ds_rlhf.trainer.rm import add_backbone_lora
-
         model = RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager")
-        if lora:  # a LoRA RM run (trainer/rm.py): adapters on the backbone, the score head trained in full
-            add_backbone_lora(model, lora)
+        if lora:  # a LoRA RM run: adapters on the backbone, the score head trained in full
+            apply_seqcls_lora(model.model, lora)
         return model
     if role == "critic":
         rl = cfg.get("rl", {})  # as rl_build._critic_source
@@ -209,7 +200,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     from transformers import AutoTokenizer
 
     from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-    from ds_rlhf.engines.engine_io import publish_dir, write_export
+    from ds_rlhf.engines.engine_io import excluded_frozen, publish_dir, write_export
     from ds_rlhf.engines.models import as_dtype, unwrap
     from ds_rlhf.trainer.run_context import resolve_model_path
 
@@ -232,7 +223,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     checked = verify(step_dir)
     state, source = checkpoint_state_dict(tag_dir)
     module = build_module(role, cfg, model_path)
-    load_weights(module, state, frozen_excluded(tag_dir))
+    load_weights(module, state, excluded_frozen(tag_dir))
     module.to(as_dtype(precision))
     for part in (module, unwrap(module, peft=True)):
         if hasattr(part, "config"):
