@@ -86,6 +86,17 @@ def apply_lora(model: nn.Module, lora: dict, task_type: str | None):
     return get_peft_model(model, LoraConfig(**settings))
 
 
+def apply_seqcls_lora(seqcls: nn.Module, lora: dict) -> None:
+    """A LoRA reward model (`model.lora_rank` in an RM run): peft adapters on a `*ForSequenceClassification`'s
+    backbone (the transformer), its `score` head trained in full (one hidden-size row). The frozen backbone then
+    needs no gradients or Adam states, as for the LoRA actor; the RM export merges the adapters and writes them
+    unmerged beside it as well (`trainer/rm.py`)."""
+    prefix = seqcls.base_model_prefix
+    setattr(seqcls, prefix, apply_lora(getattr(seqcls, prefix), lora, None))
+    for p in seqcls.score.parameters():
+        p.requires_grad_(True)
+
+
 def _enable_gc(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)
     model.config.use_cache = False

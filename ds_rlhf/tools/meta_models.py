@@ -35,7 +35,7 @@ def meta_model(role: str, config, lora: dict | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from ds_rlhf.engines.models import CriticModel, apply_lora
+    from ds_rlhf.engines.models import CriticModel, apply_lora, apply_seqcls_lora
 
     with torch.device("meta"):
         if role in ("actor", "reference"):
@@ -44,11 +44,9 @@ def meta_model(role: str, config, lora: dict | None = None):
         scored = copy.deepcopy(config)
         scored.num_labels = 1  # one score, as engines.models loads it
         seqcls = AutoModelForSequenceClassification.from_config(scored)
-        if role == "reward":  # with `lora` (a LoRA-trained RM, trainer/rm.py): adapters on the backbone, score trained
+        if role == "reward":  # with `lora` (a LoRA-trained RM): adapters on the backbone, score trained
             if lora:
-                prefix = seqcls.base_model_prefix
-                setattr(seqcls, prefix, apply_lora(getattr(seqcls, prefix), lora, None))
-                seqcls.score.weight.requires_grad_(True)
+                apply_seqcls_lora(seqcls, lora)
             return seqcls
         backbone = getattr(seqcls, seqcls.base_model_prefix)
         return CriticModel(apply_lora(backbone, lora, None) if lora else backbone)

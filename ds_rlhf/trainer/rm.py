@@ -26,20 +26,6 @@ def pair_scores(engine, rows: list[dict], pad_id: int, device) -> tuple[torch.Te
     return scores[: len(rows)], scores[len(rows) :]
 
 
-def add_backbone_lora(model, lora: dict) -> None:
-    """`model.lora_rank > 0` for the reward model: LoRA adapters on its backbone (the transformer), the score head
-    trained in full (it is one hidden-size row). The frozen backbone then needs no gradients or Adam states, as for
-    the LoRA actor; the export merges the adapters (a plain sequence-classification checkpoint, `engine_io`) and
-    writes them unmerged beside it as well (`RewardModelTask.export`)."""
-    from ds_rlhf.engines.models import apply_lora
-
-    seqcls = model.model
-    prefix = seqcls.base_model_prefix
-    setattr(seqcls, prefix, apply_lora(getattr(seqcls, prefix), lora, None))
-    for p in seqcls.score.parameters():
-        p.requires_grad_(True)
-
-
 class RewardModelTask:
     name = "rm"
     store_kind = "preference"
@@ -51,7 +37,7 @@ class RewardModelTask:
     def build(self, ctx: RunContext, ds_config: dict):
         from ds_rlhf.engines.builder import build_engine
         from ds_rlhf.engines.ds_config import config_precision
-        from ds_rlhf.engines.models import RewardModel, lora_settings
+        from ds_rlhf.engines.models import RewardModel, apply_seqcls_lora, lora_settings
 
         # fp32 master weights; DeepSpeed casts for bf16/fp16 compute as the ds_config says
         model = RewardModel.from_pretrained(ctx.model_path, dtype="fp32", attn_impl=ctx.cfg.model.attn_impl,
@@ -60,7 +46,7 @@ class RewardModelTask:
             model.gradient_checkpointing_enable()
         lora = lora_settings(ctx.cfg.model)
         if lora:
-            add_backbone_lora(model, lora)
+            apply_seqcls_lora(model.model, lora)
         return build_engine(model, ds_config, role="reward", trainable=True)
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
