@@ -222,6 +222,11 @@ class RewardModel(nn.Module):
         kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
         return cls(AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs))
 
+    def gradient_checkpointing_enable(self, **_):
+        """`model.gradient_checkpointing` for an RM run (the RM trainer skipped it before: the 8B RM step of
+        bench/low_memory_gpu.py then ran out of memory under its 24 GiB cap on the H200)."""
+        _enable_gc(self.model)
+
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         backbone, score = _seqcls_parts(self.model)
         if attention_mask is None:

@@ -88,7 +88,7 @@ class RLTrainer:
             self._restore(resume_from)
         # Sync before the first rollout: after a resume the engine holds the weights on disk, not the restored ones,
         # and a shared engine may hold another run's weights. It also proves the sync path before any training.
-        self.last_sync = self.schedule.sync(self.step)
+        self.last_sync = self.schedule.first_sync(self.step)
 
     # ---- state -------------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:

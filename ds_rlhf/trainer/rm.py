@@ -42,7 +42,7 @@ class RewardModelTask:
         # fp32 master weights; DeepSpeed casts for bf16/fp16 compute as the ds_config says
         model = RewardModel.from_pretrained(ctx.model_path, dtype="fp32", attn_impl=ctx.cfg.model.attn_impl,
                                             compute_dtype=config_precision(ds_config))
-        if ctx.cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        if ctx.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         lora = lora_settings(ctx.cfg.model)
         if lora:

@@ -126,6 +126,13 @@ class RolloutSchedule:
             "rollout/dynamic_rounds": float(len(rounds)), "rollout/zero_spread_groups": float(zero_spread),
             "rollout/kept_groups": float(kept)})
 
+    def first_sync(self, weights_version: int) -> dict:
+        """The sync before the first rollout. A colocated engine that sleeps between phases is put to sleep first,
+        so the sync wakes its weights only and the KV cache is not held while the trainer gathers its weights (an
+        8B run under a 24 GiB cap ran out of memory in this sync with the fresh engine's KV cache allocated)."""
+        self._sleep()
+        return self.sync(weights_version)
+
     def sync(self, weights_version: int) -> dict:
         with self.timer.phase("sync"):
             report = self.parts.sync.sync()

@@ -102,3 +102,21 @@ def test_lora_settings_from_the_config_build_a_lora_actor(tiny_model_path):
     trainable = [n for n, p in actor.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert lora_settings(parse_config([]).model) is None
+
+
+def test_reward_model_gradient_checkpointing_is_exact(tiny_reward_path, ids):
+    """Regression: the RM trainer looked for `gradient_checkpointing_enable` on `RewardModel`, which had none, so
+    `model.gradient_checkpointing` was silently ignored for RM runs (an 8B RM step then ran out of memory)."""
+    from ds_rlhf.engines.models import RewardModel
+
+    grads = {}
+    for gc in (False, True):
+        model = RewardModel.from_pretrained(tiny_reward_path, dtype="fp32", attn_impl="sdpa").train()
+        if gc:
+            model.gradient_checkpointing_enable()
+        assert model.model.is_gradient_checkpointing == gc
+        model(ids).sum().backward()
+        grads[gc] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and grads[False]
+    for name in grads[False]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-6, rtol=0)
