@@ -27,6 +27,7 @@ version), so a resumed run trains on exactly the batch the interrupted run would
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,8 @@ from ds_rlhf.trainer.reward_stage import merge_reward_metrics
 from ds_rlhf.trainer.rl_build import RLParts
 from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch, take_groups
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,10 +79,30 @@ class RolloutSchedule:
         self._sleep()
         return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version)
 
-    def _sleep(self) -> None:
+    def _sleeps(self) -> bool:
         r = self.ctx.cfg.rollout
-        if self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated":  # free it for training
+        return self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated"
+
+    def _sleep(self) -> None:
+        if self._sleeps():  # free it for training
             self.parts.rollout.sleep()
+
+    def _release_trainer_memory(self) -> None:
+        """Before a sleeping colocated engine wakes its weights: ZeRO-3 keeps some gathered parameters on the
+        device between passes (`empty_partition_cache` drops them; the next pass fetches them again), and the
+        allocator's cached blocks go back to the driver. At 8B under a 24 GiB cap the sync's gathers did not fit
+        beside the woken weights without this."""
+        if not self._sleeps():
+            return
+        for role in ("actor", "critic", "reference"):
+            release = getattr(getattr(self.parts, role, None), "empty_partition_cache", None)
+            if callable(release):
+                release()
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.empty_cache()
+        log.info("before weight sync: trainer allocated %.2f GiB, reserved %.2f GiB",
+                 torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
 
     def _dynamic_batch(self, step: int) -> ScoredBatch:
         """DAPO's dynamic sampling (see the module docstring): generation and scoring rounds until the step has
@@ -135,6 +158,7 @@ class RolloutSchedule:
 
     def sync(self, weights_version: int) -> dict:
         with self.timer.phase("sync"):
+            self._release_trainer_memory()
             report = self.parts.sync.sync()
         self.engine_version = weights_version
         return report

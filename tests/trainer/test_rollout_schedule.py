@@ -54,3 +54,21 @@ def test_first_sync_runs_with_a_sleeping_colocated_engine(device, args, asleep):
     schedule.first_sync(0)
     assert parts.sync.seen == [asleep]
     assert schedule.engine_version == 0
+
+
+class PartitionedEngine:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def empty_partition_cache(self):
+        self.calls.append("released")
+
+
+@pytest.mark.parametrize(("device", "released"), [("cuda", True), ("cpu", False)])
+def test_sync_releases_zero3_partition_caches_before_a_colocated_engine_wakes(device, released):
+    schedule, parts = _schedule(device)
+    calls = []
+    parts.actor, parts.critic, parts.reference = PartitionedEngine(calls), PartitionedEngine(calls), object()
+    schedule.sync(1)
+    assert calls == (["released", "released"] if released else [])
+    assert schedule.engine_version == 1
