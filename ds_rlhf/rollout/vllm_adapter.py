@@ -344,6 +344,20 @@ class VLLMHandle:
         torch.cuda.synchronize()
         return {"sleep_seconds": time.perf_counter() - t0, "sleep_freed_bytes": torch.cuda.mem_get_info()[0] - free0}
 
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes per tag ("weights", "kv_cache") of vLLM's sleep-mode pool (its CuMemAllocator), mapped or not;
+        {} without sleep mode. PyTorch's allocator keeps counting this pool while vLLM sleeps (unmapped)."""
+        if not self.sleep_enabled:
+            return {}
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+        except ImportError:
+            return {}
+        out: dict[str, int] = {}
+        for data in list(CuMemAllocator.get_instance().pointer_to_data.values()):
+            out[data.tag] = out.get(data.tag, 0) + int(data.handle[1])
+        return out
+
     def wake(self, tags: Sequence[str] | None = None) -> dict:
         if not self.sleep_enabled:
             return {"wake_seconds": 0.0}

@@ -18,19 +18,29 @@ synced adapter; `targets` are recorded only (the adapter's own `adapter_config.j
 
 Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
 sync path wakes the weights first, loads the new ones in place, and wakes the KV cache last, so the KV cache is
-re-allocated only once the trainer's gather buffers are gone.
+re-allocated only once the trainer's gather buffers are gone. PyTorch's allocator keeps counting the pool vLLM has
+unmapped, so after every sleep and wake the engine reports the unmapped bytes to `on_unmapped` (set by
+`trainer/rl_build.py` under `run.max_gpu_memory_gb`: `memory_cap.allow_unmapped` raises the trainer's allocator cap
+by them, keeping the cap on what the device holds).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from ds_rlhf.distributed import world as dist_world
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+
+
+def unmapped_bytes(pool: dict[str, int], awake: set[str]) -> int:
+    """Bytes of vLLM's sleep-mode pool (`VLLMHandle.pool_bytes`) unmapped while the tags in `awake` are mapped:
+    "weights" and "kv_cache" by their own state, any other tag with the weights."""
+    return sum(n for tag, n in pool.items()
+               if tag not in awake and (tag in ("weights", "kv_cache") or "weights" not in awake))
 
 
 def _tp_group(tp: int):
@@ -79,6 +89,7 @@ class VLLMRolloutEngine(RolloutEngine):
                              start_seconds=self.handle.start_seconds, vllm_options=self.handle.options,
                              lora=self.lora)
         self._awake: set[str] = {"weights", "kv_cache"}
+        self.on_unmapped: Callable[[int], object] | None = None  # see the module docstring
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -146,6 +157,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._c.extra.update(info)
         self._awake = set()
         self.sleeping = True
+        self._report_unmapped()
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         tags = ("weights", "kv_cache") if tags is None else tuple(tags)
@@ -155,7 +167,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if todo:
             self._c.extra.update({f"wake_{'_'.join(todo)}_seconds": self.handle.wake(todo)["wake_seconds"]})
             self._awake.update(todo)
+            self._report_unmapped()
         self.sleeping = self._awake != {"weights", "kv_cache"}
+
+    def _report_unmapped(self) -> None:
+        if self.on_unmapped is not None:
+            self.on_unmapped(unmapped_bytes(self.handle.pool_bytes(), self._awake))
 
     def close(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None

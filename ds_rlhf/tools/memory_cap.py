@@ -13,6 +13,12 @@ Three parts, all derived from the cap C and the device's total memory T:
   process: min(C, T) / T colocated (vLLM allocates inside this process, within the same cap) and disaggregated
   (vLLM is on other GPUs); with the sidecar the trainer's share of the cap minus vLLM's, as without a cap.
 
+- `allow_unmapped`: PyTorch's allocator keeps counting a sleeping in-process vLLM's memory pool, which vLLM has
+  unmapped (measured on the H200, 8B PPO under a 24 GiB cap: "23.05 GiB is allocated by PyTorch" while the process
+  held 5.97 GiB of the device), so with the colocated engine asleep the trainer had only the cap minus vLLM's whole
+  pool. The colocated engine reports its unmapped bytes after every sleep and wake; the fraction becomes
+  (cap + unmapped) / T, so the cap stays on what the device holds.
+
 The fraction caps PyTorch's caching allocator only: the CUDA context and NCCL's buffers sit outside it, which is
 what the plan's reserve (2 GiB on GPUs) stands for.
 """
@@ -59,9 +65,36 @@ def apply_trainer_cap(cfg, device, placement: str) -> float | None:
         return None
     import torch
 
-    fraction = trainer_memory_fraction(cfg, torch.cuda.get_device_properties(device).total_memory, placement)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = trainer_memory_fraction(cfg, total, placement)
     if fraction is not None:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
+        _APPLIED[_index(device)] = (int(fraction * total), int(total))
+    return fraction
+
+
+_APPLIED: dict[int, tuple[int, int]] = {}  # CUDA device index -> (capped bytes, device total), from apply_trainer_cap
+
+
+def _index(device) -> int:
+    import torch
+
+    index = getattr(device, "index", None)
+    return torch.cuda.current_device() if index is None else int(index)
+
+
+def allow_unmapped(device, nbytes: int) -> float | None:
+    """Set the trainer's fraction to (cap + `nbytes`) / T: `nbytes` that PyTorch's allocator counts but the device
+    does not hold (a sleeping colocated vLLM's pool; see the module docstring). None (nothing set) when
+    `apply_trainer_cap` set no cap on this device."""
+    import torch
+
+    applied = _APPLIED.get(_index(device))
+    if applied is None:
+        return None
+    capped, total = applied
+    fraction = min(1.0, (capped + max(0, int(nbytes))) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
 

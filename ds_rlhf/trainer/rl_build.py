@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     from ds_rlhf.rollout import make_rollout_engine
     from ds_rlhf.rollout.canary import SyncCanary
     from ds_rlhf.rollout.sync import WeightSync
-    from ds_rlhf.tools.memory_cap import apply_trainer_cap, vllm_memory_fraction
+    from ds_rlhf.tools.memory_cap import allow_unmapped, apply_trainer_cap, vllm_memory_fraction
     from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
 
     cfg, dist = ctx.cfg, ctx.dist
@@ -80,7 +81,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
     mini = rl.mini_batch_size or samples_per_step
     steps_total = cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
-    vllm_fraction = cfg.rollout.gpu_memory_utilization
+    vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
     if dist.device.type == "cuda":
         # run.max_gpu_memory_gb caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process
         # takes gpu_memory_utilization (of the cap, when set), this process the rest
@@ -118,6 +119,9 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
                                       lora=lora_engine, **cfg.rollout.vllm_options())
+        if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
+            # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory_cap)
+            rollout.on_unmapped = partial(allow_unmapped, dist.device)
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
     sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary, mode=sync_mode)

@@ -4,8 +4,10 @@ memory fractions, the plan without a reference copy, and a tiny PPO run on a LoR
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.tools.memory_cap import check_memory_cap, trainer_memory_fraction, vllm_memory_fraction
@@ -157,7 +159,6 @@ LOW_MEMORY_PPO = ["--model.lora_rank", "16", "--model.lora_alpha", "32", "--mode
 
 def test_share_base_critic_refuses_zero3_before_loading(monkeypatch):
     """A critic on the shared base needs ZeRO 0-2: build_parts refuses ZeRO-3 first, in one line naming the keys."""
-    from types import SimpleNamespace
 
     import transformers
 
@@ -271,3 +272,59 @@ def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_r
         assert abs(h["mismatch/kl_rollout_trainer"]) < 1e-4, h["mismatch/kl_rollout_trainer"]
     lora_b = [p for n, p in trainer.parts.actor.module.named_parameters() if "lora_B" in n]
     assert lora_b and max(float(p.detach().abs().max()) for p in lora_b) > 0  # the adapters did move
+
+
+def test_the_cap_follows_a_sleeping_vllm_pool(monkeypatch):
+    """PyTorch's allocator keeps counting vLLM's sleep-mode pool while vLLM has unmapped it (8B PPO on the H200:
+    23.05 GiB 'allocated by PyTorch' with 5.97 GiB on the device, an OOM under the 24 GiB cap). The trainer's
+    fraction is raised by the unmapped bytes while the colocated engine sleeps and restored when it wakes."""
+    from ds_rlhf.rollout.vllm_engine import unmapped_bytes
+    from ds_rlhf.tools import memory_cap
+
+    total, set_to = int(140 * GiB), []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: set_to.append(f))
+    monkeypatch.setattr(memory_cap, "_APPLIED", {})
+    device = torch.device("cuda", 0)
+    assert memory_cap.allow_unmapped(device, GiB) is None and set_to == []  # no cap applied: nothing changes
+    cfg = parse_config(["--run.max_gpu_memory_gb", "24"])
+    assert memory_cap.apply_trainer_cap(cfg, device, "colocated") == pytest.approx(24 / 140)
+
+    pool = {"weights": 15 * GiB, "kv_cache": 4 * GiB}
+    asleep = unmapped_bytes(pool, set())
+    weights_awake = unmapped_bytes(pool, {"weights"})
+    assert (asleep, weights_awake, unmapped_bytes(pool, {"weights", "kv_cache"})) == (19 * GiB, 4 * GiB, 0)
+    assert unmapped_bytes({**pool, "other": GiB}, set()) == 20 * GiB  # other tags sleep and wake with the weights
+    assert memory_cap.allow_unmapped(device, asleep) == pytest.approx(43 / 140)
+    assert memory_cap.allow_unmapped(device, weights_awake) == pytest.approx(28 / 140)
+    assert memory_cap.allow_unmapped(device, 0) == pytest.approx(24 / 140)
+    assert memory_cap.allow_unmapped(device, 1000 * GiB) == 1.0
+    assert set_to == pytest.approx([24 / 140, 43 / 140, 28 / 140, 24 / 140, 1.0])
+
+
+class PoolHandle:
+    """VLLMHandle's sleep / wake / pool_bytes, without vLLM."""
+
+    def sleep(self, level):
+        return {"sleep_seconds": 0.0}
+
+    def wake(self, tags):
+        return {"wake_seconds": 0.0}
+
+    def pool_bytes(self):
+        return {"weights": 15 * GiB, "kv_cache": 4 * GiB}
+
+
+def test_colocated_engine_reports_its_unmapped_pool_after_each_sleep_and_wake():
+    from ds_rlhf.rollout.base import RolloutEngine
+    from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = object.__new__(VLLMRolloutEngine)  # the sleep/wake bookkeeping only: no vLLM
+    RolloutEngine.__init__(engine)
+    engine.handle, engine.sleep_level, engine._awake, seen = PoolHandle(), 2, {"weights", "kv_cache"}, []
+    engine.on_unmapped = seen.append
+    engine.sleep()
+    engine.wake(("weights",))
+    engine.wake(("kv_cache",))
+    engine.wake()  # already awake: nothing to report
+    assert seen == [19 * GiB, 4 * GiB, 0] and not engine.sleeping
