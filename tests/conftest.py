@@ -97,8 +97,15 @@ def vllm_colocated(tiny_model_path, dist_single):
     engine.close()
 
 
+@pytest.fixture
+def lora_rollout(lora_engine):
+    """`lora_engine` serving its base model (no adapter a previous test synced): each test starts from the base."""
+    lora_engine.serve_base()
+    return lora_engine
+
+
 @pytest.fixture(scope="session")
-def lora_rollout(tiny_model_path, dist_single):
+def lora_engine(tiny_model_path, dist_single):
     """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model (adapter-only sync: tests/rollout/
     test_adapter_sync.py, tests/trainer/test_low_memory.py). Session-scoped: closing a vLLM engine
     (EngineCore.shutdown -> cleanup_dist_env_and_memory) destroys torch.distributed's default group, which later

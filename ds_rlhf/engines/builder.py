@@ -21,7 +21,9 @@ actor with its adapters disabled (``shared_base.AdapterOffReference``), so the b
 (``shared_reward.build_shared_reward``) are engines of their own over module trees that hold the actor's base
 tensors plus their own adapters and head (ZeRO 0-2 only).
 
-Trainable models are loaded in fp32 so DeepSpeed's fp32 master weights are exact; frozen ones in the compute dtype.
+Trainable models are loaded in fp32 so DeepSpeed's fp32 master weights are exact; frozen ones and a LoRA model's frozen
+base in the compute dtype (`load_dtypes`). At ZeRO-3 the module is partitioned one parameter at a time before
+`deepspeed.initialize` (`partition_zero3`), so a model whose weights are offloaded never sits whole on the GPU.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainabl
             p.requires_grad_(False)
         cfg = init_cfg = frozen_config(cfg)
     log_resolved_config(cfg)
+    partition_zero3(model, init_cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client_opt, config=init_cfg)
     if isinstance(client_opt, OneBitAdam):
         client_opt.bind_engine(engine)
@@ -147,9 +150,52 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainabl
     return engine
 
 
-def _dtypes(ds_config: dict, trainable: bool) -> dict:
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def partition_zero3(model: torch.nn.Module, ds_config: dict) -> None:
+    """ZeRO-3: partition `model` one parameter at a time before `deepspeed.initialize`, which otherwise moves a
+    module not built under `deepspeed.zero.Init` to the accelerator whole first (`_configure_distributed_model`),
+    then partitions it: a 15 GiB transient for an 8B model even with its weights offloaded (measured on the H200,
+    docs/PERFORMANCE.md). Here each parameter is cast to the compute dtype on the host (DeepSpeed's own cast,
+    buffers left to it), visits the accelerator alone and leaves its shard on the offload device
+    (`deepspeed.zero.Init(module=...)`, the call DeepSpeed itself makes after the move); buffers then go to the
+    accelerator, where DeepSpeed's move would have put them. A no-op below ZeRO-3 or for a module already
+    partitioned."""
+    zero = ds_config.get("zero_optimization", {})
+    own = (zero.get("zero_hpz_partition_size", 1) or 1) > 1 or (zero.get("mics_shard_size", -1) or -1) > 0 or \
+        zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights")
+    if zero.get("stage") != 3 or own:
+        return  # hpZ / MiCS / quantized weights: DeepSpeed's own path, with the groups it builds for them
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_rlhf.engines.models import as_dtype
+
+    precision = config_precision(ds_config)
+    dtype = as_dtype(precision)
+    if precision != "fp32":  # fp32 runs: DeepSpeed casts nothing either
+        for p in model.parameters():
+            if p.dtype in _CASTABLE and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, dtype=dtype)
+    device = torch.device(get_accelerator().current_device_name())
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def load_dtypes(ds_config: dict, trainable: bool, *, lora: dict | None = None, quantize: str | None = None) -> dict:
+    """`dtype` / `compute_dtype` to load a role's model in. Trainable models load in fp32 (DeepSpeed's fp32 master
+    weights are then exact); frozen ones, and a LoRA model's frozen base (not quantized), in the compute dtype:
+    DeepSpeed casts every parameter to it anyway and peft casts the fp32-initialised adapters to their base's dtype,
+    so the engine starts from the same values, and an 8B LoRA base takes 16 GB of host memory instead of 32."""
     compute = config_precision(ds_config)
-    return {"dtype": "fp32" if trainable else compute, "compute_dtype": compute}
+    full = trainable and not (lora and not quantized.enabled(quantize))
+    return {"dtype": "fp32" if full else compute, "compute_dtype": compute}
 
 
 def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradient_checkpointing: bool = False,
@@ -157,7 +203,7 @@ def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradien
     """`quantize` (model.quantize_base, with `lora`): the frozen base's linear layers stored by bitsandbytes."""
     quantized.check_ds_config(quantize, ds_config)  # before loading: ZeRO-3 cannot partition packed weights
     model = load_causal_lm(model_path, attn_impl=attn_impl, gradient_checkpointing=gradient_checkpointing,
-                           lora=lora, quantize=quantize, **_dtypes(ds_config, True))
+                           lora=lora, quantize=quantize, **load_dtypes(ds_config, True, lora=lora, quantize=quantize))
     return build_engine(model, ds_config, role="actor", trainable=True)
 
 
@@ -165,12 +211,13 @@ def build_critic(model_path, ds_config: dict, *, init_from: str = "reward", attn
                  gradient_checkpointing: bool = False, lora: dict | None = None, quantize: str | None = None):
     quantized.check_ds_config(quantize, ds_config)
     model = CriticModel.from_pretrained(model_path, init_from, attn_impl=attn_impl, lora=lora, quantize=quantize,
-                                        gradient_checkpointing=gradient_checkpointing, **_dtypes(ds_config, True))
+                                        gradient_checkpointing=gradient_checkpointing,
+                                        **load_dtypes(ds_config, True, lora=lora, quantize=quantize))
     return build_engine(model, ds_config, role="critic", trainable=True)
 
 
 def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
-    model = load_causal_lm(model_path, attn_impl=attn_impl, **_dtypes(ds_config, False))
+    model = load_causal_lm(model_path, attn_impl=attn_impl, **load_dtypes(ds_config, False))
     return build_engine(model, frozen_config(ds_config, offload), role="reference", trainable=False)
 
 
@@ -184,5 +231,5 @@ def build_shared_reference(actor):
 
 
 def build_reward(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
-    model = RewardModel.from_pretrained(model_path, attn_impl=attn_impl, **_dtypes(ds_config, False))
+    model = RewardModel.from_pretrained(model_path, attn_impl=attn_impl, **load_dtypes(ds_config, False))
     return build_engine(model, frozen_config(ds_config, offload), role="reward", trainable=False)

@@ -224,6 +224,7 @@ class VLLMHandle:
         if lora_rank > 0:
             kwargs.update(lora_engine_kwargs(lora_rank))
         self.lora_request = None  # the adapter every request is served with (load_adapter), None: the base
+        self._last_lora_id = 0  # ids only count up, so no id vLLM may have cached is reused
         if not self.cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         kwargs.update(llm_kwargs)
@@ -313,7 +314,7 @@ class VLLMHandle:
 
         if not self.llm.llm_engine.vllm_config.lora_config:
             raise RolloutError("this vLLM engine was started without LoRA (lora_rank=0): it cannot load adapters")
-        adapter_id = (self.lora_request.lora_int_id if self.lora_request is not None else 0) + 1
+        adapter_id = self._last_lora_id = self._last_lora_id + 1
         request = LoRARequest(f"ds_rlhf_{adapter_id}", adapter_id, str(path))
         if not self.llm.llm_engine.add_lora(request):
             raise RolloutError(f"vLLM {self.version} did not load the LoRA adapter {path} (id {adapter_id})")
@@ -321,6 +322,12 @@ class VLLMHandle:
         if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
             self.llm.llm_engine.remove_lora(old.lora_int_id)
         return adapter_id
+
+    def serve_base(self) -> None:
+        """Serve the base model again (the adapter is removed from vLLM); later adapters get new ids."""
+        old, self.lora_request = self.lora_request, None
+        if old is not None and old.lora_int_id in self.llm.llm_engine.list_loras():
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
 
     def init_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         self.llm.collective_rpc("ds_rlhf_init_weight_group", args=(host, port, world_size, backend, timeout_s))

@@ -147,6 +147,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self._c.extra["adapter_id"] = adapter_id
         return adapter_id
 
+    def serve_base(self) -> None:
+        """Generate from the base model again, without the last loaded adapter (a LoRA engine reused by a new run)."""
+        self.handle.serve_base()
+        self._c.extra.pop("adapter_id", None)
+        self.handle.reset_prefix_cache()
+
     def reset_cache(self) -> None:
         self.handle.reset_prefix_cache()
 

@@ -35,16 +35,15 @@ class RewardModelTask:
         self.margin = margin
 
     def build(self, ctx: RunContext, ds_config: dict):
-        from ds_rlhf.engines.builder import build_engine
-        from ds_rlhf.engines.ds_config import config_precision
+        from ds_rlhf.engines.builder import build_engine, load_dtypes
         from ds_rlhf.engines.models import RewardModel, apply_seqcls_lora, lora_settings
 
-        # fp32 master weights; DeepSpeed casts for bf16/fp16 compute as the ds_config says
-        model = RewardModel.from_pretrained(ctx.model_path, dtype="fp32", attn_impl=ctx.cfg.model.attn_impl,
-                                            compute_dtype=config_precision(ds_config))
+        # fp32 master weights (a LoRA RM's frozen backbone in the compute dtype); DeepSpeed casts as the ds_config says
+        lora = lora_settings(ctx.cfg.model)
+        model = RewardModel.from_pretrained(ctx.model_path, attn_impl=ctx.cfg.model.attn_impl,
+                                            **load_dtypes(ds_config, True, lora=lora))
         if ctx.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        lora = lora_settings(ctx.cfg.model)
         if lora:
             apply_seqcls_lora(model.model, lora)
         return build_engine(model, ds_config, role="reward", trainable=True)

@@ -68,6 +68,32 @@ def test_frozen_roles_zero3_match_plain_models(tiny_model_path, tiny_reward_path
         save_checkpoint(ref, "unused", "t")
 
 
+@pytest.mark.parametrize("config", ["zero3", "zero3_offload"])
+def test_zero3_partitions_parameter_by_parameter(tiny_model_path, dist_single, monkeypatch, config):
+    """ZeRO-3 engines are partitioned before `deepspeed.initialize` (builder.partition_zero3), which otherwise
+    moves the whole module to the accelerator first (a 15 GiB transient for the 8B shape on the H200). The module
+    is never moved whole, every parameter is partitioned (offloaded: its shard in host memory), and the engine
+    computes what the plain model computes."""
+    from ds_rlhf.engines import builder
+    from ds_rlhf.engines.models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa")
+    plain = load_causal_lm(tiny_model_path, dtype="fp32", attn_impl="sdpa").eval()
+    moved = []
+    monkeypatch.setattr(model, "to", lambda *a, **k: moved.append((a, k)) or model)
+    engine = build_engine(model, resolved(config, world_size=1), role="actor", trainable=True)
+    assert moved == []
+    params = list(engine.module.parameters())
+    assert params and all(hasattr(p, "ds_id") and p.ds_tensor.device.type == "cpu" for p in params)
+    if config == "zero3_offload":
+        assert engine.zero_offload_param()
+    batch = lm_batch(0)
+    with torch.no_grad():
+        torch.testing.assert_close(engine.module.eval()(input_ids=batch).logits, plain(input_ids=batch).logits,
+                                   atol=TOL, rtol=0)
+    assert builder.partition_zero3(model, resolved(config, world_size=1)) is None  # already partitioned: no-op
+
+
 def test_bf16_on_cpu_trains(tiny_model_path, dist_single):
     engine = build_actor(tiny_model_path, resolved("zero2", world_size=1, precision="bf16"), attn_impl="sdpa")
     assert next(engine.module.parameters()).dtype == torch.bfloat16

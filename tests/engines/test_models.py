@@ -120,3 +120,30 @@ def test_reward_model_gradient_checkpointing_is_exact(tiny_reward_path, ids):
     assert grads[True].keys() == grads[False].keys() and grads[False]
     for name in grads[False]:
         torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-6, rtol=0)
+
+
+def test_lora_base_loads_in_the_compute_dtype_with_the_same_values(tiny_model_path):
+    """builder.load_dtypes: a LoRA model's frozen base loads in the compute dtype (half the host memory), and
+    after DeepSpeed's cast of every parameter to it the module holds exactly what the fp32 load gives (peft keeps
+    the adapters in fp32 either way)."""
+    from ds_rlhf.engines.builder import load_dtypes
+    from tests.engines.workers import resolved
+
+    bf16 = resolved("zero2", world_size=1, precision="bf16")
+    lora = {"r": 4, "lora_alpha": 8}
+    assert load_dtypes(bf16, True) == {"dtype": "fp32", "compute_dtype": "bf16"}
+    assert load_dtypes(bf16, True, lora=lora) == {"dtype": "bf16", "compute_dtype": "bf16"}
+    assert load_dtypes(bf16, True, lora=lora, quantize="nf4")["dtype"] == "fp32"
+    assert load_dtypes(bf16, False) == {"dtype": "bf16", "compute_dtype": "bf16"}
+    models = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)  # peft's adapter init
+        models[dtype] = load_causal_lm(tiny_model_path, dtype=dtype, compute_dtype="bf16", attn_impl="sdpa",
+                                       lora=lora)
+    base = [p for n, p in models["bf16"].named_parameters() if "lora_" not in n]
+    assert base and all(p.dtype == torch.bfloat16 for p in base)
+    cast = {n: p.detach().to(torch.bfloat16) for n, p in models["fp32"].named_parameters()}
+    direct = {n: p.detach().to(torch.bfloat16) for n, p in models["bf16"].named_parameters()}
+    assert cast.keys() == direct.keys() and any("lora_A" in n for n in direct)
+    for name, value in cast.items():
+        assert torch.equal(direct[name], value), name
