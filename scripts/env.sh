@@ -6,6 +6,11 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extension
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-offline}
 export PYTHONUNBUFFERED=1
+# Let Python cache bytecode (.pyc, in the checkout's .venv and ds_rlhf/): uv installs packages without it, and with
+# PYTHONDONTWRITEBYTECODE=1 (set on some machines, ours among them) every process compiled each module it imported
+# from source again. Measured on the 2-core CPU machine, 2026-12-01: `import vllm` 18.4 s -> 7.5 s, a 2-step tiny
+# GRPO run 54.3 s -> 35.8 s; the test suite starts dozens of such processes.
+unset PYTHONDONTWRITEBYTECODE
 if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
