@@ -150,9 +150,6 @@ def build_engine(model: torch.nn.Module, ds_config: dict, *, role: str, trainabl
     return engine
 
 
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def partition_zero3(model: torch.nn.Module, ds_config: dict) -> None:
     """ZeRO-3: partition `model` one parameter at a time before `deepspeed.initialize`, which otherwise moves a
     module not built under `deepspeed.zero.Init` to the accelerator whole first (`_configure_distributed_model`),
@@ -171,14 +168,15 @@ def partition_zero3(model: torch.nn.Module, ds_config: dict) -> None:
         return
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import CASTABLE_DTYPES
 
     from ds_rlhf.engines.models import as_dtype
 
     precision = config_precision(ds_config)
     dtype = as_dtype(precision)
     if precision != "fp32":  # fp32 runs: DeepSpeed casts nothing either
-        for p in model.parameters():
-            if p.dtype in _CASTABLE and p.dtype != dtype:
+        for p in model.parameters():  # the cast of DeepSpeedEngine._cast_module_mixed_precision, same dtypes
+            if p.dtype in CASTABLE_DTYPES and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, dtype=dtype)
     device = torch.device(get_accelerator().current_device_name())
@@ -194,8 +192,8 @@ def load_dtypes(ds_config: dict, trainable: bool, *, lora: dict | None = None, q
     DeepSpeed casts every parameter to it anyway and peft casts the fp32-initialised adapters to their base's dtype,
     so the engine starts from the same values, and an 8B LoRA base takes 16 GB of host memory instead of 32."""
     compute = config_precision(ds_config)
-    full = trainable and not (lora and not quantized.enabled(quantize))
-    return {"dtype": "fp32" if full else compute, "compute_dtype": compute}
+    frozen_base = bool(lora) and not quantized.enabled(quantize)
+    return {"dtype": "fp32" if trainable and not frozen_base else compute, "compute_dtype": compute}
 
 
 def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradient_checkpointing: bool = False,

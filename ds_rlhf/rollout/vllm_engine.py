@@ -151,7 +151,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """Generate from the base model again, without the last loaded adapter (a LoRA engine reused by a new run)."""
         self.handle.serve_base()
         self._c.extra.pop("adapter_id", None)
-        self.handle.reset_prefix_cache()
+        self.reset_cache()
 
     def reset_cache(self) -> None:
         self.handle.reset_prefix_cache()
