@@ -19,8 +19,13 @@ Three parts, all derived from the cap C and the device's total memory T:
   pool. The colocated engine reports its unmapped bytes after every sleep and wake; the fraction becomes
   (cap + unmapped) / T, so the cap stays on what the device holds.
 
-The fraction caps PyTorch's caching allocator only: the CUDA context and NCCL's buffers sit outside it, which is
-what the plan's reserve (2 GiB on GPUs) stands for.
+- `non_torch_bytes`: the fraction caps PyTorch's caching allocator only; the CUDA context, NCCL's and vLLM's
+  non-torch buffers, the driver's reserve (what NVML counts beyond CUDA's total) and other processes on the GPU sit
+  outside it. Measured on the H200 (8B GRPO / PPO under a 24 GiB cap, fraction = cap / T): the allocator grew to its
+  limit while training and NVML read 24.97 / 25.03 GiB. Every time the fraction is set it is lowered by what the
+  device holds outside this process's allocator, measured then (NVML where pynvml is installed, as `nvidia-smi`
+  and the benchmarks read it, else CUDA's free memory), plus `HEADROOM` for buffers created later. The plan's
+  reserve (2 GiB on GPUs) stands for the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import os
 
 from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
+
+HEADROOM = 256 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
 
 
 def cap_bytes(cfg) -> int:
@@ -60,16 +67,20 @@ def trainer_memory_fraction(cfg, total_bytes: int, placement: str) -> float | No
 
 
 def apply_trainer_cap(cfg, device, placement: str) -> float | None:
-    """Apply `trainer_memory_fraction` on a CUDA `device`; returns the fraction set (None: nothing set)."""
+    """Apply `trainer_memory_fraction` on a CUDA `device`, less what the device holds outside this process's
+    allocator (`non_torch_bytes`) under a cap; returns the fraction set (None: nothing set)."""
     if getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = trainer_memory_fraction(cfg, total, placement)
-    if fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    if fraction is None:
+        return None
+    if cap_bytes(cfg) > 0 and placement != "sidecar":
         _APPLIED[_index(device)] = (int(fraction * total), int(total))
+        return allow_unmapped(device, 0)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
 
@@ -83,17 +94,37 @@ def _index(device) -> int:
     return torch.cuda.current_device() if index is None else int(index)
 
 
+def non_torch_bytes(device, unmapped: int = 0) -> int:
+    """Bytes the device holds outside this process's PyTorch allocator (see the module docstring): NVML's used
+    memory (else CUDA's total - free) minus the allocator's reserved bytes that are mapped (`unmapped`: counted by
+    the allocator, not held by the device). 0 where nothing can be measured."""
+    import torch
+
+    try:
+        free, total = torch.cuda.mem_get_info(device)  # also creates the CUDA context, which then counts
+    except Exception:  # noqa: BLE001 - no CUDA here (tests, CPU): nothing to subtract
+        return 0
+    try:
+        used = int(torch.cuda.device_memory_used(device))  # NVML: includes the driver's reserve
+    except Exception:  # noqa: BLE001 - no pynvml: CUDA's view
+        used = int(total - free)
+    held = max(0, int(torch.cuda.memory_reserved(device)) - max(0, int(unmapped)))
+    return max(0, used - held)
+
+
 def allow_unmapped(device, nbytes: int) -> float | None:
-    """Set the trainer's fraction to (cap + `nbytes`) / T: `nbytes` that PyTorch's allocator counts but the device
-    does not hold (a sleeping colocated vLLM's pool; see the module docstring). None (nothing set) when
-    `apply_trainer_cap` set no cap on this device."""
+    """Set the trainer's fraction to (cap - non-torch bytes - `HEADROOM` + `nbytes`) / T, `nbytes` being bytes that
+    PyTorch's allocator counts but the device does not hold (a sleeping colocated vLLM's pool; see the module
+    docstring). None (nothing set) when `apply_trainer_cap` set no cap on this device."""
     import torch
 
     applied = _APPLIED.get(_index(device))
     if applied is None:
         return None
     capped, total = applied
-    fraction = min(1.0, (capped + max(0, int(nbytes))) / total)
+    nbytes = max(0, int(nbytes))
+    outside = non_torch_bytes(device, nbytes)
+    fraction = min(1.0, max(0.01, (capped - outside - (HEADROOM if outside else 0) + nbytes) / total))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

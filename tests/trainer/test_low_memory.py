@@ -302,6 +302,43 @@ def test_the_cap_follows_a_sleeping_vllm_pool(monkeypatch):
     assert set_to == pytest.approx([24 / 140, 43 / 140, 28 / 140, 24 / 140, 1.0])
 
 
+def test_the_cap_leaves_room_for_what_the_allocator_does_not_hold(monkeypatch):
+    """The fraction caps PyTorch's allocator only (8B GRPO / PPO on the H200 under a 24 GiB cap: NVML read
+    24.97 / 25.03 GiB with the allocator at its limit). Each time it is set, what the device holds outside this
+    process's allocator (NVML's used bytes, else CUDA's total - free, minus the mapped reserved bytes) and a
+    headroom come off the cap; bytes the allocator counts but vLLM has unmapped are not held by the device."""
+    from ds_rlhf.tools import memory_cap
+
+    total, set_to = int(140 * GiB), []
+    state = {"nvml": 2 * GiB, "free": total - int(1.5 * GiB), "reserved": 1 * GiB}
+
+    def nvml(device):
+        if state["nvml"] is None:
+            raise ModuleNotFoundError("pynvml")
+        return state["nvml"]
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: set_to.append(f))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], total))
+    monkeypatch.setattr(torch.cuda, "device_memory_used", nvml)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["reserved"])
+    monkeypatch.setattr(memory_cap, "_APPLIED", {})
+    device, room = torch.device("cuda", 0), memory_cap.HEADROOM
+    cfg = parse_config(["--run.max_gpu_memory_gb", "24"])
+
+    assert memory_cap.non_torch_bytes(device) == 1 * GiB  # NVML 2 GiB used, 1 GiB of it the allocator's
+    assert memory_cap.apply_trainer_cap(cfg, device, "colocated") == pytest.approx((23 * GiB - room) / total)
+    state.update(nvml=3 * GiB, reserved=21 * GiB)  # vLLM asleep: 19 GiB of the 21 reserved are unmapped
+    assert memory_cap.non_torch_bytes(device, 19 * GiB) == 1 * GiB
+    assert memory_cap.allow_unmapped(device, 19 * GiB) == pytest.approx((42 * GiB - room) / total)
+    state.update(nvml=None)  # no pynvml: CUDA's total - free (1.5 GiB used, 2 GiB of it mapped allocator bytes)
+    assert memory_cap.non_torch_bytes(device, 19 * GiB) == 0
+    assert memory_cap.allow_unmapped(device, 19 * GiB) == pytest.approx(43 / 140)
+    assert set_to == pytest.approx([(23 * GiB - room) / total, (42 * GiB - room) / total, 43 / 140])
+    assert memory_cap.apply_trainer_cap(parse_config([]), device, "colocated") is None  # no cap: allocator untouched
+    assert len(set_to) == 3
+
+
 class PoolHandle:
     """VLLMHandle's sleep / wake / pool_bytes, without vLLM."""
 
