@@ -18,26 +18,34 @@ Nothing lost, nothing silent:
   checkpoint untouched.
 - `keep_last`: that many newest checkpoints are kept, 0 keeps all; the checkpoint just saved is never pruned.
 - Our files load with `torch.load(weights_only=True)`: RNG states are stored as tensors and plain Python values.
+
+The RNG state is `trainer/checkpoint_rng.py`'s; listing, hashing, structural checks and the size estimate of
+the checkpoint's files are `trainer/checkpoint_files.py`'s.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import random
 import shutil
 import time
-import zipfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ds_rlhf.distributed import barrier
 from ds_rlhf.engines.engine_io import fsync_dir, replace_dir
+from ds_rlhf.trainer.checkpoint_files import (
+    MARKER,
+    engine_bytes,
+    fmt_bytes,
+    hash_tree,
+    list_files,
+    structural_problem,
+    tree_size,
+)
+from ds_rlhf.trainer.checkpoint_rng import load_rng_file, rng_state, set_rng_state
 from ds_rlhf.trainer.run_dir import (
     STEP_DIR,
     ResumeNotFound,
@@ -48,9 +56,7 @@ from ds_rlhf.trainer.run_dir import (
     step_of,
 )
 
-MARKER = "COMPLETE"
 MARKER_FORMAT = 2
-_CHUNK = 8 << 20
 _MARGIN = 1.1  # free space asked for beyond the estimate
 
 
@@ -70,114 +76,6 @@ class CheckpointSpaceError(RunDirError, OSError):
 
     def __str__(self) -> str:
         return f"[Errno {errno.ENOSPC}] {self.strerror}"
-
-
-# ---- RNG state, weights_only-safe ---------------------------------------------------------------------------------
-def rng_state() -> dict:
-    """Every RNG's state as tensors and plain Python values (loadable with `torch.load(weights_only=True)`)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(),  # (int, tuple of ints, float | None)
-             "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(_as_tuples(state["python"]))
-    numpy = state["numpy"]
-    if isinstance(numpy, dict):
-        np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                             numpy["has_gauss"], numpy["cached_gaussian"]))
-    else:  # older checkpoints: numpy's own tuple
-        np.random.set_state(numpy)
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuples(value):
-    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value
-
-
-def _load_rng_file(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a checkpoint from before the tensor format held numpy arrays: allow just those
-        if "numpy" not in str(exc):
-            raise
-        from numpy._core.multiarray import _reconstruct
-
-        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# ---- files, hashes, sizes --------------------------------------------------------------------------------------
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MARKER)
-
-
-def _tree_size(root: Path) -> int:
-    try:
-        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-    except OSError:
-        return 0
-
-
-def _hash_file(path: Path, *, sync: bool = False) -> tuple[int, str]:
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        if sync:
-            os.fsync(f.fileno())
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _hash_tree(root: Path, files: list[Path], *, sync: bool = False) -> dict[str, dict]:
-    workers = max(1, min(8, os.cpu_count() or 1, len(files)))
-    with ThreadPoolExecutor(workers) as pool:  # hashlib releases the GIL on large buffers
-        results = list(pool.map(lambda p: _hash_file(p, sync=sync), files))
-    return {p.relative_to(root).as_posix(): {"size": size, "sha256": digest}
-            for p, (size, digest) in zip(files, results)}
-
-
-def _structural_problem(path: Path) -> str | None:
-    """Cheap checks that need no manifest: an empty file, or a torch zip archive cut short."""
-    size = path.stat().st_size
-    if size == 0:
-        return "empty file (0 bytes)"
-    with open(path, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
-    if zipped and not zipfile.is_zipfile(path):
-        return f"truncated ({size} bytes: the zip archive has no end record)"
-    return None
-
-
-def _engine_bytes(engine) -> int:
-    """What a checkpoint of ``engine`` takes on disk, roughly: 12 bytes of fp32 master weights + Adam moments per
-    trainable parameter, plus the module's own weights below ZeRO-3 (ZeRO-3 keeps them in the optimizer files)."""
-    module = getattr(engine, "module", engine)
-    trainable = weights = 0
-    for p in module.parameters():
-        numel = getattr(p, "ds_numel", None) or p.numel()
-        if p.requires_grad:
-            trainable += numel
-        weights += numel * p.element_size()
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-    return trainable * 12 + (weights if stage < 3 else 0)
 
 
 # ---- the manager ------------------------------------------------------------------------------------------------
@@ -269,8 +167,8 @@ class CheckpointManager:
         if isinstance(manifest, int) or (manifest is None and text.strip().isdigit()):
             self.log(f"[checkpoint] warning: {path} has an old-format {MARKER} marker without checksums: unverified "
                      "(checking only for empty or truncated files)")
-            for f in _files(path):
-                if problem := _structural_problem(f):
+            for f in list_files(path):
+                if problem := structural_problem(f):
                     return f"{f}: {problem}"
             return None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -284,7 +182,7 @@ class CheckpointManager:
             if size != meta["size"]:
                 return f"{f}: {size} bytes, {meta['size']} when saved (truncated or overwritten)"
         names = sorted(files)
-        hashes = _hash_tree(path, [path / rel for rel in names])
+        hashes = hash_tree(path, [path / rel for rel in names])
         for rel in names:
             if hashes[rel]["sha256"] != files[rel]["sha256"]:
                 return f"{path / rel}: sha256 differs from the one recorded at save (the file is corrupt)"
@@ -305,7 +203,7 @@ class CheckpointManager:
                                           f"{self._diagnose(path / name) or exc}") from exc
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
-            rng = self._read(rng_file, _load_rng_file)
+            rng = self._read(rng_file, load_rng_file)
             set_rng_state(rng)
         state = self._read(path / "trainer_state.pt",
                            lambda p: torch.load(p, map_location="cpu", weights_only=True))
@@ -318,7 +216,7 @@ class CheckpointManager:
         try:
             return reader(path)
         except Exception as exc:
-            problem = (_structural_problem(path) if path.exists() else "missing") or "unreadable"
+            problem = (structural_problem(path) if path.exists() else "missing") or "unreadable"
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise CheckpointLoadError(f"cannot load {path}: {problem} ({type(exc).__name__}: {first})") from exc
 
@@ -326,8 +224,8 @@ class CheckpointManager:
     def _diagnose(root: Path) -> str | None:
         if not root.exists():
             return "directory missing"
-        for f in _files(root):
-            if problem := _structural_problem(f):
+        for f in list_files(root):
+            if problem := structural_problem(f):
                 return f"{f}: {problem}"
         return None
 
@@ -374,9 +272,9 @@ class CheckpointManager:
         except Exception as exc:
             raise TypeError(f"trainer state for step {step} does not load with weights_only=True (keep it to "
                             f"tensors and plain Python values): {exc}") from exc
-        files = _files(tmp)
+        files = list_files(tmp)
         manifest = {"format": MARKER_FORMAT, "step": step, "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "files": _hash_tree(tmp, files, sync=True)}
+                    "files": hash_tree(tmp, files, sync=True)}
         with open(tmp / MARKER, "w") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
             f.flush()
@@ -387,7 +285,7 @@ class CheckpointManager:
         fsync_dir(self.root)
 
     def _save_failed(self, step: int, tmp: Path, needed: int, exc: Exception):
-        written = _tree_size(tmp)
+        written = tree_size(tmp)
         free = _free_bytes(self.root)
         shutil.rmtree(tmp, ignore_errors=True)
         latest = self.latest()
@@ -396,8 +294,8 @@ class CheckpointManager:
         if full or free < max(needed - written, 16 << 20):
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise CheckpointSpaceError(
-                f"no space left on device saving checkpoint step {step} to {tmp}: about {_fmt_bytes(needed)} "
-                f"needed, {_fmt_bytes(written)} written when it failed, {_fmt_bytes(free)} free now; the partial "
+                f"no space left on device saving checkpoint step {step} to {tmp}: about {fmt_bytes(needed)} "
+                f"needed, {fmt_bytes(written)} written when it failed, {fmt_bytes(free)} free now; the partial "
                 f"checkpoint was removed and {previous} (the error: {type(exc).__name__}: {first})") from exc
         exc.add_note(f"while saving checkpoint step {step} to {tmp} ({previous}; the partial one was removed)")
         raise exc
@@ -405,8 +303,8 @@ class CheckpointManager:
     def _needed_bytes(self, engines: dict) -> int:
         latest = self.latest()
         if latest is not None:
-            return int(_tree_size(latest) * _MARGIN)
-        return int(sum(_engine_bytes(e) for e in engines.values()) * _MARGIN)
+            return int(tree_size(latest) * _MARGIN)
+        return int(sum(engine_bytes(e) for e in engines.values()) * _MARGIN)
 
     def _make_room(self, step: int, needed: int, keep: Path) -> str | None:
         """None if ``needed`` bytes fit; else first prune what this save's pruning would delete anyway (never the
@@ -418,7 +316,7 @@ class CheckpointManager:
         doomed = done[: max(0, len(done) + 1 - self.keep_last)] if self.keep_last else []
         doomed = [p for p in doomed if p != done[-1]]
         for old in doomed:
-            self.log(f"[checkpoint] low on space ({_fmt_bytes(free)} free, {_fmt_bytes(needed)} needed): removing "
+            self.log(f"[checkpoint] low on space ({fmt_bytes(free)} free, {fmt_bytes(needed)} needed): removing "
                      f"{old.name} now, which keep_last={self.keep_last} would remove after this save")
             shutil.rmtree(old, ignore_errors=True)
             free = _free_bytes(self.root)
@@ -426,8 +324,8 @@ class CheckpointManager:
                 return None
         latest = self.latest()
         previous = f"the previous checkpoint {latest} is intact" if latest else "there is no earlier checkpoint"
-        return (f"not enough space to save checkpoint step {step} in {self.root}: about {_fmt_bytes(needed)} "
-                f"({needed} bytes) needed, {_fmt_bytes(free)} free; nothing was written and {previous}. Free space or "
+        return (f"not enough space to save checkpoint step {step} in {self.root}: about {fmt_bytes(needed)} "
+                f"({needed} bytes) needed, {fmt_bytes(free)} free; nothing was written and {previous}. Free space or "
                 "point --run.output_dir at a larger disk")
 
     def _remove_stale_temps(self) -> None:
@@ -446,7 +344,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _free_bytes(path: Path) -> int:
+def _free_bytes(path: Path) -> int:  # here, not in checkpoint_files: tests/trainer/test_run_safety.py patches it
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free
