@@ -32,7 +32,12 @@ def _load(name: str, path: Path):
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load("low_memory_gpu", SCRIPT)
+    # the script imports its sibling modules (bench/low_memory_*.py) as it does when run, with bench/ on sys.path
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        yield _load("low_memory_gpu", SCRIPT)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def _args(bench, *argv):
