@@ -21,7 +21,9 @@ varies between samples), any `rl.reward_fn`, or `--reward rm` (the rm phase's ex
 
 Results accumulate in WORKDIR/low_memory.json across invocations (one device command is limited to 10 minutes, so
 run the phases in separate commands on the same machine); each invocation writes the merged file to
-OUT/low_memory.json and prints a markdown table of every phase recorded so far (for docs/PERFORMANCE.md).
+OUT/low_memory.json and prints a markdown table of every phase recorded so far (for docs/PERFORMANCE.md). Each
+phase's log is written to OUT/logs/ as it runs, and low_memory.json names the phase in progress, so a device command
+stopped mid-phase still brings back what that phase printed.
 
 On the GPU machine (DeepSpeed and vLLM on PYTHONPATH as the device recipe puts them):
 
@@ -29,7 +31,7 @@ On the GPU machine (DeepSpeed and vLLM on PYTHONPATH as the device recipe puts t
     python3 bench/low_memory_gpu.py --shape 8b --phases rm,grpo --steps 3 --out $OUT
     python3 bench/low_memory_gpu.py --shape 8b --phases ppo --steps 3 --out $OUT
     python3 bench/low_memory_gpu.py --shape 8b --phases grpo --extra "--model.quantize_base nf4" --tag nf4 --out $OUT
-    python3 bench/low_memory_gpu.py --full-ft-sweep --out $OUT       # largest full-FT model: 8b, 13b, 20b shapes
+    python3 bench/low_memory_gpu.py --full-ft-sweep --out $OUT       # largest full-FT model: 3b, 8b, 13b, 20b
     python3 bench/low_memory_gpu.py --shape tiny --phases sft,rm,grpo --steps 2 --out /tmp/lm   # CPU logic check
 
 `--full-ft-sweep` (secondary): for each Llama shape, SFT with full fine-tuning (no LoRA, no cap) at ZeRO-3 with and
@@ -89,6 +91,9 @@ def run_phases(args, gpu: dict | None, results: dict) -> None:
                                      for p in phases}
     for p in phases:
         run_dir = Path(argvs[p][argvs[p].index("--run.output_dir") + 1])
+        entry["phases"][p] = {"phase": p, "ok": False, "reason": "running (the call ended mid-phase)",
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        save(args, results)  # replaced when the phase ends: a stopped call shows which phase it was in
         rec = run_phase(args, p, argvs[p], run_dir, env, args.steps)
         if p in plans:
             rec["plan"] = collect_plan(plans[p])
@@ -137,8 +142,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tail-lines", type=int, default=30, help="log lines kept for a failed phase (30)")
     p.add_argument("--full-ft-sweep", action="store_true",
                    help="instead of --phases: which Llama shapes train with full fine-tuning on this GPU")
-    p.add_argument("--sweep-shapes", default="8b,13b,20b",
-                   help=f"shapes for --full-ft-sweep, smallest first (of {', '.join(SHAPES)}; default 8b,13b,20b)")
+    p.add_argument("--sweep-shapes", default="3b,8b,13b,20b",
+                   help=f"shapes for --full-ft-sweep, smallest first (of {', '.join(SHAPES)}; default 3b,8b,13b,20b)")
     p.add_argument("--sweep-modes", default="plain,offload",
                    help="plain: ZeRO-3 on the GPU (ds_configs/zero3.json); offload: ZeRO-3 with optimizer and weights "
                         "in host memory (the recipe's JSON)")

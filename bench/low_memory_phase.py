@@ -134,7 +134,10 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
     from gpu_timeline import Sampler
 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir.parent / f"{run_dir.name}.log"
+    # the log goes straight to --out: a device call stopped mid-phase still brings back what the phase printed
+    logs = Path(args.out) / "logs" if args.out else run_dir.parent
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{run_dir.name}.log"
     cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", PHASES[phase], *argv]
     print(f"[low_memory] {phase}: {shlex.join(cmd[1:])}", flush=True)
     idle = None

@@ -42,6 +42,9 @@ def markdown(results: dict) -> str:
             note = r.get("reason") or ""
             if r.get("error_line") and r.get("reason"):
                 note += ": " + r["error_line"][:160].replace("|", "/")
+            if "exit" not in r:  # an earlier call ended mid-phase (run_phases' placeholder)
+                lines.append(f"| {p} | - | - | - | - | - | - | - | - | - | {note} (started {r.get('started')}) |")
+                continue
             lines.append(f"| {p} | {r['exit']} | {r['steps_logged']} | {fmt(r['step_time_s'])} | "
                          f"{fmt(r['wall_s'])} | {fmt(r['nvml_peak_gib'])} | {fmt(r['torch_peak_gib'])} | "
                          f"{fmt(r['host_rss_peak_gib'])} | {fmt(r['within_cap'])} | "

@@ -144,3 +144,20 @@ def test_low_memory_bench_tiny_on_cpu(tmp_path):
     table = proc.stdout[proc.stdout.index("| phase |"):]
     for name in ("sft", "grpo"):
         assert f"| {name} | 0 | 2 |" in table
+    for name in ("sft", "grpo"):  # each phase's log went to OUT/logs as it ran
+        log = out / "logs" / f"{name}.log"
+        assert phases[name]["log"] == str(log) and "step 2/2" in log.read_text()
+
+
+def test_a_call_stopped_mid_phase_leaves_a_placeholder_the_table_shows(bench):
+    """run_phases saves a 'running' record before each phase, so a device call stopped mid-phase brings back which
+    phase it was in; the markdown table prints that record instead of failing on its missing fields."""
+    results = {"machine": {"gpu": None, "cpus": 2, "ram_gib": 24.0, "versions": {"torch": "x"}}, "date": "d",
+               "commands": ["c"], "runs": {"8b": {"sizes": {"batch": 8, "seq_len": 512, "prompts": 8, "samples": 4,
+                                                             "prompt_len": 128, "new_tokens": 256},
+                                                   "cap_gb": 24, "reward": "bench", "extra": "", "params": 8e9,
+                                                   "phases": {"ppo": {"phase": "ppo", "ok": False,
+                                                                      "reason": "running (the call ended mid-phase)",
+                                                                      "started": "2026-12-01 20:30:00 UTC"}}}}}
+    table = bench.markdown(results)
+    assert "| ppo | - |" in table and "running (the call ended mid-phase) (started 2026-12-01 20:30:00 UTC)" in table
