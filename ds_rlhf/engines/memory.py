@@ -77,23 +77,44 @@ def memory_breakdown(model_or_engine, *, zero_stage: int, world_size: int, optim
         raise ValueError(f"zero_stage must be 0-3, got {zero_stage}")
     module = _module(model_or_engine)
     if precision is None:
-        from ds_rlhf.engines.ds_config import config_precision
-        from ds_rlhf.engines.roles import role_info
-
-        info = role_info(model_or_engine)
-        precision = config_precision(info.ds_config) if info else "fp32"
+        precision = _engine_precision(model_or_engine)
     total, n_train = count_params(module)
     if trainable is False:
         n_train = 0
-    mixed = precision in ("bf16", "fp16")
-    wbytes = 2 if mixed else 4
+    wbytes = 2 if precision in ("bf16", "fp16") else 4
     w = max(1, world_size)
+    params, grads, opt = _model_states(total, n_train, wbytes, w, zero_stage, optimizer)
+    params_device, opt_device, host = _placed(params, opt, zero_stage, offload)
+    if gradient_checkpointing is None:
+        gradient_checkpointing = _checkpointing_flag(module)
+    acts = _activations(module, micro_batch_tokens, wbytes, n_train, gradient_checkpointing)
+    return {
+        "params": params, "grads": grads, "optimizer_states": opt, "activations": acts,
+        "device_total": params_device + grads + opt_device + acts, "host_total": host,
+        "num_params": total, "num_trainable": n_train, "precision": precision, "zero_stage": zero_stage,
+        "world_size": w, "offload": offload, "gradient_checkpointing": gradient_checkpointing,
+    }
 
+
+def _engine_precision(model_or_engine) -> str:
+    """The precision of an engine's ds_config (its registered role), "fp32" for a plain module."""
+    from ds_rlhf.engines.ds_config import config_precision
+    from ds_rlhf.engines.roles import role_info
+
+    info = role_info(model_or_engine)
+    return config_precision(info.ds_config) if info else "fp32"
+
+
+def _model_states(total: int, n_train: int, wbytes: int, w: int, zero_stage: int,
+                  optimizer: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer_states) bytes per rank: weights and gradients at ``wbytes`` per element, Adam's
+    fp32 state (plus the fp32 master with mixed precision, 1-bit Adam's error buffers), divided over ``w`` ranks
+    as the ZeRO stage partitions them."""
     params = total * wbytes
     grads = n_train * wbytes
     opt = 0
     if optimizer != "none":
-        opt = n_train * (12 if mixed else 8)
+        opt = n_train * (12 if wbytes == 2 else 8)
         if optimizer == "onebit_adam":
             opt += n_train * 4 + n_train * 4 // w
     if zero_stage >= 1:
@@ -102,39 +123,40 @@ def memory_breakdown(model_or_engine, *, zero_stage: int, world_size: int, optim
         grads //= w
     if zero_stage == 3:
         params //= w
+    return params, grads, opt
 
-    host = 0
-    if offload:
-        if zero_stage == 0:
-            raise ValueError("offload needs ZeRO stage >= 1")
-        host += opt
-        opt_device = 0
-        if zero_stage == 3:
-            host += params
-            params_device = 0
-        else:
-            params_device = params
-    else:
-        opt_device, params_device = opt, params
 
+def _placed(params: int, opt: int, zero_stage: int, offload: bool) -> tuple[int, int, int]:
+    """(params on the device, optimizer state on the device, host bytes): offload moves the optimizer state, and at
+    ZeRO-3 the weights, to host memory."""
+    if not offload:
+        return params, opt, 0
+    if zero_stage == 0:
+        raise ValueError("offload needs ZeRO stage >= 1")
+    if zero_stage == 3:
+        return 0, 0, opt + params
+    return params, 0, opt
+
+
+def _checkpointing_flag(module) -> bool:
+    """Whether the model (or a critic's / reward model's backbone) has gradient checkpointing on."""
+    flag = bool(getattr(module, "is_gradient_checkpointing", False))
+    backbone = getattr(module, "backbone", None)
+    return flag | bool(getattr(backbone, "is_gradient_checkpointing", False))
+
+
+def _activations(module, micro_batch_tokens: int, wbytes: int, n_train: int, gradient_checkpointing: bool) -> int:
+    """The activation estimate of one micro-batch of ``micro_batch_tokens`` (0: none); a model without trainable
+    parameters (inference) keeps only its logits."""
     config = _config_of(module)
-    if gradient_checkpointing is None:
-        gradient_checkpointing = bool(getattr(module, "is_gradient_checkpointing", False))
-        backbone = getattr(module, "backbone", None)
-        gradient_checkpointing |= bool(getattr(backbone, "is_gradient_checkpointing", False))
     lm_head = getattr(module, "get_output_embeddings", lambda: None)() is not None
-    acts = 0
-    if micro_batch_tokens and config is not None:
-        acts = activation_bytes(config, micro_batch_tokens, wbytes, gradient_checkpointing=gradient_checkpointing,
-                                lm_head=lm_head)
-        if n_train == 0:
-            acts = micro_batch_tokens * config.vocab_size * wbytes if lm_head else 0  # inference: logits only
-    return {
-        "params": params, "grads": grads, "optimizer_states": opt, "activations": acts,
-        "device_total": params_device + grads + opt_device + acts, "host_total": host,
-        "num_params": total, "num_trainable": n_train, "precision": precision, "zero_stage": zero_stage,
-        "world_size": w, "offload": offload, "gradient_checkpointing": gradient_checkpointing,
-    }
+    if not (micro_batch_tokens and config is not None):
+        return 0
+    acts = activation_bytes(config, micro_batch_tokens, wbytes, gradient_checkpointing=gradient_checkpointing,
+                            lm_head=lm_head)
+    if n_train == 0:
+        acts = micro_batch_tokens * config.vocab_size * wbytes if lm_head else 0  # inference: logits only
+    return acts
 
 
 def format_breakdown(b: dict) -> str:

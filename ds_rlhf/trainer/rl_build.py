@@ -57,14 +57,10 @@ def _micro_size(cfg) -> int:
 
 def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
-    from ds_rlhf.data.loader import StoreLoader
-    from ds_rlhf.data.store import open_store
-    from ds_rlhf.engines.builder import build_actor, build_reference, build_shared_reference
+    from ds_rlhf.engines.builder import build_actor
     from ds_rlhf.engines.models import lora_settings
     from ds_rlhf.rollout import make_rollout_engine
-    from ds_rlhf.rollout.canary import SyncCanary
-    from ds_rlhf.rollout.sync import WeightSync
-    from ds_rlhf.tools.memory_cap import allow_unmapped, apply_trainer_cap, vllm_memory_fraction
+    from ds_rlhf.tools.memory_cap import allow_unmapped
     from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
 
     cfg, dist = ctx.cfg, ctx.dist
@@ -74,22 +70,9 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
                                   gpus_on_node=physical_gpu_count())
-    store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind="prompts")
-    loader = StoreLoader(store, batch_size=rl.prompts_per_step, rank=dist.rank, world_size=dist.world_size,
-                         seed=cfg.run.seed, shuffle=cfg.data.shuffle, reader=cfg.data.reader,
-                         indices=_prompt_rows(ctx, store))
-    samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
-    mini = rl.mini_batch_size or samples_per_step
-    steps_total = cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
-    vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
-    if dist.device.type == "cuda":
-        # run.max_gpu_memory_gb caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process
-        # takes gpu_memory_utilization (of the cap, when set), this process the rest
-        fraction = apply_trainer_cap(cfg, dist.device, placement.mode)
-        vllm_fraction = vllm_memory_fraction(cfg, torch.cuda.get_device_properties(dist.device).total_memory)
-        if cfg.run.max_gpu_memory_gb > 0:
-            ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
-                      f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
+    loader = _prompt_loader(ctx)
+    steps_total = _optimizer_steps(cfg)
+    vllm_fraction, fraction = _memory_fractions(ctx, placement.mode)
     attn = rl_attention(ctx)
     model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
                       lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base)
@@ -99,14 +82,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
         critic = _build_critic(ctx, actor, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
                                                          lr=cfg.optim.critic_lr, total_steps=steps_total), model_opts)
-    reference = None
-    if rl.kl_coef > 0 or rl.kl_target > 0:
-        if cfg.model.share_base:
-            reference = build_shared_reference(actor)  # the actor with its adapters off: no second copy of the base
-        else:
-            frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1,
-                                   frozen=True)
-            reference = build_reference(ctx.model_path, frozen, attn_impl=attn)
+    reference = _build_reference(ctx, actor, attn)
     max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     owns_rollout = rollout is None
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
@@ -122,12 +98,73 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory_cap)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
-    probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
-    canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
-    sync = WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary, mode=sync_mode)
+    sync = _weight_sync(ctx, actor, rollout, sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
+
+
+def _prompt_loader(ctx: RunContext) -> StoreLoader:
+    """This rank's loader of the training prompts (`data.train`), `rl.prompts_per_step` prompts a batch."""
+    from ds_rlhf.data.loader import StoreLoader
+    from ds_rlhf.data.store import open_store
+
+    cfg, dist = ctx.cfg, ctx.dist
+    store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind="prompts")
+    return StoreLoader(store, batch_size=cfg.rl.prompts_per_step, rank=dist.rank, world_size=dist.world_size,
+                       seed=cfg.run.seed, shuffle=cfg.data.shuffle, reader=cfg.data.reader,
+                       indices=_prompt_rows(ctx, store))
+
+
+def _optimizer_steps(cfg) -> int:
+    """Optimizer steps of the whole run, the ds_config's `total_steps` (LR schedule, 1-bit Adam's freeze step):
+    steps x PPO epochs x mini-batches per step."""
+    rl = cfg.rl
+    samples_per_step = rl.prompts_per_step * cfg.rollout.n_samples
+    mini = rl.mini_batch_size or samples_per_step
+    return cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
+
+
+def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, float | None]:
+    """(vLLM's gpu_memory_utilization, this process's allocator fraction or None). On CUDA, run.max_gpu_memory_gb
+    caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process takes
+    gpu_memory_utilization (of the cap, when set), this process the rest (`tools/memory_cap.py`)."""
+    from ds_rlhf.tools.memory_cap import apply_trainer_cap, vllm_memory_fraction
+
+    cfg, dist = ctx.cfg, ctx.dist
+    vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
+    if dist.device.type == "cuda":
+        fraction = apply_trainer_cap(cfg, dist.device, placement_mode)
+        vllm_fraction = vllm_memory_fraction(cfg, torch.cuda.get_device_properties(dist.device).total_memory)
+        if cfg.run.max_gpu_memory_gb > 0:
+            ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
+                      f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
+    return vllm_fraction, fraction
+
+
+def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:
+    """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0: with `model.share_base` the actor with its
+    adapters off (no second copy of the base), else a frozen engine of `model.path`."""
+    from ds_rlhf.engines.builder import build_reference, build_shared_reference
+
+    cfg = ctx.cfg
+    if not (cfg.rl.kl_coef > 0 or cfg.rl.kl_target > 0):
+        return None
+    if cfg.model.share_base:
+        return build_shared_reference(actor)
+    frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1, frozen=True)
+    return build_reference(ctx.model_path, frozen, attn_impl=attn)
+
+
+def _weight_sync(ctx: RunContext, actor: Engine, rollout: RolloutEngine, sync_mode: str) -> WeightSync:
+    """The actor -> rollout weight sync, checked after each sync by a canary prompt (`PROBE_MESSAGES`)."""
+    from ds_rlhf.rollout.canary import SyncCanary
+    from ds_rlhf.rollout.sync import WeightSync
+
+    cfg = ctx.cfg
+    probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
+    canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
+    return WeightSync(actor, rollout, bucket_bytes=cfg.rollout.bucket_mb << 20, canary=canary, mode=sync_mode)
 
 
 def _prompt_rows(ctx: RunContext, store) -> list[int] | None:
