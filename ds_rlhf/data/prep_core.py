@@ -216,22 +216,15 @@ def _swap_in(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by: str, options: dict,
-             max_lengths: dict, on_error: str = "skip", split: str | None = None, overwrite: bool = False,
-             progress: bool = True, block_rows: int = 2048, allow_empty: bool = False) -> PrepResult:
-    """Read `inputs`, convert each row with `make_converter(encoder)`, write a `kind` store at `output`.
-
-    Raises DataPrepError when no row is kept (unless `allow_empty`), when an input cannot be read, or on the first
-    bad row under ``on_error="fail"``; nothing is written at `output` then.
-    """
-    t0 = time.time()
+def _load_tokenizer(tokenizer):
     try:
-        tok, tok_name = load_tokenizer(tokenizer)
+        return load_tokenizer(tokenizer)
     except (OSError, ValueError) as exc:
         raise DataPrepError(f"cannot load the tokenizer {tokenizer}: {' '.join(str(exc).split())}") from exc
-    paths = expand_inputs(inputs)
-    fmts = [detect_format(p) for p in paths]
-    out = Path(output)
+
+
+def _prepare_output(out: Path, overwrite: bool) -> Path:
+    """Check that `out` may be written (after cleaning up killed preps) and return a fresh temp dir beside it."""
     _recover(out)
     if out.is_file():
         raise DataPrepError(f"{out} is a file; --output must be a directory")
@@ -244,49 +237,80 @@ def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by
     tmp = out.parent / f".{out.name}.tmp-{_tag()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def _write_rows(paths: list[Path], fmts: list, split: str | None, convert, writer: StoreWriter, drop_path: Path, *,
+                on_error: str, created_by: str, progress: bool) -> _Report:
+    """Convert every input row into `writer`; dropped rows go to `drop_path` and the returned report."""
+    counts = [count_rows(p, f) for p, f in zip(paths, fmts)]
+    total = sum(counts) if all(c is not None for c in counts) else None
+    with open(drop_path, "w", encoding="utf-8") as drop_file, \
+            tqdm(total=total, unit="row", desc=created_by, disable=not progress, dynamic_ncols=True) as bar:
+        report = _Report(on_error, drop_file)
+        for si, path in enumerate(paths):
+            for src in iter_rows(path, si, split):
+                bar.update(1)
+                report.read += 1
+                try:
+                    if src.error is not None:
+                        raise src.error
+                    row = convert(src.data, report.note)
+                except RowError as err:
+                    report.drop(src, err, str(path))
+                    continue
+                row["row_id"], row["source_idx"] = src.row_id, si
+                writer.add(row)
+                report.written += 1
+                if report.written % 256 == 0:
+                    bar.set_postfix(written=report.written, dropped=sum(report.dropped.values()))
+    return report
+
+
+def _manifest(kind: str, created_by: str, paths: list[Path], fmts: list, tok, tok_name: str, options: dict,
+              max_lengths: dict, report: _Report, layout: dict, lengths: np.ndarray, convert) -> dict:
+    return {
+        "format_version": layout["format_version"], "kind": kind, "created_by": created_by,
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "sources": [source_info(p, f) for p, f in zip(paths, fmts)],
+        "tokenizer": {"name": tok_name, "fingerprint": tokenizer_fingerprint(tok),
+                      "chat_template_applied": bool(options.get("apply_chat_template", True))},
+        "max_lengths": max_lengths, "options": options,
+        "rows": layout["rows"],
+        "row_counts": {"read": report.read, "written": layout["rows"], "dropped": sum(report.dropped.values())},
+        "dropped_by_reason": dict(report.dropped), "drop_report": DROPPED, "notes": dict(report.notes),
+        "fields_used": getattr(convert, "fields_used", {}),
+        "token_stats": _token_stats(lengths, layout["length_columns"]),
+        **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
+    }
+
+
+def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by: str, options: dict,
+             max_lengths: dict, on_error: str = "skip", split: str | None = None, overwrite: bool = False,
+             progress: bool = True, block_rows: int = 2048, allow_empty: bool = False) -> PrepResult:
+    """Read `inputs`, convert each row with `make_converter(encoder)`, write a `kind` store at `output`.
+
+    Raises DataPrepError when no row is kept (unless `allow_empty`), when an input cannot be read, or on the first
+    bad row under ``on_error="fail"``; nothing is written at `output` then.
+    """
+    t0 = time.time()
+    tok, tok_name = _load_tokenizer(tokenizer)
+    paths = expand_inputs(inputs)
+    fmts = [detect_format(p) for p in paths]
+    out = Path(output)
+    tmp = _prepare_output(out, overwrite)
     try:
         enc = Encoder(tok, system_prompt=options.get("system_prompt"))
         convert = make_converter(enc)
         writer = StoreWriter(tmp, kind, block_rows=block_rows)
-        counts = [count_rows(p, f) for p, f in zip(paths, fmts)]
-        total = sum(counts) if all(c is not None for c in counts) else None
-        with open(tmp / DROPPED, "w", encoding="utf-8") as drop_file, \
-                tqdm(total=total, unit="row", desc=created_by, disable=not progress, dynamic_ncols=True) as bar:
-            report = _Report(on_error, drop_file)
-            for si, path in enumerate(paths):
-                for src in iter_rows(path, si, split):
-                    bar.update(1)
-                    report.read += 1
-                    try:
-                        if src.error is not None:
-                            raise src.error
-                        row = convert(src.data, report.note)
-                    except RowError as err:
-                        report.drop(src, err, str(path))
-                        continue
-                    row["row_id"], row["source_idx"] = src.row_id, si
-                    writer.add(row)
-                    report.written += 1
-                    if report.written % 256 == 0:
-                        bar.set_postfix(written=report.written, dropped=sum(report.dropped.values()))
+        report = _write_rows(paths, fmts, split, convert, writer, tmp / DROPPED, on_error=on_error,
+                             created_by=created_by, progress=progress)
         if report.written == 0 and not allow_empty:
             raise _empty_error(paths, report)
         layout = writer.close()
         lengths = np.load(tmp / layout["lengths_file"])
-        manifest = {
-            "format_version": layout["format_version"], "kind": kind, "created_by": created_by,
-            "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "sources": [source_info(p, f) for p, f in zip(paths, fmts)],
-            "tokenizer": {"name": tok_name, "fingerprint": tokenizer_fingerprint(tok),
-                          "chat_template_applied": bool(options.get("apply_chat_template", True))},
-            "max_lengths": max_lengths, "options": options,
-            "rows": layout["rows"],
-            "row_counts": {"read": report.read, "written": layout["rows"], "dropped": sum(report.dropped.values())},
-            "dropped_by_reason": dict(report.dropped), "drop_report": DROPPED, "notes": dict(report.notes),
-            "fields_used": getattr(convert, "fields_used", {}),
-            "token_stats": _token_stats(lengths, layout["length_columns"]),
-            **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
-        }
+        manifest = _manifest(kind, created_by, paths, fmts, tok, tok_name, options, max_lengths, report, layout,
+                             lengths, convert)
         write_manifest(tmp, manifest)
         _swap_in(tmp, out)
     except BaseException:

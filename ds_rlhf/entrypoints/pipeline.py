@@ -55,7 +55,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/pipeline",
                         help="run directory for all three steps (a relative path is under the current directory); "
@@ -66,7 +66,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rl_steps", type=int, default=30)
     parser.add_argument("--algo", default="grpo", help="ppo | grpo | dr_grpo | rloo | reinforce_pp")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _summary(args, out: Path, logs: Path, times: dict, t_start: float) -> None:
+    """Print the one-screen summary and write it to `out`/summary.json."""
+    sft, rm, rl = _metrics(out / "sft"), _metrics(out / "rm"), _metrics(out / "rl")
+    rewards = [r["reward/mean"] for r in rl if "reward/mean" in r]
+    exact = [r["reward/exact_match"] for r in rl if "reward/exact_match" in r]
+    k = max(1, min(5, len(rewards) // 3))
+    print("\n" + "=" * 72)
+    print("ds_rlhf pipeline summary (tiny default, synthetic addition task)")
+    print(f"  SFT   eval loss          {_last(sft, 'final/eval/loss'):.3f}   "
+          f"(perplexity {_last(sft, 'final/eval/perplexity'):.2f})   {times['sft']:.0f}s")
+    print(f"  RM    eval accuracy      {_last(rm, 'final/eval/accuracy'):.1%}   {times['rm']:.0f}s")
+    print(f"  RL    reward first {k} steps {_mean(rewards[:k]):.3f} -> last {k} steps {_mean(rewards[-k:]):.3f}"
+          f"   ({args.algo}, {len(rewards)} steps, {times['rl']:.0f}s)")
+    print(f"        exact-match rate    {_mean(exact[:k]):.3f} -> {_mean(exact[-k:]):.3f}")
+    print(f"  total {time.time() - t_start:.0f}s; run directory: {out}")
+    print(f"  logs: {logs}; metrics: {out}/<step>/metrics.jsonl; final policy: {out / 'rl' / 'export' / 'actor'}")
+    print("=" * 72)
+    (out / "summary.json").write_text(json.dumps({
+        "sft_eval_loss": _last(sft, "final/eval/loss"), "rm_eval_accuracy": _last(rm, "final/eval/accuracy"),
+        "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
+        "exact_first": _mean(exact[:k]), "exact_last": _mean(exact[-k:]), "seconds": times}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
 
     from ds_rlhf.data.synthetic import write_addition_datasets
     from ds_rlhf.engines.tiny_models import build_tiny_model
@@ -107,23 +134,4 @@ def main(argv: list[str] | None = None) -> None:
     if args.algo == "ppo":
         rl_cmd += ["--rl.critic_path", str(out / "rm" / "export"), "--optim.critic_lr", "1e-3"]
     times["rl"] = _run("rl", rl_cmd, logs)
-
-    sft, rm, rl = _metrics(out / "sft"), _metrics(out / "rm"), _metrics(out / "rl")
-    rewards = [r["reward/mean"] for r in rl if "reward/mean" in r]
-    exact = [r["reward/exact_match"] for r in rl if "reward/exact_match" in r]
-    k = max(1, min(5, len(rewards) // 3))
-    print("\n" + "=" * 72)
-    print("ds_rlhf pipeline summary (tiny default, synthetic addition task)")
-    print(f"  SFT   eval loss          {_last(sft, 'final/eval/loss'):.3f}   "
-          f"(perplexity {_last(sft, 'final/eval/perplexity'):.2f})   {times['sft']:.0f}s")
-    print(f"  RM    eval accuracy      {_last(rm, 'final/eval/accuracy'):.1%}   {times['rm']:.0f}s")
-    print(f"  RL    reward first {k} steps {_mean(rewards[:k]):.3f} -> last {k} steps {_mean(rewards[-k:]):.3f}"
-          f"   ({args.algo}, {len(rewards)} steps, {times['rl']:.0f}s)")
-    print(f"        exact-match rate    {_mean(exact[:k]):.3f} -> {_mean(exact[-k:]):.3f}")
-    print(f"  total {time.time() - t_start:.0f}s; run directory: {out}")
-    print(f"  logs: {logs}; metrics: {out}/<step>/metrics.jsonl; final policy: {out / 'rl' / 'export' / 'actor'}")
-    print("=" * 72)
-    (out / "summary.json").write_text(json.dumps({
-        "sft_eval_loss": _last(sft, "final/eval/loss"), "rm_eval_accuracy": _last(rm, "final/eval/accuracy"),
-        "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
-        "exact_first": _mean(exact[:k]), "exact_last": _mean(exact[-k:]), "seconds": times}, indent=1))
+    _summary(args, out, logs, times, t_start)

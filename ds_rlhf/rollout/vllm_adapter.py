@@ -33,6 +33,9 @@ with an empty tensor, so in-place `load_weights` cannot change what the model co
 `vllm._custom_ops._supports_onednn = False` before the engine is built makes the CPU backend use `F.linear` with the
 live parameters; we do that only on CPU, only for float32 (bf16 with AMX takes another packing path we cannot turn
 off), and verify after start-up that no layer lost its weight.
+
+The pure mappings these calls use (version parsing, option -> keyword mapping, sampling keywords, outputs ->
+`RolloutSample`s) live in `vllm_mapping.py`, which imports no vLLM; the names other code imports stay here.
 """
 
 from __future__ import annotations
@@ -49,17 +52,22 @@ import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
+from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPROBS_MODE, SUPPORTED_RANGE re-exported
+    DTYPE_NAMES,
+    ENGINE_OPTIONS,
+    IN_PROCESS_EXECUTORS,
+    LOGPROBS_MODE,
+    SUPPORTED_RANGE,
+    check_version,
+    chosen_logprobs,
+    option_kwargs,
+    samples_from_outputs,
+    sampling_kwargs,
+)
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_RANGE = ((0, 26), (0, 32))  # inclusive, (major, minor)
 EXTENSION = "ds_rlhf.rollout.vllm_adapter.WeightSyncWorkerExtension"
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeepSpeed precision names -> vLLM
-LOGPROBS_MODE = "processed_logprobs"  # log-probs of the distribution vLLM sampled from (the rollout contract)
-# our engine option (config key rollout.<name>) -> vLLM EngineArgs field
-ENGINE_OPTIONS = {"async_scheduling": "async_scheduling", "max_num_seqs": "max_num_seqs",
-                  "max_num_batched_tokens": "max_num_batched_tokens", "cudagraph_sizes": "cudagraph_capture_sizes",
-                  "enforce_eager": "enforce_eager"}
 
 
 def vllm_version() -> str | None:
@@ -72,22 +80,8 @@ def vllm_version() -> str | None:
 
 
 def check_vllm_version(version: str | None = None) -> tuple[int, int]:
-    version = version or vllm_version()
-    if version is None:
-        raise RolloutError("vLLM is not importable here; install it or use backend='hf'")
-    try:
-        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError as e:
-        raise RolloutError(f"cannot parse vLLM version {version!r}") from e
-    lo, hi = SUPPORTED_RANGE
-    if not lo <= (major, minor) <= hi:
-        msg = (f"vLLM {version} is not a version ds_rlhf knows (supported: {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}); "
-               "its LLM/worker APIs may differ. Install a supported version, or set DS_RLHF_ALLOW_UNKNOWN_VLLM=1 "
-               "to try it anyway (then check the sync canary).")
-        if os.environ.get("DS_RLHF_ALLOW_UNKNOWN_VLLM") != "1":
-            raise RolloutError(msg)
-        log.warning(msg)
-    return major, minor
+    """`vllm_mapping.check_version` of `version`, by default the installed vLLM's."""
+    return check_version(version or vllm_version())
 
 
 def is_cpu_platform() -> bool:
@@ -119,37 +113,10 @@ def engine_option_kwargs(*, cpu: bool, version: str | None, arg_names: Collectio
     """`LLM(...)` keywords for the log-prob mode and the engine options (None / 0 / empty = vLLM's default, not
     passed; `enforce_eager` None = eager on CPU only, as before). `arg_names` / `modes` default to the installed
     vLLM's. Raises RolloutError naming the option and `version` where this vLLM cannot honour one."""
-    arg_names = engine_arg_names() if arg_names is None else arg_names
-    modes = logprobs_modes() if modes is None else modes
-    if "logprobs_mode" not in arg_names or LOGPROBS_MODE not in modes:
-        raise RolloutError(f"vLLM {version} has no logprobs_mode={LOGPROBS_MODE!r} engine argument (it has "
-                           f"{list(modes) or 'no logprobs_mode'}): the rollout log-probs must be those of the "
-                           "distribution vLLM sampled from; use vLLM 0.26 to 0.32")
-    out: dict = {"logprobs_mode": LOGPROBS_MODE, "enforce_eager": cpu if enforce_eager is None else enforce_eager}
-    if async_scheduling is not None:
-        if async_scheduling and cpu:
-            raise RolloutError(f"rollout.async_scheduling=true: vLLM {version} on CPU has no async scheduling (its "
-                               "CPU platform always turns it off); leave it at auto on CPU")
-        out["async_scheduling"] = bool(async_scheduling)
-    if max_num_seqs:
-        out["max_num_seqs"] = int(max_num_seqs)
-    if max_num_batched_tokens:
-        out["max_num_batched_tokens"] = int(max_num_batched_tokens)
-    sizes = sorted({int(n) for n in cudagraph_sizes})
-    if sizes and cpu:
-        log.info("rollout.cudagraph_sizes=%s ignored: vLLM on CPU captures no CUDA graphs", sizes)
-    elif sizes:
-        if out["enforce_eager"]:
-            raise RolloutError(f"rollout.cudagraph_sizes={sizes} with enforce_eager: eager mode captures no CUDA "
-                               "graphs")
-        out["cudagraph_capture_sizes"] = sizes
-    by_field = {field: name for name, field in ENGINE_OPTIONS.items()}
-    missing = [k for k in out if k not in arg_names and k in by_field]
-    if missing:
-        names = ", ".join(f"rollout.{by_field[k]} (EngineArgs.{k})" for k in missing)
-        raise RolloutError(f"vLLM {version} does not support {names}: leave the option at its default or install a "
-                           "vLLM that has it")
-    return out
+    return option_kwargs(cpu=cpu, version=version, arg_names=engine_arg_names() if arg_names is None else arg_names,
+                         modes=logprobs_modes() if modes is None else modes, enforce_eager=enforce_eager,
+                         async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, cudagraph_sizes=cudagraph_sizes)
 
 
 def lora_engine_kwargs(rank: int) -> dict:
@@ -202,13 +169,13 @@ class VLLMHandle:
                  **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
-        if executor in ("uni", "external_launcher"):
+        if executor in IN_PROCESS_EXECUTORS:
             # In-process engine core: collective_rpc then hands our tensors to the worker by reference.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.cpu = is_cpu_platform()
-        dtype = _DTYPE_NAMES.get(dtype, dtype)
+        dtype = DTYPE_NAMES.get(dtype, dtype)
         if self.cpu:
             dtype = _prepare_cpu(dtype)
             enable_sleep = False  # vLLM's CPU worker ignores sleep; we keep our own state instead
@@ -228,26 +195,34 @@ class VLLMHandle:
         if not self.cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         kwargs.update(llm_kwargs)
+        self._start(LLM, kwargs)
+        self.sleep_enabled = enable_sleep
+        self.in_process = executor in IN_PROCESS_EXECUTORS
+        self._check_started(kwargs["logprobs_mode"], executor)
+
+    def _start(self, llm_cls, kwargs: dict) -> None:
+        """Build the `LLM` (timed: `start_seconds`), with vLLM-CPU's shared-memory leftovers cleaned around it."""
         # vLLM logs every prefix-cache reset at INFO, i.e. once per weight sync: keep that out of training logs.
         logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
         t0 = time.perf_counter()
         if self.cpu:
             cpu_shm_cleanup(before_init=True)
-        self.llm = LLM(**kwargs)
+        self.llm = llm_cls(**kwargs)
         if self.cpu:
             cpu_shm_cleanup(before_init=False)
         self.start_seconds = time.perf_counter() - t0
-        self.sleep_enabled = enable_sleep
-        self.in_process = executor in ("uni", "external_launcher")
+
+    def _check_started(self, logprobs_mode: str, executor: str) -> None:
+        """Read what the started engine runs with and refuse one that breaks the rollout or sync contract."""
         from vllm import SamplingParams
 
         self._sp = SamplingParams
         self._flat = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ())
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.options = effective_engine_options(self.llm)
-        if self.options["logprobs_mode"] != kwargs["logprobs_mode"]:
+        if self.options["logprobs_mode"] != logprobs_mode:
             raise RolloutError(f"vLLM {self.version} runs with logprobs_mode={self.options['logprobs_mode']!r} "
-                               f"although {kwargs['logprobs_mode']!r} was asked for")
+                               f"although {logprobs_mode!r} was asked for")
         core = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__
         if self.in_process and core != "InprocClient":
             raise RolloutError(f"vLLM's engine core runs out of process ({core}) although executor={executor!r} "
@@ -262,12 +237,7 @@ class VLLMHandle:
     # ---- generation -------------------------------------------------------------------------------------------
     def sampling_params(self, spec: SamplingSpec, seed: int | None, **extra):
         """vLLM SamplingParams for one request of `spec` (token ids only, per-token log-probs when asked)."""
-        kw = dict(n=spec.n, max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                  top_k=spec.top_k if spec.top_k > 0 else 0, stop_token_ids=list(spec.stop_token_ids),
-                  ignore_eos=spec.ignore_eos, seed=seed, detokenize=False, **extra)
-        if self._flat:
-            kw["flat_logprobs"] = True  # one flat list instead of a dict per token: far less Python overhead
-        return self._sp(**kw)
+        return self._sp(**sampling_kwargs(spec, seed, flat=self._flat, **extra))
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
         return self.generate_many([(prompts, spec)])[0]
@@ -277,27 +247,16 @@ class VLLMHandle:
         params = [self.sampling_params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
                   for i in range(len(prompts))]
         flat = [p for prompts, _ in groups for p in prompts]
-        outs = iter(self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
-                                      lora_request=self.lora_request))
-        results = []
-        for prompts, _ in groups:
-            samples = []
-            for i, prompt in enumerate(prompts):
-                for comp in sorted(next(outs).outputs, key=lambda c: c.index):
-                    ids = list(comp.token_ids)
-                    if comp.finish_reason not in ("stop", "length"):
-                        raise RolloutError(f"vLLM finished a request with reason {comp.finish_reason!r} (aborted?)")
-                    samples.append(RolloutSample(i, comp.index, list(prompt), ids,
-                                                 _chosen_logprobs(comp.logprobs, ids), comp.finish_reason))
-            results.append(samples)
-        return results
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
+        return samples_from_outputs(groups, outs)
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
         params = self.sampling_params(spec, None, prompt_logprobs=0)
         outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False,
                                  lora_request=self.lora_request)
-        return [_chosen_logprobs(o.prompt_logprobs, list(s), skip_first=True) for s, o in zip(sequences, outs)]
+        return [chosen_logprobs(o.prompt_logprobs, list(s), skip_first=True) for s, o in zip(sequences, outs)]
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -381,26 +340,6 @@ class VLLMHandle:
                 core.shutdown()
             del llm
             gc.collect()
-
-
-def _chosen_logprobs(container, token_ids: list[int], skip_first: bool = False) -> list[float]:
-    """Log-prob of each `token_ids[k]` from vLLM's per-position logprobs (dicts or FlatLogprobs)."""
-    if container is None:
-        raise RolloutError("vLLM returned no logprobs (request made without logprobs?)")
-    positions = range(1, len(token_ids)) if skip_first else range(len(token_ids))
-    if hasattr(container, "start_indices"):  # FlatLogprobs
-        starts, ends = container.start_indices, container.end_indices
-        ids, vals = container.token_ids, container.logprobs
-        out = []
-        for k in positions:
-            for j in range(starts[k], ends[k]):
-                if ids[j] == token_ids[k]:
-                    out.append(vals[j])
-                    break
-            else:
-                raise RolloutError(f"vLLM logprobs at position {k} lack the chosen token {token_ids[k]}")
-        return out
-    return [container[k][token_ids[k]].logprob for k in positions]
 
 
 class WeightSyncWorkerExtension:

@@ -1,0 +1,132 @@
+"""The pure half of the vLLM adapter: no vLLM import and no vLLM call here (those stay in `vllm_adapter.py`).
+
+What lives here only maps values: the version gate's parsing and range check (`check_version`), our engine options
+-> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), a
+`SamplingSpec` -> `SamplingParams` keywords (`sampling_kwargs`), and vLLM's request outputs -> `RolloutSample`s
+(`samples_from_outputs`, `chosen_logprobs`). `vllm_adapter.py` re-exports the names other code imports from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Collection, Iterable, Sequence
+
+from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
+
+log = logging.getLogger("ds_rlhf.rollout.vllm_adapter")  # the adapter's logger, as before this code moved here
+
+SUPPORTED_RANGE = ((0, 26), (0, 32))  # inclusive, (major, minor)
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeepSpeed precision names -> vLLM
+LOGPROBS_MODE = "processed_logprobs"  # log-probs of the distribution vLLM sampled from (the rollout contract)
+# our engine option (config key rollout.<name>) -> vLLM EngineArgs field
+ENGINE_OPTIONS = {"async_scheduling": "async_scheduling", "max_num_seqs": "max_num_seqs",
+                  "max_num_batched_tokens": "max_num_batched_tokens", "cudagraph_sizes": "cudagraph_capture_sizes",
+                  "enforce_eager": "enforce_eager"}
+IN_PROCESS_EXECUTORS = ("uni", "external_launcher")  # engine core in this process: collective_rpc by reference
+
+
+def check_version(version: str | None) -> tuple[int, int]:
+    """(major, minor) of vLLM `version` (None: vLLM not importable); RolloutError outside SUPPORTED_RANGE unless
+    DS_RLHF_ALLOW_UNKNOWN_VLLM=1 (then a warning)."""
+    if version is None:
+        raise RolloutError("vLLM is not importable here; install it or use backend='hf'")
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError as e:
+        raise RolloutError(f"cannot parse vLLM version {version!r}") from e
+    lo, hi = SUPPORTED_RANGE
+    if not lo <= (major, minor) <= hi:
+        msg = (f"vLLM {version} is not a version ds_rlhf knows (supported: {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}); "
+               "its LLM/worker APIs may differ. Install a supported version, or set DS_RLHF_ALLOW_UNKNOWN_VLLM=1 "
+               "to try it anyway (then check the sync canary).")
+        if os.environ.get("DS_RLHF_ALLOW_UNKNOWN_VLLM") != "1":
+            raise RolloutError(msg)
+        log.warning(msg)
+    return major, minor
+
+
+def option_kwargs(*, cpu: bool, version: str | None, arg_names: Collection[str], modes: Sequence[str],
+                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
+                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = ()) -> dict:
+    """`LLM(...)` keywords for the log-prob mode and the engine options, given the vLLM's `EngineArgs` field names
+    and `logprobs_mode` values (`vllm_adapter.engine_option_kwargs` passes the installed vLLM's)."""
+    if "logprobs_mode" not in arg_names or LOGPROBS_MODE not in modes:
+        raise RolloutError(f"vLLM {version} has no logprobs_mode={LOGPROBS_MODE!r} engine argument (it has "
+                           f"{list(modes) or 'no logprobs_mode'}): the rollout log-probs must be those of the "
+                           "distribution vLLM sampled from; use vLLM 0.26 to 0.32")
+    out: dict = {"logprobs_mode": LOGPROBS_MODE, "enforce_eager": cpu if enforce_eager is None else enforce_eager}
+    if async_scheduling is not None:
+        if async_scheduling and cpu:
+            raise RolloutError(f"rollout.async_scheduling=true: vLLM {version} on CPU has no async scheduling (its "
+                               "CPU platform always turns it off); leave it at auto on CPU")
+        out["async_scheduling"] = bool(async_scheduling)
+    if max_num_seqs:
+        out["max_num_seqs"] = int(max_num_seqs)
+    if max_num_batched_tokens:
+        out["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    sizes = sorted({int(n) for n in cudagraph_sizes})
+    if sizes and cpu:
+        log.info("rollout.cudagraph_sizes=%s ignored: vLLM on CPU captures no CUDA graphs", sizes)
+    elif sizes:
+        if out["enforce_eager"]:
+            raise RolloutError(f"rollout.cudagraph_sizes={sizes} with enforce_eager: eager mode captures no CUDA "
+                               "graphs")
+        out["cudagraph_capture_sizes"] = sizes
+    by_field = {field: name for name, field in ENGINE_OPTIONS.items()}
+    missing = [k for k in out if k not in arg_names and k in by_field]
+    if missing:
+        names = ", ".join(f"rollout.{by_field[k]} (EngineArgs.{k})" for k in missing)
+        raise RolloutError(f"vLLM {version} does not support {names}: leave the option at its default or install a "
+                           "vLLM that has it")
+    return out
+
+
+def sampling_kwargs(spec: SamplingSpec, seed: int | None, *, flat: bool, **extra) -> dict:
+    """`SamplingParams(...)` keywords for one request of `spec` (token ids only; `flat`: the vLLM has
+    `flat_logprobs`, one flat list instead of a dict per token, far less Python overhead)."""
+    kw = dict(n=spec.n, max_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+              top_k=spec.top_k if spec.top_k > 0 else 0, stop_token_ids=list(spec.stop_token_ids),
+              ignore_eos=spec.ignore_eos, seed=seed, detokenize=False, **extra)
+    if flat:
+        kw["flat_logprobs"] = True
+    return kw
+
+
+def samples_from_outputs(groups: Sequence[tuple[list[list[int]], SamplingSpec]],
+                         outputs: Iterable) -> list[list[RolloutSample]]:
+    """vLLM's request outputs (one per prompt, in the order of `groups`' prompts) as `RolloutSample`s per group,
+    prompt-major; RolloutError for a request that finished neither by a stop nor by length (aborted?)."""
+    outs = iter(outputs)
+    results = []
+    for prompts, _ in groups:
+        samples = []
+        for i, prompt in enumerate(prompts):
+            for comp in sorted(next(outs).outputs, key=lambda c: c.index):
+                ids = list(comp.token_ids)
+                if comp.finish_reason not in ("stop", "length"):
+                    raise RolloutError(f"vLLM finished a request with reason {comp.finish_reason!r} (aborted?)")
+                samples.append(RolloutSample(i, comp.index, list(prompt), ids,
+                                             chosen_logprobs(comp.logprobs, ids), comp.finish_reason))
+        results.append(samples)
+    return results
+
+
+def chosen_logprobs(container, token_ids: list[int], skip_first: bool = False) -> list[float]:
+    """Log-prob of each `token_ids[k]` from vLLM's per-position logprobs (dicts or FlatLogprobs)."""
+    if container is None:
+        raise RolloutError("vLLM returned no logprobs (request made without logprobs?)")
+    positions = range(1, len(token_ids)) if skip_first else range(len(token_ids))
+    if hasattr(container, "start_indices"):  # FlatLogprobs
+        starts, ends = container.start_indices, container.end_indices
+        ids, vals = container.token_ids, container.logprobs
+        out = []
+        for k in positions:
+            for j in range(starts[k], ends[k]):
+                if ids[j] == token_ids[k]:
+                    out.append(vals[j])
+                    break
+            else:
+                raise RolloutError(f"vLLM logprobs at position {k} lack the chosen token {token_ids[k]}")
+        return out
+    return [container[k][token_ids[k]].logprob for k in positions]
