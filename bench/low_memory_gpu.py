@@ -22,8 +22,9 @@ varies between samples), any `rl.reward_fn`, or `--reward rm` (the rm phase's ex
 Results accumulate in WORKDIR/low_memory.json across invocations (one device command is limited to 10 minutes, so
 run the phases in separate commands on the same machine); each invocation writes the merged file to
 OUT/low_memory.json and prints a markdown table of every phase recorded so far (for docs/PERFORMANCE.md). Each
-phase's log is written to OUT/logs/ as it runs, and low_memory.json names the phase in progress, so a device command
-stopped mid-phase still brings back what that phase printed.
+phase's log is written to OUT/logs/ as it runs (and copied to WORKDIR/runs/ when it ends), and low_memory.json names
+the phase in progress (keeping that phase's previous record under "previous"), so a device command stopped mid-phase
+still brings back what that phase printed.
 
 On the GPU machine (DeepSpeed and vLLM on PYTHONPATH as the device recipe puts them):
 
@@ -91,8 +92,10 @@ def run_phases(args, gpu: dict | None, results: dict) -> None:
                                      for p in phases}
     for p in phases:
         run_dir = Path(argvs[p][argvs[p].index("--run.output_dir") + 1])
+        before = entry["phases"].get(p) or {}
         entry["phases"][p] = {"phase": p, "ok": False, "reason": "running (the call ended mid-phase)",
-                              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                              "previous": before if "exit" in before else before.get("previous")}
         save(args, results)  # replaced when the phase ends: a stopped call shows which phase it was in
         rec = run_phase(args, p, argvs[p], run_dir, env, args.steps)
         if p in plans:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -134,10 +135,12 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
     from gpu_timeline import Sampler
 
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    # the log goes straight to --out: a device call stopped mid-phase still brings back what the phase printed
-    logs = Path(args.out) / "logs" if args.out else run_dir.parent
-    logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{run_dir.name}.log"
+    # written to OUT/logs as the phase runs (a device call stopped mid-phase still brings back what it printed),
+    # copied beside the run directory when it ends (OUT is a fresh folder per device call; the workdir stays)
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    out_logs = Path(args.out).resolve() / "logs" if args.out else None
+    live = out_logs / log_path.name if out_logs is not None and out_logs.parent != ROOT.resolve() else log_path
+    live.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", PHASES[phase], *argv]
     print(f"[low_memory] {phase}: {shlex.join(cmd[1:])}", flush=True)
     idle = None
@@ -147,7 +150,7 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
         if sampler.source:
             time.sleep(max(0.3, 3 * args.sample_period))
             idle = max((s[2] for s in sampler.samples), default=None)
-        with open(log_path, "w") as log:
+        with open(live, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
@@ -161,6 +164,8 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
                     os.killpg(proc.pid, signal.SIGKILL)
                     rc = proc.wait()
         wall = time.time() - t0
+    if live != log_path:
+        shutil.copyfile(live, log_path)
     text = log_path.read_text(errors="replace")
     samples = [s for s in sampler.samples if s[0] >= t0]
     nvml_peak = max((s[2] for s in samples), default=None)

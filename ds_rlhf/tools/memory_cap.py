@@ -24,15 +24,19 @@ Three parts, all derived from the cap C and the device's total memory T:
   outside it. Measured on the H200 (8B GRPO / PPO under a 24 GiB cap, fraction = cap / T): the allocator grew to its
   limit while training and NVML read 24.97 / 25.03 GiB. Every time the fraction is set it is lowered by what the
   device holds outside this process's allocator, measured then (NVML where pynvml is installed, as `nvidia-smi`
-  and the benchmarks read it, else CUDA's free memory), plus `HEADROOM` for buffers created later. The plan's
-  reserve (2 GiB on GPUs) stands for the same bytes.
+  and the benchmarks read it, else CUDA's free memory), plus `HEADROOM` for buffers created later, but by no more
+  than the plan's reserve (`memory_plan.DEFAULT_RESERVE_GB`, 2 GiB on GPUs, which stands for the same bytes): the
+  preflight already checked that the plan fits the cap less that reserve, and neither measurement can tell this
+  process's bytes from another process's on the same GPU (a card shared with others), which must not shrink the
+  cap to nothing. The bytes measured are printed (`[rl] run.max_gpu_memory_gb=...`), with a warning when they
+  exceed the reserve.
 """
 
 from __future__ import annotations
 
 import os
 
-from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.tools.memory_plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
 HEADROOM = 256 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
 
@@ -94,16 +98,17 @@ def _index(device) -> int:
     return torch.cuda.current_device() if index is None else int(index)
 
 
-def non_torch_bytes(device, unmapped: int = 0) -> int:
+def non_torch_bytes(device, unmapped: int = 0) -> int | None:
     """Bytes the device holds outside this process's PyTorch allocator (see the module docstring): NVML's used
     memory (else CUDA's total - free) minus the allocator's reserved bytes that are mapped (`unmapped`: counted by
-    the allocator, not held by the device). 0 where nothing can be measured."""
+    the allocator, not held by the device); this process's and any other process's alike. None where nothing can
+    be measured (no CUDA)."""
     import torch
 
     try:
         free, total = torch.cuda.mem_get_info(device)  # also creates the CUDA context, which then counts
-    except Exception:  # noqa: BLE001 - no CUDA here (tests, CPU): nothing to subtract
-        return 0
+    except Exception:  # noqa: BLE001 - no CUDA here (tests, CPU): nothing to measure
+        return None
     try:
         used = int(torch.cuda.device_memory_used(device))  # NVML: includes the driver's reserve
     except Exception:  # noqa: BLE001 - no pynvml: CUDA's view
@@ -112,10 +117,30 @@ def non_torch_bytes(device, unmapped: int = 0) -> int:
     return max(0, used - held)
 
 
+_OUTSIDE: dict[int, int] = {}  # CUDA device index -> non-torch bytes at the last allow_unmapped (for the log line)
+
+
+def outside_bytes(device) -> int | None:
+    """What `allow_unmapped` last measured outside the allocator on `device` (None: not measured)."""
+    return _OUTSIDE.get(_index(device))
+
+
+def outside_warning(outside: int | None) -> str | None:
+    """A warning line when the bytes measured outside the allocator exceed the plan's reserve (other processes on
+    the GPU?): the cap then holds PyTorch to the cap less the reserve, not the device to the cap."""
+    reserve = int(DEFAULT_RESERVE_GB["cuda"] * GiB)
+    if outside is None or outside <= reserve:
+        return None
+    return (f"warning: run.max_gpu_memory_gb: {fmt_bytes(outside)} of this GPU is held outside this process's "
+            f"PyTorch allocator (CUDA context, driver reserve, other processes), more than the plan's "
+            f"{fmt_bytes(reserve)} reserve; the trainer's allocator is held to the cap less {fmt_bytes(reserve)}, "
+            "and the device as a whole may exceed the cap")
+
+
 def allow_unmapped(device, nbytes: int) -> float | None:
-    """Set the trainer's fraction to (cap - non-torch bytes - `HEADROOM` + `nbytes`) / T, `nbytes` being bytes that
-    PyTorch's allocator counts but the device does not hold (a sleeping colocated vLLM's pool; see the module
-    docstring). None (nothing set) when `apply_trainer_cap` set no cap on this device."""
+    """Set the trainer's fraction to (cap - min(non-torch bytes + `HEADROOM`, the plan's reserve) + `nbytes`) / T,
+    `nbytes` being bytes that PyTorch's allocator counts but the device does not hold (a sleeping colocated vLLM's
+    pool; see the module docstring). None (nothing set) when `apply_trainer_cap` set no cap on this device."""
     import torch
 
     applied = _APPLIED.get(_index(device))
@@ -124,7 +149,11 @@ def allow_unmapped(device, nbytes: int) -> float | None:
     capped, total = applied
     nbytes = max(0, int(nbytes))
     outside = non_torch_bytes(device, nbytes)
-    fraction = min(1.0, max(0.01, (capped - outside - (HEADROOM if outside else 0) + nbytes) / total))
+    room = 0
+    if outside is not None:
+        _OUTSIDE[_index(device)] = outside
+        room = min(outside + HEADROOM, int(DEFAULT_RESERVE_GB["cuda"] * GiB))
+    fraction = min(1.0, max(0.01, (capped - room + nbytes) / total))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

@@ -129,7 +129,8 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
     """(vLLM's gpu_memory_utilization, this process's allocator fraction or None). On CUDA, run.max_gpu_memory_gb
     caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process takes
     gpu_memory_utilization (of the cap, when set), this process the rest (`tools/memory_cap.py`)."""
-    from ds_rlhf.tools.memory_cap import apply_trainer_cap, vllm_memory_fraction
+    from ds_rlhf.tools.memory_cap import apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
+    from ds_rlhf.tools.memory_plan import fmt_bytes
 
     cfg, dist = ctx.cfg, ctx.dist
     vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
@@ -137,8 +138,12 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
         fraction = apply_trainer_cap(cfg, dist.device, placement_mode)
         vllm_fraction = vllm_memory_fraction(cfg, torch.cuda.get_device_properties(dist.device).total_memory)
         if cfg.run.max_gpu_memory_gb > 0:
+            outside = outside_bytes(dist.device)
             ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
-                      f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU")
+                      f"{fraction:.3f}, vLLM gpu_memory_utilization {vllm_fraction:.3f} of the GPU"
+                      + ("" if outside is None else f"; {fmt_bytes(outside)} on the GPU outside PyTorch's allocator"))
+            if warning := outside_warning(outside):
+                ctx.print(warning)
     return vllm_fraction, fraction
 
 

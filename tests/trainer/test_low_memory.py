@@ -285,6 +285,7 @@ def test_the_cap_follows_a_sleeping_vllm_pool(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: set_to.append(f))
     monkeypatch.setattr(memory_cap, "_APPLIED", {})
+    monkeypatch.setattr(memory_cap, "non_torch_bytes", lambda device, unmapped=0: None)  # nothing measurable here
     device = torch.device("cuda", 0)
     assert memory_cap.allow_unmapped(device, GiB) is None and set_to == []  # no cap applied: nothing changes
     cfg = parse_config(["--run.max_gpu_memory_gb", "24"])
@@ -306,7 +307,8 @@ def test_the_cap_leaves_room_for_what_the_allocator_does_not_hold(monkeypatch):
     """The fraction caps PyTorch's allocator only (8B GRPO / PPO on the H200 under a 24 GiB cap: NVML read
     24.97 / 25.03 GiB with the allocator at its limit). Each time it is set, what the device holds outside this
     process's allocator (NVML's used bytes, else CUDA's total - free, minus the mapped reserved bytes) and a
-    headroom come off the cap; bytes the allocator counts but vLLM has unmapped are not held by the device."""
+    headroom come off the cap, but never more than the plan's 2 GiB reserve: another process's bytes look the same,
+    and must not shrink the cap to nothing. Bytes the allocator counts but vLLM has unmapped are not on the device."""
     from ds_rlhf.tools import memory_cap
 
     total, set_to = int(140 * GiB), []
@@ -323,20 +325,31 @@ def test_the_cap_leaves_room_for_what_the_allocator_does_not_hold(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_memory_used", nvml)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["reserved"])
     monkeypatch.setattr(memory_cap, "_APPLIED", {})
-    device, room = torch.device("cuda", 0), memory_cap.HEADROOM
+    monkeypatch.setattr(memory_cap, "_OUTSIDE", {})
+    device, room, reserve = torch.device("cuda", 0), memory_cap.HEADROOM, 2 * GiB
     cfg = parse_config(["--run.max_gpu_memory_gb", "24"])
 
     assert memory_cap.non_torch_bytes(device) == 1 * GiB  # NVML 2 GiB used, 1 GiB of it the allocator's
     assert memory_cap.apply_trainer_cap(cfg, device, "colocated") == pytest.approx((23 * GiB - room) / total)
+    assert memory_cap.outside_bytes(device) == 1 * GiB and memory_cap.outside_warning(1 * GiB) is None
     state.update(nvml=3 * GiB, reserved=21 * GiB)  # vLLM asleep: 19 GiB of the 21 reserved are unmapped
     assert memory_cap.non_torch_bytes(device, 19 * GiB) == 1 * GiB
     assert memory_cap.allow_unmapped(device, 19 * GiB) == pytest.approx((42 * GiB - room) / total)
     state.update(nvml=None)  # no pynvml: CUDA's total - free (1.5 GiB used, 2 GiB of it mapped allocator bytes)
     assert memory_cap.non_torch_bytes(device, 19 * GiB) == 0
-    assert memory_cap.allow_unmapped(device, 19 * GiB) == pytest.approx(43 / 140)
-    assert set_to == pytest.approx([(23 * GiB - room) / total, (42 * GiB - room) / total, 43 / 140])
+    assert memory_cap.allow_unmapped(device, 19 * GiB) == pytest.approx((43 * GiB - room) / total)
+    state.update(nvml=33 * GiB, reserved=1 * GiB)  # another process holds 30 GiB of this GPU
+    assert memory_cap.non_torch_bytes(device) == 32 * GiB
+    assert memory_cap.allow_unmapped(device, 0) == pytest.approx((24 * GiB - reserve) / total)  # not 0.01
+    warning = memory_cap.outside_warning(memory_cap.outside_bytes(device))
+    assert "32.00 GiB" in warning and "reserve" in warning
+    assert set_to == pytest.approx([(23 * GiB - room) / total, (42 * GiB - room) / total, (43 * GiB - room) / total,
+                                    (24 * GiB - reserve) / total])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    assert memory_cap.non_torch_bytes(device) is None
+    assert memory_cap.allow_unmapped(device, 0) == pytest.approx(24 / 140)  # unmeasurable: the cap as it is
     assert memory_cap.apply_trainer_cap(parse_config([]), device, "colocated") is None  # no cap: allocator untouched
-    assert len(set_to) == 3
+    assert len(set_to) == 5
 
 
 class PoolHandle:

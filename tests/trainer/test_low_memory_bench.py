@@ -144,9 +144,10 @@ def test_low_memory_bench_tiny_on_cpu(tmp_path):
     table = proc.stdout[proc.stdout.index("| phase |"):]
     for name in ("sft", "grpo"):
         assert f"| {name} | 0 | 2 |" in table
-    for name in ("sft", "grpo"):  # each phase's log went to OUT/logs as it ran
-        log = out / "logs" / f"{name}.log"
-        assert phases[name]["log"] == str(log) and "step 2/2" in log.read_text()
+    for name in ("sft", "grpo"):  # each phase's log went to OUT/logs as it ran, and to the workdir when it ended
+        live, kept = out / "logs" / f"{name}.log", work / "runs" / f"{name}.log"
+        assert phases[name]["log"] == str(kept) and "step 2/2" in live.read_text()
+        assert kept.read_text() == live.read_text() and "previous" not in phases[name]  # the placeholder was replaced
 
 
 def test_a_call_stopped_mid_phase_leaves_a_placeholder_the_table_shows(bench):
