@@ -138,8 +138,8 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
     # written to OUT/logs as the phase runs (a device call stopped mid-phase still brings back what it printed),
     # copied beside the run directory when it ends (OUT is a fresh folder per device call; the workdir stays)
     log_path = run_dir.parent / f"{run_dir.name}.log"
-    out_logs = Path(args.out).resolve() / "logs" if args.out else None
-    live = out_logs / log_path.name if out_logs is not None and out_logs.parent != ROOT.resolve() else log_path
+    out = Path(args.out).resolve() if args.out else ROOT.resolve()
+    live = log_path if out == ROOT.resolve() else out / "logs" / log_path.name  # OUT = the checkout: beside the run
     live.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", PHASES[phase], *argv]
     print(f"[low_memory] {phase}: {shlex.join(cmd[1:])}", flush=True)

@@ -39,6 +39,7 @@ import os
 from ds_rlhf.tools.memory_plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
 HEADROOM = 256 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
+RESERVE = int(DEFAULT_RESERVE_GB["cuda"] * GiB)  # the plan's reserve: the most taken off the cap for those bytes
 
 
 def cap_bytes(cfg) -> int:
@@ -128,12 +129,11 @@ def outside_bytes(device) -> int | None:
 def outside_warning(outside: int | None) -> str | None:
     """A warning line when the bytes measured outside the allocator exceed the plan's reserve (other processes on
     the GPU?): the cap then holds PyTorch to the cap less the reserve, not the device to the cap."""
-    reserve = int(DEFAULT_RESERVE_GB["cuda"] * GiB)
-    if outside is None or outside <= reserve:
+    if outside is None or outside <= RESERVE:
         return None
     return (f"warning: run.max_gpu_memory_gb: {fmt_bytes(outside)} of this GPU is held outside this process's "
             f"PyTorch allocator (CUDA context, driver reserve, other processes), more than the plan's "
-            f"{fmt_bytes(reserve)} reserve; the trainer's allocator is held to the cap less {fmt_bytes(reserve)}, "
+            f"{fmt_bytes(RESERVE)} reserve; the trainer's allocator is held to the cap less {fmt_bytes(RESERVE)}, "
             "and the device as a whole may exceed the cap")
 
 
@@ -143,7 +143,8 @@ def allow_unmapped(device, nbytes: int) -> float | None:
     pool; see the module docstring). None (nothing set) when `apply_trainer_cap` set no cap on this device."""
     import torch
 
-    applied = _APPLIED.get(_index(device))
+    index = _index(device)
+    applied = _APPLIED.get(index)
     if applied is None:
         return None
     capped, total = applied
@@ -151,8 +152,8 @@ def allow_unmapped(device, nbytes: int) -> float | None:
     outside = non_torch_bytes(device, nbytes)
     room = 0
     if outside is not None:
-        _OUTSIDE[_index(device)] = outside
-        room = min(outside + HEADROOM, int(DEFAULT_RESERVE_GB["cuda"] * GiB))
+        _OUTSIDE[index] = outside
+        room = min(outside + HEADROOM, RESERVE)
     fraction = min(1.0, max(0.01, (capped - room + nbytes) / total))
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
