@@ -130,6 +130,20 @@ def metrics_summary(run_dir: Path) -> dict:
     return out
 
 
+def peak_time(samples: list, t0: float) -> dict:
+    """When NVML read its peak (UTC, to line up with the log's timestamps) and the memory per second of the phase
+    (the highest sample of each second since `t0`, GiB): where in the step the peak falls."""
+    if not samples:
+        return {}
+    t, _, peak = max(samples, key=lambda s: s[2])
+    per_second: dict[int, float] = {}
+    for ts, _, mem in samples:
+        second = int(ts - t0)
+        per_second[second] = max(per_second.get(second, 0.0), mem)
+    return {"nvml_peak_utc": time.strftime("%H:%M:%S", time.gmtime(t)), "nvml_peak_after_s": round(t - t0, 1),
+            "nvml_per_second_gib": [round(per_second[k], 2) for k in sorted(per_second)]}
+
+
 def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps: int) -> dict:
     """One phase as a child process under the sampler; its record (exit, times, peaks, log tail, config)."""
     from gpu_timeline import Sampler
@@ -179,7 +193,7 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
         reason = "steps missing"
     rec = {"phase": phase, "exit": rc, "ok": rc == 0 and m["steps_logged"] >= steps, "reason": reason,
            "wall_s": wall, **m, "nvml_source": sampler.source, "nvml_peak_gib": nvml_peak, "nvml_idle_gib": idle,
-           "nvml_samples": len(samples),
+           "nvml_samples": len(samples), **peak_time(samples, t0),
            "within_cap": (nvml_peak <= args.cap_gb) if (nvml_peak is not None and args.cap_gb) else None,
            "command": shlex.join(["python", "-m", "ds_rlhf.entrypoints", PHASES[phase], *argv]),
            "log": str(log_path), "config": resolved}

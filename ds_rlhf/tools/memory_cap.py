@@ -38,7 +38,7 @@ import os
 
 from ds_rlhf.tools.memory_plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
-HEADROOM = 256 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
+HEADROOM = 512 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
 RESERVE = int(DEFAULT_RESERVE_GB["cuda"] * GiB)  # the plan's reserve: the most taken off the cap for those bytes
 
 

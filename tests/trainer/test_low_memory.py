@@ -378,3 +378,30 @@ def test_colocated_engine_reports_its_unmapped_pool_after_each_sleep_and_wake():
     engine.wake(("kv_cache",))
     engine.wake()  # already awake: nothing to report
     assert seen == [19 * GiB, 4 * GiB, 0] and not engine.sleeping
+
+
+def test_colocated_engine_returns_cached_blocks_before_each_wake(monkeypatch):
+    """vLLM maps its woken pool past PyTorch's allocator cap, so the allocator's cached blocks go back first."""
+    import torch
+
+    from ds_rlhf.rollout.base import RolloutEngine
+    from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+    calls = []
+
+    class OrderedHandle(PoolHandle):
+        def wake(self, tags):
+            calls.append(("wake", tuple(tags)))
+            return super().wake(tags)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    engine = object.__new__(VLLMRolloutEngine)
+    RolloutEngine.__init__(engine)
+    engine.handle, engine.sleep_level, engine._awake, engine.on_unmapped = OrderedHandle(), 2, set(), None
+    engine.sleeping = True
+    engine.wake(("weights",))
+    engine.wake(("kv_cache",))
+    engine.wake()  # already awake: no wake, nothing released
+    assert calls == ["empty_cache", ("wake", ("weights",)), "empty_cache", ("wake", ("kv_cache",))]
