@@ -46,8 +46,8 @@ def versions() -> dict:
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)  # "-dirty": the files differ from HEAD (a device copy's HEAD can lag)
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None
