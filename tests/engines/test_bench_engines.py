@@ -14,6 +14,7 @@ from ds_rlhf.testing.multiproc import clean_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_engines_bench_tiny_on_cpu(tmp_path):
     out = tmp_path / "engines.json"

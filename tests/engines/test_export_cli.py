@@ -165,6 +165,7 @@ def test_export_mid_run_checkpoint_generates_the_trainers_greedy_tokens(zero2_ru
     assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".tmp_*"))
 
 
+@pytest.mark.extended
 def test_exported_checkpoint_loads_in_vllm_with_the_same_greedy_tokens(zero2_run, tmp_path):
     from ds_rlhf.testing.multiproc import clean_env
 

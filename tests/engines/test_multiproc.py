@@ -16,7 +16,7 @@ import pytest
 
 from ds_rlhf.testing.multiproc import run_workers
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.extended]
 WORKERS = "tests.engines.workers"
 
 

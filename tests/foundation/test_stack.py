@@ -15,6 +15,7 @@ def test_broken_vision_packages_absent():
         assert importlib.util.find_spec(name) is None, f"{name} is installed; it breaks against this torch"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_vllm_loads_tiny_model_and_returns_logprobs(tiny_model_path, tmp_path):
     """In a subprocess, so vLLM's own process setup cannot leak into the rest of the session."""

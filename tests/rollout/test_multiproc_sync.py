@@ -19,7 +19,7 @@ from rollout_helpers import STALE_MIN, TOL
 from ds_rlhf.testing.multiproc import run_workers
 
 HERE = str(Path(__file__).resolve().parent)
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.extended]
 
 
 @pytest.fixture(autouse=True)

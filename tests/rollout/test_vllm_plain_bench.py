@@ -48,6 +48,7 @@ def test_measure_on_the_session_engine(bench, vllm_colocated):
     assert out["tokens_per_s_best"] == run["tokens_per_s"] > 0
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_plain_bench_runs_tiny_on_cpu(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path), "--tag", "t",

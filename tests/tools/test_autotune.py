@@ -110,6 +110,7 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "rl.ppo_epochs" in capsys.readouterr().err
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_autotune_on_the_tiny_model_finishes_in_budget(tiny_model_path, tmp_path):
     """Real trials (train-ppo subprocesses, HF generate on CPU), 2 steps each, 3 trials, a 3-minute budget."""

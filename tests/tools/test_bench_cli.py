@@ -74,6 +74,7 @@ def test_tables_of_each_scripts_json():
     assert table_of("data", {"summary": [{"method": "x"}]}).startswith("(no table")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_bench_engines_tiny_writes_json_and_prints_a_table(tmp_path):
     out = _run("bench", "engines", "--tiny", "--steps", "1", "--warmup", "0", "--configs", "zero2", "--json-out",

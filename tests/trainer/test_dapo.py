@@ -303,6 +303,7 @@ DAPO_SWITCHES = ["--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_max_rou
                  "--rl.clip_high", "0.28", "--rl.loss_agg", "token-mean", "--rl.kl_coef", "0"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_path):
     from ds_rlhf.trainer.rl_trainer import RLTrainer
@@ -324,6 +325,7 @@ def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_
         assert h["rollout/samples"] == 8 * (h["rollout/kept_groups"] or 16)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_dapo_resume_from_a_checkpoint_is_exact(sft_run, addition_stores, vllm_colocated, tmp_path):
     """Steps 3-4 resumed from step 2's checkpoint equal the uninterrupted run's: the loader position after the

@@ -12,6 +12,9 @@ import pytest
 from ds_rlhf.testing.multiproc import clean_env, free_port
 from tests.trainer.test_rl_e2e import ROOT
 
+pytestmark = pytest.mark.extended
+
+
 BIN = Path(sys.executable).parent
 
 

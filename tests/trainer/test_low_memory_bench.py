@@ -118,6 +118,7 @@ def test_sampler_reads_nvidia_smi_without_pynvml(tmp_path, monkeypatch):
     assert len(sampler.samples) >= 3 and all(s[1:] == (37.0, 2.0) for s in sampler.samples)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_low_memory_bench_tiny_on_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"

@@ -80,13 +80,17 @@ def _launch(args, log):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_stores, tmp_path, mode):
-    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it."""
+def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_stores, vllm_colocated, tmp_path, mode):
+    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it. The
+    uninterrupted run trains in this process (the session's engine: one process start less); the killed and the
+    resumed runs are fresh processes, as a user runs them."""
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
     model = sft_run[0] / "export"
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", str(mode == "async")]
-    with open(tmp_path / "straight.log", "w") as log:
-        assert _launch(rl_args(straight, model, addition_stores, steps=6, extra=common), log).wait(600) == 0
+    RLTrainer(parse_config(rl_args(straight, model, addition_stores, steps=6, extra=common)),
+              rollout=vllm_colocated).train()
     with open(tmp_path / "killed.log", "w") as log:
         proc = _launch(rl_args(killed, model, addition_stores, steps=6, extra=common), log)
         deadline = time.time() + 600
@@ -162,6 +166,7 @@ def test_async_generation_still_learns(sft_run, addition_stores, vllm_colocated,
     assert all(h["rollout/staleness"] == 0.0 for h in histories["sync"])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sidecar_generates_while_the_trainer_trains(sft_run, addition_stores, tmp_path):
     """vLLM in its own process (the sidecar placement; on CPU a second process on the same cores): step k+1's

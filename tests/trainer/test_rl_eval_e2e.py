@@ -264,6 +264,7 @@ class _Stop(Exception):
     pass
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_with_eval_on_matches_a_straight_run(mode, sft_run, addition_stores, vllm_colocated, tmp_path):
