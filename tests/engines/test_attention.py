@@ -104,6 +104,7 @@ def test_auto_skips_varlen_for_padded_rows(tmp_path, monkeypatch):
     assert attn.select_attn_impl("auto", "cuda", torch.bfloat16, padded=True) == attn.VARLEN_NAME
 
 
+@pytest.mark.extended
 def test_attention_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "attn.json"
     cmd = [sys.executable, str(ROOT / "bench" / "attention.py"), "--hidden", "128", "--heads", "2", "--kv-heads",

@@ -20,6 +20,9 @@ from ds_rlhf.testing.multiproc import clean_env
 from tests.trainer.test_rl_e2e import rl_args
 
 ROOT = Path(__file__).resolve().parents[2]
+# HF generation: the faults are the run directory's, not the rollout engine's, and each of the four processes is
+# spared vLLM's import and start (kill -9 with vLLM, in both modes: test_rl_e2e.py)
+HF = ["--rollout.backend", "hf"]
 
 
 def _launch(args, log_path: Path) -> subprocess.Popen:
@@ -46,7 +49,7 @@ def _logged_steps(run: Path) -> int:
 def test_busy_dir_sigterm_torn_metrics_and_corrupt_weights(sft_run, addition_stores, tmp_path):
     run, model = tmp_path / "run", sft_run[0] / "export"
     # steps enough that the SIGTERM below lands mid-run even when the refused second run is slow to start
-    args = rl_args(run, model, addition_stores, steps=400, extra=["--run.save_every", "0"])
+    args = rl_args(run, model, addition_stores, steps=400, extra=[*HF, "--run.save_every", "0"])
     first = _launch(args, tmp_path / "first.log")
     _wait_for(lambda: _logged_steps(run) >= 2, first, tmp_path / "first.log")
 
@@ -69,7 +72,7 @@ def test_busy_dir_sigterm_torn_metrics_and_corrupt_weights(sft_run, addition_sto
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 99, "reward/me')
     done = steps[-1] + 2
-    resume = rl_args(run, model, addition_stores, steps=done, extra=["--run.save_every", "0", "--run.resume",
+    resume = rl_args(run, model, addition_stores, steps=done, extra=[*HF, "--run.save_every", "0", "--run.resume",
                                                                       "latest"])
     resumed = _launch(resume, tmp_path / "resumed.log")
     assert resumed.wait(600) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
@@ -83,7 +86,7 @@ def test_busy_dir_sigterm_torn_metrics_and_corrupt_weights(sft_run, addition_sto
     data[len(data) // 2 : len(data) // 2 + 4096] = os.urandom(4096)
     weights.write_bytes(bytes(data))
     bad = subprocess.run([sys.executable, str(ROOT / "launch" / "train_ppo.py"),
-                          *rl_args(run, model, addition_stores, steps=done + 1, extra=["--run.resume", "latest"])],
+                          *rl_args(run, model, addition_stores, steps=done + 1, extra=[*HF, "--run.resume", "latest"])],
                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0
     assert weights.name in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
