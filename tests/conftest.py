@@ -124,5 +124,8 @@ def lora_engine(tiny_model_path, dist_single):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (stable otherwise), so parallel workers start the long runs early and finish together."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Slow tests first (stable otherwise), so parallel workers start the long runs early and finish together; then
+    the tests of the LoRA engine, side by side: xdist's worksteal hands each worker a contiguous share of this order
+    (and steals from its end), so one worker builds that session-scoped vLLM engine instead of both."""
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 not {"lora_engine", "lora_rollout"} & set(getattr(item, "fixturenames", ()))))
