@@ -181,6 +181,7 @@ def test_share_base_critic_refuses_zero3_before_loading(monkeypatch):
     rl_build.check_share_base_critic(parse_config(["--config", RECIPE]))  # GRPO (no critic) at ZeRO-3: fine
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_colocated, tmp_path):
     """The tiny PPO task with the low-memory code path: LoRA actor, reference = the actor with its adapters off
