@@ -81,6 +81,32 @@ def build_prompts(workdir: Path, model_dir: Path, n: int, prompt_len: int) -> Pa
                        tokenizer_fingerprint=tokenizer_fingerprint(tok))
 
 
+def full_head(on: bool) -> None:
+    """Benchmark-only switch: `on` scores every position through the log-prob head (the code before the
+    response-only head), `off` restores the trainer's own call. For before/after figures in one session."""
+    from ds_rlhf.trainer import policy_forward, rl_update
+
+    if not on:
+        rl_update.sequence_logprobs = policy_forward.sequence_logprobs
+        return
+
+    def every_position(*a, score_mask=None, **kw):
+        return policy_forward.sequence_logprobs(*a, **kw)
+
+    rl_update.sequence_logprobs = every_position
+
+
+def split_bench_keys(extra: list[str]) -> tuple[list[str], dict]:
+    """`--bench.KEY VALUE` pairs among config overrides: benchmark switches (`bench.full_head=true`), not config."""
+    config, bench = [], {}
+    for key, value in zip(extra[::2], extra[1::2]):
+        if key.startswith("--bench."):
+            bench[key.removeprefix("--bench.")] = value.lower() in ("1", "true", "yes")
+        else:
+            config += [key, value]
+    return config, bench
+
+
 def summarize(history: list[dict], skip: int, completions: int) -> dict:
     steady = history[skip:] or history
     keys = sorted({k for h in steady for k in h if k.startswith(("time/", "sync/", "throughput/", "sys/"))})
@@ -123,7 +149,9 @@ def main() -> None:
                    help="extra config override, repeatable (e.g. --cfg data.rl_packing=true)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="after the base run, run again with these overrides on the same vLLM engine (colocated only; "
-                        "repeatable), e.g. --variant packed:data.rl_packing=true: before/after in one process")
+                        "repeatable), e.g. --variant packed:data.rl_packing=true: before/after in one process. "
+                        "bench.full_head=true (also with --cfg) scores every position through the log-prob head, as "
+                        "before the response-only head; model.kernels=none before liger: run it before liger runs")
     args = p.parse_args()
     base = _overrides(p, args.cfg)
     variants = []
@@ -179,6 +207,11 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     from ds_rlhf.trainer.rl_trainer import RLTrainer
 
     t0 = time.time()
+    extra, switches = split_bench_keys(extra)
+    unknown = sorted(set(switches) - {"full_head"})
+    if unknown:
+        raise SystemExit(f"unknown bench switch(es) {unknown}: the one there is is bench.full_head")
+    full_head(switches.get("full_head", False))
     run_dir = Path(args.workdir) / f"run-{tag}"
     cfg = parse_config([
         "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
@@ -208,7 +241,8 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
             history.append(record)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
-    result = {"tag": tag, "config": vars(args), "overrides": extra, "setup_seconds": setup_s,
+    result = {"tag": tag, "config": vars(args), "overrides": extra, "bench_switches": switches,
+              "kernels": _kernels_used(trainer), "setup_seconds": setup_s,
               "engine_reused": rollout is not None, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
@@ -226,6 +260,15 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return engine
+
+
+def _kernels_used(trainer) -> str:
+    """"liger" when the actor's RMSNorm runs liger's kernel (model.kernels resolved on this machine), else "none"."""
+    from ds_rlhf.engines.models import unwrap
+
+    norm = unwrap(trainer.parts.actor, peft=True).get_decoder().norm
+    return "liger" if "liger" in type(norm).__module__ or "liger" in getattr(norm.forward, "__module__", "") \
+        else "none"
 
 
 def _train_recording_step_ends(trainer, step_ends: list):
@@ -261,7 +304,8 @@ def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops
     flops = 6 * n * tokens
     return {"params": n, "tokens_per_step": tokens, "train_seconds": train_s,
             "train_tflops": flops / train_s / 1e12 if train_s else None,
-            "mfu": flops / train_s / (peak_tflops * 1e12) if train_s else None}
+            "mfu": flops / train_s / (peak_tflops * 1e12) if train_s else None,
+            "note": "6*N per trained token (prompt and response), whatever the head skips: the issue's convention"}
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_step_gpu import build_model, train_mfu_params
+from rl_step_gpu import build_model, full_head, train_mfu_params
 
 PEAK_TFLOPS = 790.0
 
@@ -71,6 +71,9 @@ def main() -> None:
     p.add_argument("--head-eager", action="store_true", help="the head's per-logit work without torch.compile")
     p.add_argument("--packing", action="store_true", help="data.rl_packing: one padding-free row per micro-batch")
     p.add_argument("--attn", default="auto", help="model.attn_impl (auto | sdpa | torch_varlen | flash_attention_2)")
+    p.add_argument("--kernels", default="auto", help="model.kernels (auto | liger | none)")
+    p.add_argument("--full-head", action="store_true",
+                   help="score every position through the log-prob head (the code before the response-only head)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -83,6 +86,7 @@ def main() -> None:
     from ds_rlhf.trainer.run_context import setup_run
 
     _patch_head(args.head_backward, args.head_chunk, args.head_eager)
+    full_head(args.full_head)
     workdir = Path(args.workdir)
     model = build_model(workdir, args.tiny, args.model)
     budgets = [int(x) for x in args.micro_batch_tokens.split(",")]
@@ -90,17 +94,21 @@ def main() -> None:
                         args.ds_config, "--model.gradient_checkpointing", str(args.grad_ckpt), "--run.tensorboard",
                         "false", "--rollout.max_new_tokens", str(args.response_len), "--data.rl_packing",
                         str(args.packing), "--data.micro_batch_tokens", str(budgets[0]), "--model.attn_impl",
-                        args.attn])
+                        args.attn, "--model.kernels", args.kernels])
     ctx = setup_run(cfg, "train-bench")
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=4, lr=1e-6, total_steps=1000),
-                        attn_impl=cfg.model.attn_impl, gradient_checkpointing=args.grad_ckpt)
+                        attn_impl=cfg.model.attn_impl, gradient_checkpointing=args.grad_ckpt,
+                        kernels=cfg.model.kernels)
     traj = synthetic_trajectory(cfg, args.samples, args.prompt_len, args.response_len, 400, ctx.dist.device)
     tokens = float(traj.seq_lens.sum())
     n_params = train_mfu_params(model)
     from ds_rlhf.engines.models import unwrap
 
     attn = unwrap(actor, peft=True).config._attn_implementation
-    print(f"[train_step_gpu] attention {attn}, packing {args.packing}", flush=True)
+    norm = unwrap(actor, peft=True).get_decoder().norm
+    kernels = "liger" if "liger" in getattr(norm.forward, "__module__", "") + type(norm).__module__ else "none"
+    print(f"[train_step_gpu] attention {attn}, packing {args.packing}, kernels {kernels}, full head "
+          f"{args.full_head}", flush=True)
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     results = []
@@ -115,7 +123,8 @@ def main() -> None:
             sync()
             times.append(time.perf_counter() - t0)
         best = min(times)
-        row = {"micro_batch_tokens": budget, "packing": args.packing, "attn": attn, "seconds": times,
+        row = {"micro_batch_tokens": budget, "packing": args.packing, "attn": attn, "kernels": kernels,
+               "full_head": args.full_head, "seconds": times,
                "tokens": tokens, "tokens_per_s": tokens / best,
                "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
@@ -131,7 +140,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = (f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"
-           f"{'-packed' if args.packing else ''}-{attn}")
+           f"{'-packed' if args.packing else ''}-{attn}-{kernels}{'-fullhead' if args.full_head else ''}")
     (out / f"train_step_{tag}.json").write_text(json.dumps({"config": vars(args), "params": n_params,
                                                                    "results": results}, indent=1))
 

@@ -31,6 +31,8 @@ class ModelConfig:
     tokenizer: str = ""  # defaults to `path`
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
     attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
+    # fused RMSNorm / SwiGLU / rotary kernels: auto = liger-kernel's on CUDA when installed (engines/kernels.py)
+    kernels: str = opt("auto", choices=("auto", "liger", "none"))
     gradient_checkpointing: bool = False
     lora_rank: int = opt(0, ge=0)  # 0 = full fine-tuning
     lora_alpha: int = opt(16, gt=0)

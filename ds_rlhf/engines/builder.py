@@ -197,25 +197,30 @@ def load_dtypes(ds_config: dict, trainable: bool, *, lora: dict | None = None, q
 
 
 def build_actor(model_path, ds_config: dict, *, attn_impl: str = "auto", gradient_checkpointing: bool = False,
-                lora: dict | None = None, quantize: str | None = None):
-    """`quantize` (model.quantize_base, with `lora`): the frozen base's linear layers stored by bitsandbytes."""
+                lora: dict | None = None, quantize: str | None = None, kernels: str = "none"):
+    """`quantize` (model.quantize_base, with `lora`): the frozen base's linear layers stored by bitsandbytes;
+    `kernels`: model.kernels (engines/kernels.py)."""
     quantized.check_ds_config(quantize, ds_config)  # before loading: ZeRO-3 cannot partition packed weights
     model = load_causal_lm(model_path, attn_impl=attn_impl, gradient_checkpointing=gradient_checkpointing,
-                           lora=lora, quantize=quantize, **load_dtypes(ds_config, True, lora=lora, quantize=quantize))
+                           lora=lora, quantize=quantize, kernels=kernels,
+                           **load_dtypes(ds_config, True, lora=lora, quantize=quantize))
     return build_engine(model, ds_config, role="actor", trainable=True)
 
 
 def build_critic(model_path, ds_config: dict, *, init_from: str = "reward", attn_impl: str = "auto",
-                 gradient_checkpointing: bool = False, lora: dict | None = None, quantize: str | None = None):
+                 gradient_checkpointing: bool = False, lora: dict | None = None, quantize: str | None = None,
+                 kernels: str = "none"):
     quantized.check_ds_config(quantize, ds_config)
     model = CriticModel.from_pretrained(model_path, init_from, attn_impl=attn_impl, lora=lora, quantize=quantize,
+                                        kernels=kernels,
                                         gradient_checkpointing=gradient_checkpointing,
                                         **load_dtypes(ds_config, True, lora=lora, quantize=quantize))
     return build_engine(model, ds_config, role="critic", trainable=True)
 
 
-def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
-    model = load_causal_lm(model_path, attn_impl=attn_impl, **load_dtypes(ds_config, False))
+def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None,
+                    kernels: str = "none"):
+    model = load_causal_lm(model_path, attn_impl=attn_impl, kernels=kernels, **load_dtypes(ds_config, False))
     return build_engine(model, frozen_config(ds_config, offload), role="reference", trainable=False)
 
 
@@ -228,6 +233,8 @@ def build_shared_reference(actor):
     return reference
 
 
-def build_reward(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None):
-    model = RewardModel.from_pretrained(model_path, attn_impl=attn_impl, **load_dtypes(ds_config, False))
+def build_reward(model_path, ds_config: dict, *, attn_impl: str = "auto", offload: bool | None = None,
+                 kernels: str = "none"):
+    model = RewardModel.from_pretrained(model_path, attn_impl=attn_impl, kernels=kernels,
+                                        **load_dtypes(ds_config, False))
     return build_engine(model, frozen_config(ds_config, offload), role="reward", trainable=False)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.attention import select_attn_impl
+from ds_rlhf.engines.kernels import apply_kernels
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -104,12 +105,15 @@ def _enable_gc(model) -> None:
 
 def load_causal_lm(path: str | os.PathLike, *, dtype: str | torch.dtype, attn_impl: str = "auto",
                    gradient_checkpointing: bool = False, lora: dict | None = None,
-                   compute_dtype: str | torch.dtype | None = None, quantize: str | None = None):
+                   compute_dtype: str | torch.dtype | None = None, quantize: str | None = None,
+                   kernels: str = "none"):
     """A Hugging Face causal LM from ``path``; ``compute_dtype`` (default ``dtype``) picks the attention kernel and
-    the quantized matmul's dtype; ``quantize`` ("nf4" | "int8", needs ``lora``) stores the frozen base quantized."""
+    the quantized matmul's dtype; ``quantize`` ("nf4" | "int8", needs ``lora``) stores the frozen base quantized;
+    ``kernels`` is `model.kernels` (engines/kernels.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, **_hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora))
+    apply_kernels(model, kernels)
     # Training/scoring forwards need no KV cache, and with one transformers ignores packed position_ids (it only
     # builds the block-diagonal mask when past_key_values is None). generate() uses generation_config.use_cache.
     model.config.use_cache = False
@@ -144,7 +148,7 @@ class CriticModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, init_from: str = "reward", *, dtype="fp32",
                         attn_impl: str = "auto", gradient_checkpointing: bool = False, lora: dict | None = None,
-                        compute_dtype=None, quantize: str | None = None) -> CriticModel:
+                        compute_dtype=None, quantize: str | None = None, kernels: str = "none") -> CriticModel:
         """``init_from="reward"``: a ``*ForSequenceClassification`` checkpoint; its ``score`` head becomes the value
         head. ``init_from="actor"``: a causal-LM checkpoint; the backbone is loaded and the head is fresh.
         ``quantize`` (with ``lora``) stores the backbone's linear layers quantized; the heads stay as loaded."""
@@ -160,6 +164,7 @@ class CriticModel(nn.Module):
             backbone, head = AutoModel.from_pretrained(path, **kwargs), None
         else:
             raise ValueError(f"init_from must be 'reward' or 'actor', got {init_from!r}")
+        apply_kernels(backbone, kernels)
         _prepare(backbone, gradient_checkpointing=gradient_checkpointing, quantize=quantize)
         if lora:
             backbone = apply_lora(backbone, lora, None)
@@ -216,11 +221,13 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype="fp32", attn_impl: str = "auto",
-                        compute_dtype=None) -> RewardModel:
+                        compute_dtype=None, kernels: str = "none") -> RewardModel:
         from transformers import AutoModelForSequenceClassification
 
         kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
-        return cls(AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs))
+        seqcls = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+        apply_kernels(seqcls, kernels)
+        return cls(seqcls)
 
     def gradient_checkpointing_enable(self, **_):
         """`model.gradient_checkpointing` for an RM run (the RM trainer skipped it before: the 8B RM step of

@@ -45,6 +45,14 @@ class PackedRows:
         """bool [B, L-1]: the padded positions that get a value from the packed row (t < n_i - 1)."""
         return self.gather_index < self.num_tokens - 1
 
+    def packed_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """bool `[1, N-1]`: the packed positions that score a padded position set in `mask` (`[B, L-1]`)."""
+        if mask.shape != self.gather_index.shape:
+            raise ValueError(f"mask shape {tuple(mask.shape)} != padded positions {tuple(self.gather_index.shape)}")
+        out = torch.zeros(self.num_tokens, dtype=torch.bool, device=mask.device)
+        out[self.gather_index[mask.bool() & self.scored]] = True
+        return out[None, : self.num_tokens - 1]
+
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Per-position values of the packed row, `[1, N-1]` (or `[1, N]`: the last position is never read), into
         the padded `[B, L-1]` layout; unscored positions (past a row's end, or none at all) are 0. Differentiable:

@@ -31,20 +31,43 @@ def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bo
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                       position_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                      with_entropy: bool = False, chunk_size: int = 2048):
+                      with_entropy: bool = False, chunk_size: int = 2048, score_mask: torch.Tensor | None = None):
     """Log-prob of tokens[:, 1:] given their prefix: ([B, L-1], entropy [B, L-1] or None).
 
     Packed padding-free input: one row, `attention_mask=None` and `position_ids` restarting at 0 for each
     sequence; transformers then builds a block-diagonal causal mask, so sequences never attend to each other.
+
+    `score_mask` (bool, `[B, L-1]`): only those positions go through the output head (RL scores the response
+    tokens only; the prompt's positions are a third of an RL batch and of the head's ``V``-wide work); the others
+    read 0 and get no gradient. Where it selects nothing, every position is scored (the head still runs, so its
+    weight gets its usual zero gradient in a zero-weight micro-batch).
     """
     hf = unwrap(model, peft=True)
     backbone = hf.get_decoder()
     head = hf.get_output_embeddings()
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
-    hidden = hidden[:, :-1]
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = input_ids[:, 1:]
-    with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:
-        logp, entropy = h(hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1))
     shape = targets.shape
+    targets = targets.reshape(-1)
+    rows = None
+    if score_mask is not None:
+        if score_mask.shape != shape:
+            raise ValueError(f"score_mask shape {tuple(score_mask.shape)} != scored positions {tuple(shape)}")
+        rows = score_mask.reshape(-1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            rows = None
+        else:
+            hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
+    with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:
+        logp, entropy = h(hidden, targets)
+    if rows is not None:
+        logp = _scatter(logp, rows, shape.numel())
+        entropy = _scatter(entropy, rows, shape.numel()) if entropy is not None else None
     return logp.view(shape), (entropy.view(shape) if entropy is not None else None)
+
+
+def _scatter(values: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
+    """`values` at flat positions `rows` of a zero vector of `size` (differentiable in `values`)."""
+    return values.new_zeros(size).index_copy(0, rows, values)

@@ -75,7 +75,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     vllm_fraction, fraction = _memory_fractions(ctx, placement.mode)
     attn = rl_attention(ctx)
     model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                      lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base)
+                      lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base, kernels=cfg.model.kernels)
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
     critic = None
@@ -158,7 +158,7 @@ def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None
     if cfg.model.share_base:
         return build_shared_reference(actor)
     frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1, frozen=True)
-    return build_reference(ctx.model_path, frozen, attn_impl=attn)
+    return build_reference(ctx.model_path, frozen, attn_impl=attn, kernels=cfg.model.kernels)
 
 
 def _weight_sync(ctx: RunContext, actor: Engine, rollout: RolloutEngine, sync_mode: str) -> WeightSync:
@@ -227,7 +227,7 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
                       "actor's base, no copy of its own")
             return RewardStage(ctx, model=build_shared_reward(actor, path, ds_config))
         ctx.print(f"[rl] model.share_base: the reward model is a separate frozen model with its own weights: {why}")
-    return RewardStage(ctx, model=build_reward(path, ds_config, attn_impl=attn))
+    return RewardStage(ctx, model=build_reward(path, ds_config, attn_impl=attn, kernels=ctx.cfg.model.kernels))
 
 
 def rl_attention(ctx: RunContext) -> str:

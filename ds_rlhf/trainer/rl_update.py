@@ -77,14 +77,17 @@ def rl_packing(cfg: Config) -> bool:
 
 def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = False):
     """Log-probs (and entropy, or None) of micro-batch `mb` under `model`, both `[b, w-1]`: its padded rows with
-    their attention mask, or with `data.rl_packing` one packed row gathered back to that layout."""
+    their attention mask, or with `data.rl_packing` one packed row gathered back to that layout. Positions outside
+    `mb.action_mask` read 0 (every consumer masks them)."""
     temperature = cfg.rollout.temperature
+    scored = mb.action_mask > 0  # the losses read the response positions only: the head scores just those
     if not cfg.data.rl_packing:
         return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, score_mask=scored)
     packed = pack_rows(mb.input_ids, mb.attention_mask)
     logp, entropy = sequence_logprobs(model, packed.input_ids, None, position_ids=packed.position_ids,
-                                      temperature=temperature, with_entropy=with_entropy)
+                                      temperature=temperature, with_entropy=with_entropy,
+                                      score_mask=packed.packed_mask(scored))
     return packed.unpack(logp), (packed.unpack(entropy) if entropy is not None else None)
 
 

@@ -60,7 +60,7 @@ class SFTTask:
         lora = lora_settings(cfg.model)
         return build_actor(ctx.model_path, ds_config, attn_impl=cfg.model.attn_impl,
                            gradient_checkpointing=cfg.model.gradient_checkpointing, lora=lora,
-                           quantize=cfg.model.quantize_base)
+                           quantize=cfg.model.quantize_base, kernels=cfg.model.kernels)
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
         return token_budget_groups(ctx, rows, [len(r["input_ids"]) for r in rows], padded=False)

@@ -47,3 +47,59 @@ def test_packed_rows_do_not_attend_to_each_other(tiny_model_path):
     starts = [0, 5, 8]
     for s, seq, single in zip(starts, seqs, singles):
         assert torch.allclose(logp[0, s : s + len(seq) - 1], single, atol=1e-5)
+
+
+def test_score_mask_scores_only_those_positions_with_the_same_values_and_gradients(tiny_model_path):
+    """The response-only head: positions outside `score_mask` read 0, the selected ones (and every gradient of a
+    loss over them) equal the full head's."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    ids = torch.randint(0, 400, (3, 10))
+    attn = torch.ones_like(ids)
+    attn[2, 7:] = 0
+    scored = torch.zeros(3, 9, dtype=torch.bool)
+    scored[0, 4:] = True
+    scored[1, 2:6] = True
+    scored[2, 3:6] = True
+    weights = torch.rand(3, 9) * scored
+
+    def run(mask):
+        model.zero_grad()
+        logp, entropy = sequence_logprobs(model, ids, attn, with_entropy=True, chunk_size=4, score_mask=mask)
+        ((logp * weights).sum() + (entropy * weights).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logp.detach(), entropy.detach(), grads
+
+    full_logp, full_ent, full_grads = run(None)
+    logp, ent, grads = run(scored)
+    assert torch.allclose(logp[scored], full_logp[scored], atol=1e-6)
+    assert torch.allclose(ent[scored], full_ent[scored], atol=1e-6)
+    assert (logp[~scored] == 0).all() and (ent[~scored] == 0).all()
+    assert full_logp[~scored].abs().min() > 0  # the full head did score them
+    assert grads.keys() == full_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, full_grads[name], atol=1e-5), name
+
+
+def test_score_mask_selecting_nothing_scores_every_position(tiny_model_path):
+    """A zero-weight micro-batch (all-masked rows) still runs the head over every position: same numbers as no
+    mask, so the head weight gets its gradient and every rank runs the same kernels."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    ids = torch.randint(0, 400, (2, 6))
+    with torch.no_grad():
+        none, _ = sequence_logprobs(model, ids, None, score_mask=torch.zeros(2, 5, dtype=torch.bool))
+        full, _ = sequence_logprobs(model, ids, None)
+    assert torch.equal(none, full)
+
+
+def test_score_mask_of_the_wrong_shape_is_refused(tiny_model_path):
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with pytest.raises(ValueError, match="score_mask shape"):
+        sequence_logprobs(model, torch.randint(0, 400, (2, 6)), None, score_mask=torch.ones(2, 6, dtype=torch.bool))

@@ -105,6 +105,21 @@ def test_pack_rows_layout_and_round_trip():
         pack_rows(traj.input_ids, traj.attention_mask.flip(1))
 
 
+def test_packed_mask_marks_the_packed_positions_of_the_masked_padded_ones():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 10, 11], [12, 13, 0, 0]])
+    attn = (ids > 0).long()
+    packed = pack_rows(ids, attn)
+    mask = torch.zeros(3, 3, dtype=torch.bool)
+    mask[0, 1] = mask[1, 0] = mask[1, 2] = mask[2, 0] = True
+    mask[2, 2] = True  # past row 2's end: scored by no packed position
+    got = packed.packed_mask(mask)
+    assert got.shape == (1, packed.num_tokens - 1)
+    # rows start at packed 0, 3, 7: (0,1) -> 1, (1,0) -> 3, (1,2) -> 5, (2,0) -> 7
+    assert got[0].nonzero().squeeze(1).tolist() == [1, 3, 5, 7]
+    values = torch.arange(packed.num_tokens - 1, dtype=torch.float32)[None] + 1
+    assert torch.equal(packed.unpack(values * got) != 0, mask & packed.scored)
+
+
 def test_unpack_is_differentiable():
     traj = _traj(_cfg(True), shapes=SHAPES[:3])
     packed = pack_rows(traj.input_ids, traj.attention_mask)
