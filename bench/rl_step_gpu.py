@@ -6,7 +6,7 @@ offline tiny one (ids < 512); the model's vocabulary is the full 151936, so samp
 what they cost on the real model. Rewards come from a cheap deterministic rule (`bench/bench_rewards.py`), so the
 advantages are not all zero. Reports per-phase medians over the steps after warm-up and completions/s.
 
-    python3 bench/rl_step_gpu.py --steps 22 --out $OUT [--sleep] [--micro-batch-tokens 16384]
+    python3 bench/rl_step_gpu.py --steps 22 --out $OUT [--sleep] [--micro-batch-tokens 32768]
     python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: vLLM sidecar process, one step off
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
@@ -35,6 +35,9 @@ SHAPES = {  # Qwen2 shapes, vocab 151936
     "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=4096),
 }
+
+
+MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 16384}  # --micro-batch-tokens 0 (default), per shape
 
 
 def build_model(workdir: Path, tiny: bool, shape: str = "0.5b") -> Path:
@@ -133,7 +136,11 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--sleep", action="store_true", help="vLLM sleep mode between rollouts (as TRL's bar ran)")
     p.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization")
-    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="data.micro_batch_tokens, the training phase's token budget per micro-batch (the workload is "
+                        "the same whatever it is); 0 = per shape: 49152 for 0.5b (fastest measured on the H200, "
+                        "docs/PERFORMANCE.md), 16384 for 1.5b (not tuned: 49152 ran out of memory beside the "
+                        "colocated engine)")
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
@@ -149,10 +156,12 @@ def main() -> None:
                    help="extra config override, repeatable (e.g. --cfg data.rl_packing=true)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="after the base run, run again with these overrides on the same vLLM engine (colocated only; "
-                        "repeatable), e.g. --variant packed:data.rl_packing=true: before/after in one process. "
+                        "repeatable), e.g. --variant packed:data.rl_packing=true: before/after in one process. Each "
+                        "variant is the base run's --cfg overrides plus its own, not the variants before it. "
                         "bench.full_head=true (also with --cfg) scores every position through the log-prob head, as "
                         "before the response-only head; model.kernels=none before liger: run it before liger runs")
     args = p.parse_args()
+    args.micro_batch_tokens = args.micro_batch_tokens or MICRO_BATCH_TOKENS[args.model]
     base = _overrides(p, args.cfg)
     variants = []
     for item in args.variant:
