@@ -31,8 +31,7 @@ class ModelConfig:
     tokenizer: str = ""  # defaults to `path`
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
     attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
-    # fused RMSNorm / SwiGLU / rotary kernels: auto = liger-kernel's on CUDA when installed (engines/kernels.py)
-    kernels: str = opt("auto", choices=("auto", "liger", "none"))
+    kernels: str = opt("auto", choices=("auto", "liger", "none"))  # fused RMSNorm/SwiGLU/rotary; auto: liger on CUDA
     gradient_checkpointing: bool = False
     lora_rank: int = opt(0, ge=0)  # 0 = full fine-tuning
     lora_alpha: int = opt(16, gt=0)
@@ -116,6 +115,9 @@ class RolloutConfig:
     temperature: float = opt(1.0, gt=0)
     top_p: float = opt(1.0, gt=0, le=1)
     top_k: int = opt(-1, ge=-1)  # -1 or 0 = off
+    # request: a seed per request (samples independent of the rest of the batch, but vLLM loops over seeded
+    # requests at every decode step); batch: one seed per generate call (resume-exact all the same)
+    seeding: str = opt("batch", choices=("batch", "request"))  # batch: one seed per call; request: one per request
     max_model_len: int = opt(0, ge=0)  # 0 = max_prompt_len + max_new_tokens
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1)
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)

@@ -15,8 +15,14 @@ Conventions every backend follows (tests check them):
   `mismatch/kl_rollout_trainer` does not go to 0 then.
 - `score` returns raw log-probs (no temperature: prompt log-probs skip the sampling processors), which the sync
   canary compares with the trainer's plain forward.
-- With `spec.seed = s`, prompt i's sample j is drawn with seed `s + i * n + j`: reproducible runs, yet distinct
-  samples across prompts (one shared seed would give every identical prompt the same sample stream).
+- With `spec.seed = s` and `spec.seeding = "request"`, prompt i's sample j is drawn with seed `s + i * n + j`:
+  reproducible runs whatever the batch holds, yet distinct samples across prompts (one shared seed would give every
+  identical prompt the same sample stream). `spec.seeding = "batch"` seeds the whole call once with `s` instead
+  (vLLM: the sampler's generator, reseeded before each call, draws every request's noise in one kernel): the same
+  call on the same engine state gives the same samples, and a resumed run the same as an uninterrupted one, but a
+  prompt's samples depend on the rest of the batch. vLLM's sampler loops over seeded requests one by one on the
+  host at every decode step, so "request" costs decode throughput (docs/PERFORMANCE.md, "Rollout seeding").
+  Backends without that cost (HF generate) may treat both alike.
 - Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS; the stop token is included in
   `response_ids` and `finish_reason` is "stop", otherwise "length".
 """
@@ -30,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+SEEDINGS = ("request", "batch")
+
 
 @dataclass
 class SamplingSpec:
@@ -41,10 +49,27 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+    seeding: str = "request"  # "request": a seed per request; "batch": one seed for the whole call (see above)
+
+    def __post_init__(self):
+        if self.seeding not in SEEDINGS:
+            raise ValueError(f"SamplingSpec.seeding must be one of {SEEDINGS}, got {self.seeding!r}")
 
     def request_seed(self, prompt_index: int) -> int | None:
         """Seed of prompt `prompt_index`'s first sample; sample j uses this + j (vLLM does the same for n > 1)."""
         return None if self.seed is None else self.seed + prompt_index * self.n
+
+
+def batch_seed(specs) -> int | None:
+    """The one seed of a vLLM call whose specs all use `seeding="batch"` (mixed from every group's seed, so two
+    calls with different groups differ), else None (per-request seeds, or no seed at all)."""
+    specs = list(specs)
+    if not specs or any(s.seeding != "batch" or s.seed is None for s in specs):
+        return None
+    mixed = 0
+    for s in specs:
+        mixed = (mixed * 1_000_003 + s.seed) % (2**63 - 1)
+    return mixed
 
 
 @dataclass

@@ -6,7 +6,8 @@ vLLM cannot be imported. It keeps its own copy of the model so
 that `update_weights` / the canary exercise the same sync path as vLLM.
 
 Decoding is a small loop over the model's forward with a KV cache rather than `model.generate`, so that the
-conventions match vLLM's exactly: per-request seeds (one torch.Generator per row, seeded like vLLM's requests),
+conventions match vLLM's exactly: per-request seeds (one torch.Generator per row, seeded like vLLM's requests; for
+both `SamplingSpec.seeding` values, as HF's sampling has no per-request cost to save),
 stop tokens that end a row without being masked, `ignore_eos`, and log-probs of the distribution each token was
 sampled from (logits / temperature, then top-k and top-p, renormalised; greedy: the raw logits), as vLLM's
 `processed_logprobs`; `score` stays raw. Prompts are expanded to `n` rows each and decoded in left-padded batches of

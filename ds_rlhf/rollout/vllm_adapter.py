@@ -50,7 +50,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
-from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec, batch_seed
 from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
 from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPROBS_MODE, SUPPORTED_RANGE re-exported
     DTYPE_NAMES,
@@ -244,8 +244,11 @@ class VLLMHandle:
 
     def generate_many(self, groups: Sequence[tuple[list[list[int]], SamplingSpec]]) -> list[list[RolloutSample]]:
         """Several (prompts, spec) groups in one vLLM call (one batch); results per group, prompt-major."""
-        params = [self.sampling_params(spec, spec.request_seed(i), logprobs=0) for prompts, spec in groups
-                  for i in range(len(prompts))]
+        seed = batch_seed(spec for _, spec in groups)
+        if seed is not None:  # seeding="batch": one reseed, then vLLM samples the whole batch without generators
+            self.llm.collective_rpc("ds_rlhf_reseed", args=(seed,))
+        params = [self.sampling_params(spec, spec.request_seed(i) if seed is None else None, logprobs=0)
+                  for prompts, spec in groups for i in range(len(prompts))]
         flat = [p for prompts, _ in groups for p in prompts]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
                                  lora_request=self.lora_request)
@@ -353,6 +356,11 @@ class WeightSyncWorkerExtension:
 
     def ds_rlhf_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._ds_rlhf_model().load_weights(iter(named_tensors))
+
+    def ds_rlhf_reseed(self, seed: int) -> None:
+        """Seed the generators vLLM's sampler draws from for requests without a seed of their own (torch's
+        default CPU and CUDA generators of this worker; vLLM seeds the same ones at start-up)."""
+        torch.manual_seed(seed)
 
     def ds_rlhf_packed_layers(self) -> list[str]:
         """Layers whose weights the CPU backend moved into a packed kernel (empty weight): sync can't reach them."""

@@ -34,7 +34,7 @@ def sampling_spec(ctx: RunContext, step: int, round_: int = 0) -> SamplingSpec:
     seed = (ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
             + round_ * 1_000_000_007)
     return SamplingSpec(n=r.n_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                        top_k=r.top_k, stop_token_ids=(ctx.tokenizer.eos_token_id,), seed=seed)
+                        top_k=r.top_k, stop_token_ids=(ctx.tokenizer.eos_token_id,), seed=seed, seeding=r.seeding)
 
 
 def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_coef: float,

@@ -140,6 +140,15 @@ def check_generate_contract(engine, eos_id: int) -> None:
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]
     assert samples[0].response_ids != samples[3].response_ids
     assert len({tuple(s.response_ids) for s in samples[:3]}) > 1  # the n samples of one prompt differ
+    # seeding="batch" (one seed for the call): reproducible, a different seed differs, rows still differ
+    batch = SamplingSpec(n=3, max_new_tokens=8, seed=11, seeding="batch")
+    first = [s.response_ids for s in engine.generate(prompts, batch)]
+    engine.generate(prompts, SamplingSpec(n=3, max_new_tokens=8, seed=99, seeding="batch"))  # moves vLLM's generator
+    assert [s.response_ids for s in engine.generate(prompts, batch)] == first
+    other = [s.response_ids for s in engine.generate(prompts, SamplingSpec(n=3, max_new_tokens=8, seed=12,
+                                                                           seeding="batch"))]
+    assert other != first
+    assert first[0] != first[3] and len({tuple(r) for r in first[:3]}) > 1
     # stop tokens end a response and are included in it
     greedy = engine.generate([prompts[2]], SamplingSpec(max_new_tokens=6, temperature=0.0, ignore_eos=True))[0]
     stop = greedy.response_ids[2]

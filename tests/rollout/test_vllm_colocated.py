@@ -98,3 +98,22 @@ def test_colocated_handover_is_by_reference(vllm_rollout, hf_model, monkeypatch)
     params = list(hf_model.named_parameters())
     vllm_rollout.update_weights(params)
     assert seen == [p.data_ptr() for _, p in params]
+
+
+def test_batch_seeding_reseeds_once_and_sends_no_request_seeds(vllm_rollout, monkeypatch):
+    """seeding="batch": one `ds_rlhf_reseed` per call and no per-request seeds (vLLM then samples the whole batch
+    in one kernel instead of looping over seeded requests each decode step); "request" seeds every request."""
+    from ds_rlhf.rollout import SamplingSpec
+
+    llm = vllm_rollout.handle.llm
+    calls, seeds = [], []
+    real_rpc, real_generate = llm.collective_rpc, llm.generate
+    monkeypatch.setattr(llm, "collective_rpc", lambda m, *a, **k: (calls.append((m, k.get("args"))),
+                                                                   real_rpc(m, *a, **k))[1])
+    monkeypatch.setattr(llm, "generate", lambda p, params, **k: (seeds.extend(x.seed for x in params),
+                                                                 real_generate(p, params, **k))[1])
+    vllm_rollout.generate([[1, 5, 6], [1, 7]], SamplingSpec(n=2, max_new_tokens=3, seed=4, seeding="batch"))
+    assert [c for c in calls if c[0] == "ds_rlhf_reseed"] == [("ds_rlhf_reseed", (4,))] and seeds == [None, None]
+    calls.clear(), seeds.clear()
+    vllm_rollout.generate([[1, 5, 6], [1, 7]], SamplingSpec(n=2, max_new_tokens=3, seed=4))
+    assert not [c for c in calls if c[0] == "ds_rlhf_reseed"] and seeds == [4, 6]
