@@ -83,6 +83,18 @@ def load_kwargs(mode: str | None, compute_dtype: torch.dtype) -> dict:
     return {"quantization_config": bnb_config(mode, compute_dtype), "device_map": _device_map()}
 
 
+def keep_standard_layout(model: nn.Module) -> nn.Module:
+    """Turn off bitsandbytes' CPU repacking of 4-bit layers. On a CPU with AVX512-BF16 a `Linear4bit` would, at its
+    first no-grad forward in eval mode, repack its weight in place into bitsandbytes' CPU inference layout (bf16
+    block scales, a fused bf16 kernel from then on, in training too): the trainer would compute in bf16 instead of
+    the compute dtype, and the weight sync would read a layout `dequantize` does not know (the canary caught it:
+    log-prob differences of 0.003-0.8 on an AMD EPYC with AVX512-BF16)."""
+    for sub in model.modules():
+        if hasattr(sub, "support_avx512bf16_for_cpu"):
+            sub.support_avx512bf16_for_cpu = False
+    return model
+
+
 def prepare_for_lora(model: nn.Module) -> nn.Module:
     """peft's k-bit preparation: the base frozen, half-precision float weights (norms, embeddings) up-cast to fp32.
     Gradient checkpointing is left to the caller (`models._enable_gc`, non-reentrant: no input-grad hook needed),
@@ -90,9 +102,11 @@ def prepare_for_lora(model: nn.Module) -> nn.Module:
 
     An 8-bit layer moves its row scales from the weight (`Int8Params.SCB`) to the layer's `state` on its first
     forward; the weight keeps a reference to that state (`INT8_STATE`) so it can be dequantized from the parameter
-    alone (the weight sync walks parameters, not layers)."""
+    alone (the weight sync walks parameters, not layers). 4-bit layers keep the standard layout on every CPU
+    (`keep_standard_layout`)."""
     from peft import prepare_model_for_kbit_training
 
+    keep_standard_layout(model)
     for sub in model.modules():
         if type(getattr(sub, "weight", None)).__name__ == "Int8Params" and hasattr(sub, "state"):
             setattr(sub.weight, INT8_STATE, sub.state)

@@ -36,8 +36,9 @@ def _quantized_plain(path, mode):
     """The base model alone, quantized the same way (no adapters): what the reference must compute."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
-                                                **quantized.load_kwargs(mode, torch.float32)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
+                                                 **quantized.load_kwargs(mode, torch.float32))
+    return quantized.keep_standard_layout(model).eval()
 
 
 def _randomize_lora_b(model, seed=0):
@@ -277,3 +278,18 @@ def test_memory_plan_fails_a_zero3_quantized_plan(llama8b):
     cfg.zero_stage = 3  # past the schema (a config edited in code)
     plan = plan_memory(cfg, kind="rl", device="cuda", capacity=141 * GiB)
     assert not plan.fits and any("FAIL: model.quantize_base=nf4 needs ZeRO stage" in n for n in plan.notes)
+
+
+def test_4bit_layers_keep_the_standard_layout_after_an_eval_forward(tiny_model_path):
+    """bitsandbytes would repack a 4-bit weight in place for its CPU bf16 kernel (on CPUs with AVX512-BF16) at the
+    first no-grad eval forward; after `keep_standard_layout` the weight, its quant state and the dequantized
+    values are what they were, on any CPU."""
+    model = _quantized_plain(tiny_model_path, "nf4")
+    layer = next(m for m in model.modules() if type(m).__name__ == "Linear4bit")
+    before = quantized.dequantize(layer.weight).clone()
+    with torch.no_grad():
+        model(input_ids=lm_batch(0))
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert layer.weight.quant_state.absmax.dtype != torch.bfloat16
+    torch.testing.assert_close(quantized.dequantize(layer.weight), before, atol=0, rtol=0)
+
