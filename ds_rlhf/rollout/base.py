@@ -199,8 +199,14 @@ class RolloutEngine(ABC):
         self._c.samples += len(samples)
         self._c.generated_tokens += sum(len(s.response_ids) for s in samples)
         self._c.generate_seconds += seconds
+        self._c.extra["last_generate_seconds"] = seconds
         self._c.extra["last_generate_tokens_per_s"] = (
             sum(len(s.response_ids) for s in samples) / seconds if seconds > 0 else float("nan"))
+
+    def last_generate_seconds(self) -> float | None:
+        """Seconds the engine itself took for its last generate call (a remote engine: the server's own time, not
+        the trainer's wait), or None before any; a local read, no call to the engine."""
+        return self._c.extra.get("last_generate_seconds")
 
     def _record_update(self, nbytes: int, seconds: float) -> None:
         self._c.weight_updates += 1

@@ -153,11 +153,16 @@ class RemoteVLLMEngine(RolloutEngine):
         return self._dtype
 
     # ---- RolloutEngine ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _per_rank(reply: dict) -> list[tuple[list, float]]:
+        """The server's generate_many reply as each rank's (rows, the server's generation seconds)."""
+        return [(rows, reply["seconds"]) for rows in reply["rows"]]
+
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
-        t0 = time.perf_counter()
-        rows = self._collective((prompts, spec), lambda groups: self._call("generate_many", groups))
+        rows, seconds = self._collective((prompts, spec),
+                                         lambda groups: self._per_rank(self._call("generate_many", groups)))
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, time.perf_counter() - t0)
+        self._record_generate(samples, seconds)
         return samples
 
     def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
@@ -178,9 +183,9 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self._in_flight:
             raise RolloutError("no generation in flight to collect")
         self._in_flight = False
-        rows = self._scatter_from_owner(self._recv if self.owner else None)
+        rows, seconds = self._scatter_from_owner((lambda: self._per_rank(self._recv())) if self.owner else None)
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, time.perf_counter() - ticket.started)
+        self._record_generate(samples, seconds)  # the server's own time: the trainer's wait is less with overlap
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -40,7 +40,8 @@ def _handle(engine, cmd: str, args: tuple):
         t0 = time.perf_counter()
         results = engine.handle.generate_many(args[0])
         engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
-        return engine, [[tuple(vars(s).values()) for s in r] for r in results]
+        return engine, {"rows": [[tuple(vars(s).values()) for s in r] for r in results],
+                        "seconds": time.perf_counter() - t0}
     if cmd == "score":
         return engine, engine.score(args[0])
     if cmd == "init_group":

@@ -110,7 +110,20 @@ def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch | ScoredBatch,
         update = ppo_update(parts.actor, parts.critic, traj, ctx.cfg, kl_coef=kl_coef, generator=generator)
     metrics = step_metrics(ctx, scored, traj, update, kl_coef)
     metrics["rollout/staleness"] = step - scored.rollout.weights_version
+    metrics.update(generation_metrics(scored.rollout))
     return metrics, (sample_rows(ctx, scored, traj, samples) if samples > 0 else [])
+
+
+def generation_metrics(batch: RolloutBatch) -> dict:
+    """`rollout/generate_seconds` and `rollout/generate_tokens_per_s`: the engine's own time for this batch and its
+    response tokens per second (with overlap the trainer waits less than that; a sidecar's tokens/s is comparable
+    with plain vLLM's). Empty when the time is unknown (a batch restored from a checkpoint, or dynamic-sampling
+    rounds combined)."""
+    seconds = batch.generate_seconds
+    if not seconds or seconds <= 0:
+        return {}
+    tokens = sum(len(s.response_ids) for s in batch.samples)
+    return {"rollout/generate_seconds": seconds, "rollout/generate_tokens_per_s": tokens / seconds}
 
 
 def update_kl_controller(kl_ctl, metrics: dict, world_size: int) -> float:

@@ -49,6 +49,7 @@ class _InFlight:
     rows: list[dict]
     ticket: RolloutTicket
     weights_version: int
+    generate_seconds: float | None = None  # the engine's own time, once known (None for a restored batch)
 
 
 def _plain(value):
@@ -72,12 +73,23 @@ class RolloutSchedule:
         self.parts.rollout.wake()
         ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows], sampling_spec(self.ctx, step))
         self.in_flight = _InFlight(rows, ticket, self.engine_version)
+        if ticket.samples is not None:  # an in-process engine generated it just now
+            self.in_flight.generate_seconds = self.parts.rollout.last_generate_seconds()
+
+    def _take(self, job: _InFlight) -> list:
+        """`job`'s samples, waiting for them if they are still generating (then noting the engine's time)."""
+        pending = job.ticket.samples is None
+        samples = self.parts.rollout.collect(job.ticket)
+        if pending:
+            job.generate_seconds = self.parts.rollout.last_generate_seconds()
+        return samples
 
     def _collect(self) -> RolloutBatch:
         job, self.in_flight = self.in_flight, None
-        samples = self.parts.rollout.collect(job.ticket)
+        samples = self._take(job)
         self._sleep()
-        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version)
+        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version,
+                            generate_seconds=job.generate_seconds)
 
     def _sleeps(self) -> bool:
         r = self.ctx.cfg.rollout
@@ -190,7 +202,7 @@ class RolloutSchedule:
         if self.in_flight is None:
             return {"in_flight": None}
         job = self.in_flight
-        samples = self.parts.rollout.collect(job.ticket)  # wait for it: it is part of the state
+        samples = self._take(job)  # wait for it: it is part of the state
         job.ticket = RolloutTicket(samples=samples)
         return {"in_flight": {"rows": [{k: _plain(v) for k, v in r.items()} for r in job.rows],
                               "samples": [list(vars(s).values()) for s in samples],

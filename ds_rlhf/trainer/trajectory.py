@@ -30,6 +30,7 @@ class RolloutBatch:
     rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
     samples: list[RolloutSample]
     weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
+    generate_seconds: float | None = None  # the engine's own time for it (None: unknown, e.g. restored or combined)
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,8 @@ def test_async_generation_still_learns(sft_run, addition_stores, vllm_colocated,
     assert rises["sync"] > 0.1 and rises["async"] >= 0.8 * rises["sync"], rises
     assert [h["rollout/staleness"] for h in histories["async"]] == [0.0] + [1.0] * 13
     assert all(h["rollout/staleness"] == 0.0 for h in histories["sync"])
+    # in-process engine: its generation time is (nearly all of) the rollout phase
+    assert all(0 < h["rollout/generate_seconds"] <= h["time/rollout"] for h in histories["sync"])
 
 
 @pytest.mark.extended
@@ -181,6 +183,9 @@ def test_sidecar_generates_while_the_trainer_trains(sft_run, addition_stores, tm
     history = trainer.train()
     assert [h["rollout/staleness"] for h in history] == [0.0, 1.0, 1.0]
     assert all(h["reward/mean"] == h["reward/mean"] for h in history)
+    # the server's own generation time is logged; with overlap the trainer waited less than that
+    assert all(h["rollout/generate_seconds"] > 0 and h["rollout/generate_tokens_per_s"] > 0 for h in history)
+    assert all(h["rollout/generate_seconds"] > h["time/rollout"] for h in history[1:]), history
 
 
 @pytest.mark.slow

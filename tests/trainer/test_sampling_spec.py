@@ -35,3 +35,15 @@ def test_batch_seed_mixes_every_group_and_needs_batch_seeding_everywhere():
     assert batch_seed([SamplingSpec(seeding="batch")]) is None  # no seed at all: vLLM's own randomness
     with pytest.raises(ValueError, match="seeding"):
         SamplingSpec(seeding="global")
+
+
+def test_generation_metrics_are_the_engines_time_and_tokens_per_second():
+    from ds_rlhf.rollout.base import RolloutSample
+    from ds_rlhf.trainer.rl_step import generation_metrics
+    from ds_rlhf.trainer.trajectory import RolloutBatch
+
+    samples = [RolloutSample(0, j, [1, 2], [5] * (3 + j), [-1.0] * (3 + j), "length") for j in range(2)]
+    got = generation_metrics(RolloutBatch(rows=[{}], samples=samples, weights_version=0, generate_seconds=0.5))
+    assert got == {"rollout/generate_seconds": 0.5, "rollout/generate_tokens_per_s": 7 / 0.5}
+    # unknown (a batch restored from a checkpoint, or combined dynamic-sampling rounds): nothing is made up
+    assert generation_metrics(RolloutBatch(rows=[{}], samples=samples, weights_version=0)) == {}
