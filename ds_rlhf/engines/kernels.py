@@ -70,6 +70,9 @@ def apply_kernels(model: torch.nn.Module, mode: str) -> str:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     chosen = resolve(mode, model_type, device_type)
     if chosen == "liger":
+        # liger warns once per op for each optional backend it cannot import (CuTe-DSL, Ascend) although the Triton
+        # kernels we use load fine; a failure of those raises on its own.
+        logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
         fn = _liger_fn(model_type)
         params = inspect.signature(fn).parameters
         fn(model=model, **{k: v for k, v in _LAYERS.items() if k in params})
