@@ -84,17 +84,24 @@ def build_prompts(workdir: Path, model_dir: Path, n: int, prompt_len: int) -> Pa
                        tokenizer_fingerprint=tokenizer_fingerprint(tok))
 
 
+_TRAINER_LOGPROBS: list = []  # the trainer's own sequence_logprobs (or a bench's patch of it), before full_head
+
+
 def full_head(on: bool) -> None:
     """Benchmark-only switch: `on` scores every position through the log-prob head (the code before the
-    response-only head), `off` restores the trainer's own call. For before/after figures in one session."""
-    from ds_rlhf.trainer import policy_forward, rl_update
+    response-only head), `off` puts back the call that was there before the first switch (the trainer's own, or a
+    bench's own patch of it such as train_step_gpu's --head-chunk). For before/after figures in one session."""
+    from ds_rlhf.trainer import rl_update
 
+    if not _TRAINER_LOGPROBS:
+        _TRAINER_LOGPROBS.append(rl_update.sequence_logprobs)
+    inner = _TRAINER_LOGPROBS[0]
     if not on:
-        rl_update.sequence_logprobs = policy_forward.sequence_logprobs
+        rl_update.sequence_logprobs = inner
         return
 
     def every_position(*a, score_mask=None, **kw):
-        return policy_forward.sequence_logprobs(*a, **kw)
+        return inner(*a, **kw)
 
     rl_update.sequence_logprobs = every_position
 

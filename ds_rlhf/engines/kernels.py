@@ -62,13 +62,28 @@ def resolve(mode: str, model_type: str, device_type: str) -> str:
     return "none"
 
 
+def _run_device_type() -> str:
+    """The device type runs train on: DeepSpeed's accelerator (DS_ACCELERATOR=cpu on a GPU host is "cpu")."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator().device_name()
+    except ImportError:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def apply_kernels(model: torch.nn.Module, mode: str) -> str:
     """Swap `model`'s (a transformers model, before LoRA wrapping) RMSNorm / MLP / rotary forwards for liger's
-    when `mode` resolves to "liger"; returns what was applied. The device is the current CUDA device if any."""
+    when `mode` resolves to "liger" on the run's device type; returns what was applied.
+
+    liger patches the transformers module as well as the instance: its rotary kernel replaces the module-level
+    function every model of that type calls, and its layer classes replace the module's, so models of that type
+    built later in the same process get liger's layers whatever their own `kernels` (numerically the same)."""
+    if mode == "none":
+        return "none"
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    chosen = resolve(mode, model_type, device_type)
+    chosen = resolve(mode, model_type, _run_device_type())
     if chosen == "liger":
         # liger warns once per op for each optional backend it cannot import (CuTe-DSL, Ascend) although the Triton
         # kernels we use load fine; a failure of those raises on its own.

@@ -17,12 +17,15 @@ Conventions every backend follows (tests check them):
   canary compares with the trainer's plain forward.
 - With `spec.seed = s` and `spec.seeding = "request"`, prompt i's sample j is drawn with seed `s + i * n + j`:
   reproducible runs whatever the batch holds, yet distinct samples across prompts (one shared seed would give every
-  identical prompt the same sample stream). `spec.seeding = "batch"` seeds the whole call once with `s` instead
-  (vLLM: the sampler's generator, reseeded before each call, draws every request's noise in one kernel): the same
-  call on the same engine state gives the same samples, and a resumed run the same as an uninterrupted one, but a
-  prompt's samples depend on the rest of the batch. vLLM's sampler loops over seeded requests one by one on the
-  host at every decode step, so "request" costs decode throughput (docs/PERFORMANCE.md, "Rollout seeding").
-  Backends without that cost (HF generate) may treat both alike.
+  identical prompt the same sample stream). `spec.seeding = "batch"` seeds the whole call once instead (vLLM: its
+  workers' generators are reseeded and the prefix cache emptied before the call, then one kernel draws every
+  request's noise): the same call (prompts, specs, engine options) gives the same samples whatever ran before, so
+  a resumed run matches an uninterrupted one; but a prompt's samples depend on the rest of the call, every rank's
+  groups included where one engine serves several ranks. vLLM's sampler loops over seeded requests one by one on
+  the host at every decode step, so "request" costs decode throughput (docs/PERFORMANCE.md, "Training:
+  response-only log-prob head ..."). Backends without that cost (HF generate) treat both alike. RL runs default to
+  "batch" (`rollout.seeding`; before 2026-12-02 they seeded every request, so the same run seed now samples
+  differently).
 - Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS; the stop token is included in
   `response_ids` and `finish_reason` is "stop", otherwise "length".
 """
@@ -194,19 +197,23 @@ class RolloutEngine(ABC):
     def reset_cache(self) -> None:  # noqa: B027  optional hook: engines without a prefix cache need nothing
         """Drop cached prefix KV computed with the previous weights (called after every weight update)."""
 
-    def _record_generate(self, samples: list[RolloutSample], seconds: float) -> None:
+    def _record_generate(self, samples: list[RolloutSample], seconds: float, call_tokens: int | None = None) -> None:
+        """Count this rank's `samples`; `seconds` and `call_tokens` are the engine call's (a call shared by several
+        ranks, tensor-parallel or a server, generated every rank's tokens in those seconds; default: ours)."""
+        tokens = sum(len(s.response_ids) for s in samples)
+        call_tokens = tokens if call_tokens is None else call_tokens
         self._c.generate_calls += 1
         self._c.samples += len(samples)
-        self._c.generated_tokens += sum(len(s.response_ids) for s in samples)
+        self._c.generated_tokens += tokens
         self._c.generate_seconds += seconds
-        self._c.extra["last_generate_seconds"] = seconds
-        self._c.extra["last_generate_tokens_per_s"] = (
-            sum(len(s.response_ids) for s in samples) / seconds if seconds > 0 else float("nan"))
+        self._c.extra["last_generate"] = (seconds, call_tokens)
+        self._c.extra["last_generate_tokens_per_s"] = call_tokens / seconds if seconds > 0 else float("nan")
 
-    def last_generate_seconds(self) -> float | None:
-        """Seconds the engine itself took for its last generate call (a remote engine: the server's own time, not
-        the trainer's wait), or None before any; a local read, no call to the engine."""
-        return self._c.extra.get("last_generate_seconds")
+    def last_generate(self) -> tuple[float, int] | None:
+        """(seconds, response tokens) of the engine's last generate call: its own time (a remote engine: the
+        server's, not the trainer's wait) and every token that call generated (all ranks' when it served several),
+        or None before any; a local read, no call to the engine."""
+        return self._c.extra.get("last_generate")
 
     def _record_update(self, nbytes: int, seconds: float) -> None:
         self._c.weight_updates += 1

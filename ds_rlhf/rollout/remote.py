@@ -154,15 +154,15 @@ class RemoteVLLMEngine(RolloutEngine):
 
     # ---- RolloutEngine ----------------------------------------------------------------------------------------
     @staticmethod
-    def _per_rank(reply: dict) -> list[tuple[list, float]]:
-        """The server's generate_many reply as each rank's (rows, the server's generation seconds)."""
-        return [(rows, reply["seconds"]) for rows in reply["rows"]]
+    def _per_rank(reply: dict) -> list[tuple[list, float, int]]:
+        """The server's generate_many reply as each rank's (rows, the server's seconds and tokens for the call)."""
+        return [(rows, reply["seconds"], reply["tokens"]) for rows in reply["rows"]]
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
-        rows, seconds = self._collective((prompts, spec),
-                                         lambda groups: self._per_rank(self._call("generate_many", groups)))
+        rows, seconds, tokens = self._collective((prompts, spec),
+                                                 lambda groups: self._per_rank(self._call("generate_many", groups)))
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds)
+        self._record_generate(samples, seconds, tokens)
         return samples
 
     def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
@@ -183,9 +183,9 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self._in_flight:
             raise RolloutError("no generation in flight to collect")
         self._in_flight = False
-        rows, seconds = self._scatter_from_owner((lambda: self._per_rank(self._recv())) if self.owner else None)
+        rows, seconds, tokens = self._scatter_from_owner((lambda: self._per_rank(self._recv())) if self.owner else None)
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds)  # the server's own time: the trainer's wait is less with overlap
+        self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -47,6 +47,7 @@ import os
 import time
 import typing
 from collections.abc import Collection, Iterable, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -245,14 +246,29 @@ class VLLMHandle:
     def generate_many(self, groups: Sequence[tuple[list[list[int]], SamplingSpec]]) -> list[list[RolloutSample]]:
         """Several (prompts, spec) groups in one vLLM call (one batch); results per group, prompt-major."""
         seed = batch_seed(spec for _, spec in groups)
-        if seed is not None:  # seeding="batch": one reseed, then vLLM samples the whole batch without generators
-            self.llm.collective_rpc("ds_rlhf_reseed", args=(seed,))
         params = [self.sampling_params(spec, spec.request_seed(i) if seed is None else None, logprobs=0)
                   for prompts, spec in groups for i in range(len(prompts))]
         flat = [p for prompts, _ in groups for p in prompts]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
-                                 lora_request=self.lora_request)
+        with self._batch_seeded(seed):
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in flat], params, use_tqdm=False,
+                                     lora_request=self.lora_request)
         return samples_from_outputs(groups, outs)
+
+    @contextmanager
+    def _batch_seeded(self, seed: int | None):
+        """`seeding="batch"` (a seed for the call): vLLM then draws every request's noise from its workers' default
+        generators, so the samples follow from the seed and the order vLLM schedules the requests in. Both are made
+        the same for the same call whatever ran before: the prefix cache is emptied (a warm cache changes how the
+        prompts are chunked into steps) and the generators are reseeded. An in-process engine's workers share this
+        process's generators: the trainer's RNG state is put back afterwards."""
+        if seed is None:
+            yield
+            return
+        devices = [torch.cuda.current_device()] if self.in_process and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices, enabled=self.in_process):
+            self.llm.reset_prefix_cache()
+            self.llm.collective_rpc("ds_rlhf_reseed", args=(seed,))
+            yield
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         spec = SamplingSpec(max_new_tokens=1, temperature=0.0)

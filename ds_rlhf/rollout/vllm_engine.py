@@ -124,8 +124,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self._require_awake()
         t0 = time.perf_counter()
         groups, index = self._gather((prompts, spec))
-        samples = self.handle.generate_many(groups)[index]
-        self._record_generate(samples, time.perf_counter() - t0)
+        results = self.handle.generate_many(groups)
+        samples = results[index]
+        self._record_generate(samples, time.perf_counter() - t0,
+                              sum(len(s.response_ids) for r in results for s in r))  # every TP rank's tokens
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -39,8 +39,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     `score_mask` (bool, `[B, L-1]`): only those positions go through the output head (RL scores the response
     tokens only; the prompt's positions are a third of an RL batch and of the head's ``V``-wide work); the others
-    read 0 and get no gradient. Where it selects nothing, every position is scored (the head still runs, so its
-    weight gets its usual zero gradient in a zero-weight micro-batch).
+    read 0 and get no gradient. Where it selects nothing (a zero-weight micro-batch of masked rows), every position
+    still goes through the head, so the head weight gets its (zero) gradient on every rank alike, and all read 0.
     """
     hf = unwrap(model, peft=True)
     backbone = hf.get_decoder()
@@ -51,17 +51,20 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     targets = input_ids[:, 1:]
     shape = targets.shape
     targets = targets.reshape(-1)
-    rows = None
+    rows, nothing = None, False
     if score_mask is not None:
         if score_mask.shape != shape:
             raise ValueError(f"score_mask shape {tuple(score_mask.shape)} != scored positions {tuple(shape)}")
         rows = score_mask.reshape(-1).nonzero().squeeze(1)
-        if rows.numel() == 0:
+        nothing = rows.numel() == 0
+        if nothing:
             rows = None
         else:
             hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
     with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:
         logp, entropy = h(hidden, targets)
+    if nothing:  # still in the graph (zero gradients), nothing unmasked leaks out
+        logp, entropy = logp * 0, (entropy * 0 if entropy is not None else None)
     if rows is not None:
         logp = _scatter(logp, rows, shape.numel())
         entropy = _scatter(entropy, rows, shape.numel()) if entropy is not None else None

@@ -115,14 +115,13 @@ def run_step(parts: RLParts, ctx: RunContext, batch: RolloutBatch | ScoredBatch,
 
 
 def generation_metrics(batch: RolloutBatch) -> dict:
-    """`rollout/generate_seconds` and `rollout/generate_tokens_per_s`: the engine's own time for this batch and its
-    response tokens per second (with overlap the trainer waits less than that; a sidecar's tokens/s is comparable
-    with plain vLLM's). Empty when the time is unknown (a batch restored from a checkpoint, or dynamic-sampling
-    rounds combined)."""
-    seconds = batch.generate_seconds
-    if not seconds or seconds <= 0:
+    """`rollout/generate_seconds` and `rollout/generate_tokens_per_s`: the engine's own time for the call(s) that
+    made this batch (every dynamic-sampling round) and the response tokens per second it generated in them, all
+    ranks' where one engine served several (tensor-parallel, a server): per engine, comparable with plain vLLM's.
+    With overlap the trainer waits less than that. Empty when unknown (a batch restored from a checkpoint)."""
+    if batch.generation is None or batch.generation[0] <= 0:
         return {}
-    tokens = sum(len(s.response_ids) for s in batch.samples)
+    seconds, tokens = batch.generation
     return {"rollout/generate_seconds": seconds, "rollout/generate_tokens_per_s": tokens / seconds}
 
 

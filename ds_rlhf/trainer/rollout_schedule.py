@@ -49,7 +49,7 @@ class _InFlight:
     rows: list[dict]
     ticket: RolloutTicket
     weights_version: int
-    generate_seconds: float | None = None  # the engine's own time, once known (None for a restored batch)
+    generation: tuple[float, int] | None = None  # the engine's (seconds, tokens), once known (None: restored)
 
 
 def _plain(value):
@@ -74,14 +74,14 @@ class RolloutSchedule:
         ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows], sampling_spec(self.ctx, step))
         self.in_flight = _InFlight(rows, ticket, self.engine_version)
         if ticket.samples is not None:  # an in-process engine generated it just now
-            self.in_flight.generate_seconds = self.parts.rollout.last_generate_seconds()
+            self.in_flight.generation = self.parts.rollout.last_generate()
 
     def _take(self, job: _InFlight) -> list:
         """`job`'s samples, waiting for them if they are still generating (then noting the engine's time)."""
         pending = job.ticket.samples is None
         samples = self.parts.rollout.collect(job.ticket)
         if pending:
-            job.generate_seconds = self.parts.rollout.last_generate_seconds()
+            job.generation = self.parts.rollout.last_generate()
         return samples
 
     def _collect(self) -> RolloutBatch:
@@ -89,7 +89,7 @@ class RolloutSchedule:
         samples = self._take(job)
         self._sleep()
         return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version,
-                            generate_seconds=job.generate_seconds)
+                            generation=job.generation)
 
     def _sleeps(self) -> bool:
         r = self.ctx.cfg.rollout
@@ -126,7 +126,7 @@ class RolloutSchedule:
         need = rl.prompts_per_step
         rounds: list[ScoredBatch] = []
         picks: list[tuple[ScoredBatch, int]] = []
-        zero_spread = 0
+        zero_spread, gen_seconds, gen_tokens = 0, 0.0, 0
         while True:
             rows = next(self.parts.loader_iter)  # the loader's position after every round is part of the state
             with self.timer.phase("rollout"):
@@ -134,6 +134,8 @@ class RolloutSchedule:
                 ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows],
                                                    sampling_spec(self.ctx, step, round_=len(rounds)))
                 samples = self.parts.rollout.collect(ticket)
+            seconds, tokens = self.parts.rollout.last_generate() or (0.0, 0)
+            gen_seconds, gen_tokens = gen_seconds + seconds, gen_tokens + tokens
             with self.timer.phase("reward"):
                 scored = self.parts.reward(RolloutBatch(rows=rows, samples=samples,
                                                         weights_version=self.engine_version), step=step)
@@ -155,6 +157,8 @@ class RolloutSchedule:
         if not picks:
             picks = [(rounds[0], p) for p in sorted({s.prompt_index for s in rounds[0].samples})]
         batch = take_groups(picks[:need], merge_reward_metrics(rounds))
+        batch = dataclasses.replace(batch, rollout=dataclasses.replace(batch.rollout, generation=(gen_seconds,
+                                                                                                  gen_tokens)))
         trained = batch.raw_scores
         return dataclasses.replace(batch, metrics={
             **batch.metrics, "reward/trained_mean": sum(trained) / len(trained) if trained else 0.0,

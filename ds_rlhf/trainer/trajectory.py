@@ -30,7 +30,8 @@ class RolloutBatch:
     rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
     samples: list[RolloutSample]
     weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
-    generate_seconds: float | None = None  # the engine's own time for it (None: unknown, e.g. restored or combined)
+    # the engine's (seconds, response tokens) for the call(s) that made it; None: unknown (restored from a checkpoint)
+    generation: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)

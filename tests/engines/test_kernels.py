@@ -59,11 +59,19 @@ def test_apply_calls_liger_with_the_body_kernels_only(monkeypatch, tiny_model_pa
         calls.append(dict(rope=rope, cross_entropy=cross_entropy, flce=fused_linear_cross_entropy,
                           rms_norm=rms_norm, swiglu=swiglu, model=model))
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_run_device_type", lambda: "cuda")
     monkeypatch.setattr(kernels, "_liger_fn", lambda t: patch if t == model.config.model_type else None)
     assert kernels.apply_kernels(model, "auto") == "liger"
     assert calls == [dict(rope=True, cross_entropy=False, flce=False, rms_norm=True, swiglu=True, model=model)]
     assert kernels.apply_kernels(model, "none") == "none" and len(calls) == 1
+
+
+def test_the_run_device_is_deepspeeds_accelerator_not_whether_cuda_exists(monkeypatch):
+    """DS_ACCELERATOR=cpu on a GPU host trains on CPU: auto must not pick liger's CUDA-only kernels there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from deepspeed.accelerator import get_accelerator
+
+    assert kernels._run_device_type() == get_accelerator().device_name() == "cpu"  # this CPU-only CI machine
 
 
 def test_the_config_key_takes_only_the_three_choices(tmp_path):

@@ -7,6 +7,7 @@ All tests share the session's single vLLM engine (`vllm_colocated`); each loads 
 from __future__ import annotations
 
 import pytest
+import torch
 from rollout_helpers import (
     PROBE,
     SMALL_BUCKET,
@@ -117,3 +118,15 @@ def test_batch_seeding_reseeds_once_and_sends_no_request_seeds(vllm_rollout, mon
     calls.clear(), seeds.clear()
     vllm_rollout.generate([[1, 5, 6], [1, 7]], SamplingSpec(n=2, max_new_tokens=3, seed=4))
     assert not [c for c in calls if c[0] == "ds_rlhf_reseed"] and seeds == [4, 6]
+
+
+def test_batch_seeding_leaves_the_trainers_rng_alone(vllm_rollout):
+    """The in-process engine's workers share this process's generators: a batch-seeded call reseeds them for its
+    own sampling and puts the trainer's state back, so the trainer's random stream is the same as without it."""
+    from ds_rlhf.rollout import SamplingSpec
+
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    vllm_rollout.generate([[1, 5, 6]], SamplingSpec(n=2, max_new_tokens=3, seed=9, seeding="batch"))
+    assert torch.equal(torch.rand(4), expected)

@@ -83,17 +83,18 @@ def test_score_mask_scores_only_those_positions_with_the_same_values_and_gradien
         assert torch.allclose(grad, full_grads[name], atol=1e-5), name
 
 
-def test_score_mask_selecting_nothing_scores_every_position(tiny_model_path):
-    """A zero-weight micro-batch (all-masked rows) still runs the head over every position: same numbers as no
-    mask, so the head weight gets its gradient and every rank runs the same kernels."""
+def test_score_mask_selecting_nothing_reads_zero_and_keeps_the_head_in_the_graph(tiny_model_path):
+    """A zero-weight micro-batch (all-masked rows): every position reads 0 (nothing unmasked leaks into a loss),
+    yet the head still runs, so its weight gets a (zero) gradient on every rank alike."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ids = torch.randint(0, 400, (2, 6))
-    with torch.no_grad():
-        none, _ = sequence_logprobs(model, ids, None, score_mask=torch.zeros(2, 5, dtype=torch.bool))
-        full, _ = sequence_logprobs(model, ids, None)
-    assert torch.equal(none, full)
+    logp, entropy = sequence_logprobs(model, ids, None, with_entropy=True, score_mask=torch.zeros(2, 5, dtype=bool))
+    assert (logp == 0).all() and (entropy == 0).all()
+    (logp.sum() + entropy.sum()).backward()
+    grad = model.get_output_embeddings().weight.grad
+    assert grad is not None and (grad == 0).all()
 
 
 def test_score_mask_of_the_wrong_shape_is_refused(tiny_model_path):

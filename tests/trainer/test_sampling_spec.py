@@ -43,7 +43,8 @@ def test_generation_metrics_are_the_engines_time_and_tokens_per_second():
     from ds_rlhf.trainer.trajectory import RolloutBatch
 
     samples = [RolloutSample(0, j, [1, 2], [5] * (3 + j), [-1.0] * (3 + j), "length") for j in range(2)]
-    got = generation_metrics(RolloutBatch(rows=[{}], samples=samples, weights_version=0, generate_seconds=0.5))
-    assert got == {"rollout/generate_seconds": 0.5, "rollout/generate_tokens_per_s": 7 / 0.5}
-    # unknown (a batch restored from a checkpoint, or combined dynamic-sampling rounds): nothing is made up
+    # the engine's call made 28 tokens (three other ranks' too) in 0.5 s: per-engine tokens/s, not this rank's 7
+    got = generation_metrics(RolloutBatch(rows=[{}], samples=samples, weights_version=0, generation=(0.5, 28)))
+    assert got == {"rollout/generate_seconds": 0.5, "rollout/generate_tokens_per_s": 28 / 0.5}
+    # unknown (a batch restored from a checkpoint): nothing is made up
     assert generation_metrics(RolloutBatch(rows=[{}], samples=samples, weights_version=0)) == {}
