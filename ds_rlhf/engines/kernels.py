@@ -40,8 +40,9 @@ def _liger_fn(model_type: str):
     return MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
 
 
-def resolve(mode: str, model_type: str, device_type: str) -> str:
-    """`model.kernels` for this model and device: "liger" or "none" (raises ValueError for an impossible "liger")."""
+def resolve(mode: str, model_type: str | None, device_type: str) -> str:
+    """`model.kernels` for this model and device: "liger" or "none" (raises ValueError for an impossible "liger").
+    `model_type` None: not known yet (preflight before the model exists), so only the device and the install."""
     if mode not in CHOICES:
         raise ValueError(f"model.kernels must be one of {CHOICES}, got {mode!r}")
     if mode == "none":
@@ -51,7 +52,8 @@ def resolve(mode: str, model_type: str, device_type: str) -> str:
         problem = f"liger's Triton kernels need a CUDA device (this run is on {device_type})"
     else:
         try:
-            if _liger_fn(model_type) is None:
+            fn = _liger_fn(model_type or "")
+            if model_type is not None and fn is None:
                 problem = f"liger-kernel has no kernels for model type {model_type!r}"
         except ImportError as exc:
             problem = str(exc)
@@ -62,7 +64,7 @@ def resolve(mode: str, model_type: str, device_type: str) -> str:
     return "none"
 
 
-def _run_device_type() -> str:
+def run_device_type() -> str:
     """The device type runs train on: DeepSpeed's accelerator (DS_ACCELERATOR=cpu on a GPU host is "cpu")."""
     try:
         from deepspeed.accelerator import get_accelerator
@@ -83,7 +85,7 @@ def apply_kernels(model: torch.nn.Module, mode: str) -> str:
         return "none"
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
-    chosen = resolve(mode, model_type, _run_device_type())
+    chosen = resolve(mode, model_type, run_device_type())
     if chosen == "liger":
         # liger warns once per op for each optional backend it cannot import (CuTe-DSL, Ascend) although the Triton
         # kernels we use load fine; a failure of those raises on its own.

@@ -154,6 +154,21 @@ def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = No
                           f"model's config.json and cannot be made: {type(exc).__name__}: {exc}") from None
 
 
+def check_kernels(cfg: Config) -> None:
+    """`model.kernels=liger` where liger's kernels cannot run (no CUDA device, liger-kernel missing, a model type it
+    does not know): one line now instead of an error after the model has loaded."""
+    if cfg.model.kernels != "liger":
+        return
+    from ds_rlhf.engines import kernels
+
+    config = Path(cfg.model.path) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    try:
+        kernels.resolve("liger", model_type, kernels.run_device_type())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def check_rl_run(cfg: Config) -> None:
     """Everything an RL run needs, checked before set-up."""
     if cfg.run.steps < 1:
@@ -163,6 +178,7 @@ def check_rl_run(cfg: Config) -> None:
     check_reward(cfg)
     check_resume(cfg)
     check_ds_config(cfg)
+    check_kernels(cfg)
     check_memory_cap(cfg, "rl")
 
 
@@ -173,4 +189,5 @@ def check_supervised_run(cfg: Config, kind: str) -> None:
         check_store(cfg.data.eval, "data.eval", kind)
     check_resume(cfg)
     check_ds_config(cfg)
+    check_kernels(cfg)
     check_memory_cap(cfg, {"preference": "rm"}.get(kind, "sft"))

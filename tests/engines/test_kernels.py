@@ -59,7 +59,7 @@ def test_apply_calls_liger_with_the_body_kernels_only(monkeypatch, tiny_model_pa
         calls.append(dict(rope=rope, cross_entropy=cross_entropy, flce=fused_linear_cross_entropy,
                           rms_norm=rms_norm, swiglu=swiglu, model=model))
 
-    monkeypatch.setattr(kernels, "_run_device_type", lambda: "cuda")
+    monkeypatch.setattr(kernels, "run_device_type", lambda: "cuda")
     monkeypatch.setattr(kernels, "_liger_fn", lambda t: patch if t == model.config.model_type else None)
     assert kernels.apply_kernels(model, "auto") == "liger"
     assert calls == [dict(rope=True, cross_entropy=False, flce=False, rms_norm=True, swiglu=True, model=model)]
@@ -71,7 +71,7 @@ def test_the_run_device_is_deepspeeds_accelerator_not_whether_cuda_exists(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     from deepspeed.accelerator import get_accelerator
 
-    assert kernels._run_device_type() == get_accelerator().device_name() == "cpu"  # this CPU-only CI machine
+    assert kernels.run_device_type() == get_accelerator().device_name() == "cpu"  # this CPU-only CI machine
 
 
 def test_the_config_key_takes_only_the_three_choices(tmp_path):
@@ -79,3 +79,12 @@ def test_the_config_key_takes_only_the_three_choices(tmp_path):
     assert parse_config([]).model.kernels == "auto"
     with pytest.raises(ConfigError, match="kernels"):
         parse_config(["--model.kernels", "triton"])
+
+
+def test_preflight_refuses_liger_where_it_cannot_run_before_any_model_loads(tiny_model_path):
+    """On this CPU machine `--model.kernels liger` is one ConfigError from the run's preflight, naming the device."""
+    from ds_rlhf.trainer.preflight import check_kernels
+
+    check_kernels(parse_config(["--model.path", str(tiny_model_path)]))  # auto: nothing to check
+    with pytest.raises(ConfigError, match="CUDA device"):
+        check_kernels(parse_config(["--model.path", str(tiny_model_path), "--model.kernels", "liger"]))
