@@ -37,7 +37,7 @@ SHAPES = {  # Qwen2 shapes, vocab 151936
 }
 
 
-MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 16384}  # --micro-batch-tokens 0 (default), per shape
+MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 24576}  # --micro-batch-tokens 0 (default), per shape
 
 
 def build_model(workdir: Path, tiny: bool, shape: str = "0.5b") -> Path:
@@ -146,8 +146,8 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="data.micro_batch_tokens, the training phase's token budget per micro-batch (the workload is "
                         "the same whatever it is); 0 = per shape: 49152 for 0.5b (fastest measured on the H200, "
-                        "docs/PERFORMANCE.md), 16384 for 1.5b (not tuned: 49152 ran out of memory beside the "
-                        "colocated engine)")
+                        "docs/PERFORMANCE.md), 24576 for 1.5b (the fastest training phase measured that leaves "
+                        "the colocated engine its share; 49152 ran out of memory beside it)")
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
