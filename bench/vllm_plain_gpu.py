@@ -52,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=0, help="0 = vLLM's default")
     p.add_argument("--cudagraph-sizes", default="", help="comma list; empty = vLLM's default capture sizes")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed calls, profile one more: the host functions that take the time (cProfile, "
+                        "which slows Python down, so read shares, not seconds) and, on CUDA, the GPU-busy share of "
+                        "a further call (torch.profiler kernel time over its wall time)")
     p.add_argument("--tiny", action="store_true", help="CPU logic check: tiny model, 4 prompts x 2, 16 + 16 tokens")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench", help="shared with rl_step_gpu.py (same model dir)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -120,6 +124,41 @@ def measure(llm, prompts: list[list[int]], params: list, repeats: int) -> dict:
     return {"runs": runs, "tokens_per_s_best": max(tps), "tokens_per_s_median": statistics.median(tps)}
 
 
+def profile_call(llm, prompts: list[list[int]], params: list, top: int = 25) -> dict:
+    """Where one generate call's host time goes, and (CUDA) how much of a call's wall time the GPU computes.
+
+    `host`: the `top` functions by own time under cProfile (file:line(name), calls, own and cumulative seconds) and
+    the call's wall time with the profiler on; `gpu` (CUDA only): kernel seconds / wall seconds of another call."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate(inputs, params, use_tqdm=False)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    out = {"host": {"wall_seconds_profiled": wall, "top_own_time": [
+        {"function": f"{Path(path).name}:{line}({name})", "calls": calls, "own_s": own, "cum_s": cum}
+        for (path, line, name), (_, calls, own, cum, _) in rows]}}
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as cuda_prof:
+            t0 = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        kernel_us = sum(e.self_device_time_total for e in cuda_prof.key_averages())
+        out["gpu"] = {"wall_seconds": wall, "kernel_seconds": kernel_us / 1e6, "busy_share": kernel_us / 1e6 / wall}
+    return out
+
+
 def load_prompts(args, model_dir: Path) -> list[list[int]]:
     """rl_step_gpu.py's prompts: chat header + random token ids + generation prompt, exactly `--prompt-len` each."""
     from rl_step_gpu import build_prompts
@@ -157,6 +196,8 @@ def main(argv=None) -> dict:
               "effective_options": effective_engine_options(llm), "start_seconds": start_s,
               "prompts": len(prompts), "samples": args.samples, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, **measure(llm, prompts, sampling_params(args, len(prompts)), args.repeats)}
+    if args.profile:
+        result["profile"] = profile_call(llm, prompts, sampling_params(args, len(prompts)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"vllm_plain_{tag}.json").write_text(json.dumps(result, indent=1, default=str))

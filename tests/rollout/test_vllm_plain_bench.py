@@ -48,6 +48,18 @@ def test_measure_on_the_session_engine(bench, vllm_colocated):
     assert out["tokens_per_s_best"] == run["tokens_per_s"] > 0
 
 
+def test_profile_on_the_session_engine(bench, vllm_colocated):
+    """--profile: the host functions of one generate call by own time (vLLM's engine step among them)."""
+    args = bench.parse_args(["--tiny"])
+    prompts = [[1, 5, 6, 7 + i] for i in range(args.prompts)]
+    out = bench.profile_call(vllm_colocated.handle.llm, prompts, bench.sampling_params(args, len(prompts)), top=40)
+    host = out["host"]
+    assert host["wall_seconds_profiled"] > 0 and len(host["top_own_time"]) == 40
+    own = [r["own_s"] for r in host["top_own_time"]]
+    assert own == sorted(own, reverse=True) and all(r["calls"] >= 1 for r in host["top_own_time"])
+    assert "gpu" not in out  # CPU machine: no CUDA section
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_plain_bench_runs_tiny_on_cpu(tmp_path):
