@@ -119,7 +119,8 @@ def split_bench_keys(extra: list[str]) -> tuple[list[str], dict]:
 
 def summarize(history: list[dict], skip: int, completions: int) -> dict:
     steady = history[skip:] or history
-    keys = sorted({k for h in steady for k in h if k.startswith(("time/", "sync/", "throughput/", "sys/"))})
+    keys = sorted({k for h in steady for k in h
+                   if k.startswith(("time/", "sync/", "throughput/", "sys/", "rollout/generate"))})
     med = {k: statistics.median(h[k] for h in steady if k in h) for k in keys}
     wall = med.get("time/wall", med.get("time/step"))
     return {"steps": len(history), "steady_steps": len(steady), "median": med,
