@@ -162,11 +162,12 @@ def check_kernels(cfg: Config) -> None:
     from ds_rlhf.engines import kernels
 
     config = Path(cfg.model.path) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
     try:
+        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
         kernels.resolve("liger", model_type, kernels.run_device_type())
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    except ValueError as exc:  # a config.json that is not JSON is reported the same way
+        raise ConfigError(f"{exc}" if "model.kernels" in str(exc) else f"model.path={cfg.model.path!r}: "
+                          f"unreadable {config}: {exc}") from None
 
 
 def check_rl_run(cfg: Config) -> None:
