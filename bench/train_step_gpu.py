@@ -53,6 +53,23 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
         rl_update.sequence_logprobs = functools.partial(policy_forward.sequence_logprobs, chunk_size=chunk)
 
 
+def _time_optimizer_steps(actor, sync) -> list[float]:
+    """Wrap `actor.step` (the optimizer step, once per mini-batch) to record its synchronised seconds."""
+    seconds: list[float] = []
+    inner = actor.step
+
+    def timed_step(*a, **kw):
+        sync()
+        t0 = time.perf_counter()
+        out = inner(*a, **kw)
+        sync()
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    actor.step = timed_step
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="0.5b")
@@ -64,6 +81,9 @@ def main() -> None:
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the optimizer step (DeepSpeed's engine.step, synchronised) apart from the "
+                        "forward/backward passes, in the timed updates (the syncs add a little to the total)")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
     p.add_argument("--head-backward", choices=("auto", "fp32"), default="auto",
                    help="fp32: the chunked log-prob head's backward GEMMs in fp32 (the code before 2026-12-01)")
@@ -111,12 +131,15 @@ def main() -> None:
           f"{args.full_head}", flush=True)
     gen = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    step_times = _time_optimizer_steps(actor, sync) if args.breakdown else None
     results = []
     for budget in budgets:
         cfg.data.micro_batch_tokens = budget
         ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
         sync()
         times = []
+        if step_times is not None:
+            step_times.clear()
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
@@ -128,6 +151,8 @@ def main() -> None:
                "tokens": tokens, "tokens_per_s": tokens / best,
                "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+        if step_times is not None:
+            row["optimizer_step_seconds"] = min(step_times) if step_times else None  # one step per update here
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.profile:
