@@ -259,7 +259,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
     result = {"tag": tag, "config": vars(args), "overrides": extra, "bench_switches": switches,
-              "kernels": _kernels_used(trainer), "setup_seconds": setup_s,
+              "kernels": kernels_used(trainer.parts.actor), "setup_seconds": setup_s,
               "engine_reused": rollout is not None, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
@@ -279,13 +279,12 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     return engine
 
 
-def _kernels_used(trainer) -> str:
-    """"liger" when the actor's RMSNorm runs liger's kernel (model.kernels resolved on this machine), else "none"."""
+def kernels_used(actor) -> str:
+    """"liger" when the actor's final RMSNorm runs liger's kernel (model.kernels as resolved here), else "none"."""
     from ds_rlhf.engines.models import unwrap
 
-    norm = unwrap(trainer.parts.actor, peft=True).get_decoder().norm
-    return "liger" if "liger" in type(norm).__module__ or "liger" in getattr(norm.forward, "__module__", "") \
-        else "none"
+    norm = unwrap(actor, peft=True).get_decoder().norm
+    return "liger" if "liger" in type(norm).__module__ + getattr(norm.forward, "__module__", "") else "none"
 
 
 def _train_recording_step_ends(trainer, step_ends: list):

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_step_gpu import build_model, full_head, train_mfu_params
+from rl_step_gpu import build_model, full_head, kernels_used, train_mfu_params
 
 PEAK_TFLOPS = 790.0
 
@@ -125,8 +125,7 @@ def main() -> None:
     from ds_rlhf.engines.models import unwrap
 
     attn = unwrap(actor, peft=True).config._attn_implementation
-    norm = unwrap(actor, peft=True).get_decoder().norm
-    kernels = "liger" if "liger" in getattr(norm.forward, "__module__", "") + type(norm).__module__ else "none"
+    kernels = kernels_used(actor)
     print(f"[train_step_gpu] attention {attn}, packing {args.packing}, kernels {kernels}, full head "
           f"{args.full_head}", flush=True)
     gen = torch.Generator().manual_seed(0)

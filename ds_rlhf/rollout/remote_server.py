@@ -39,10 +39,10 @@ def _handle(engine, cmd: str, args: tuple):
     if cmd == "generate_many":
         t0 = time.perf_counter()
         results = engine.handle.generate_many(args[0])
-        seconds = time.perf_counter() - t0
-        engine._record_generate([s for r in results for s in r], seconds)
+        engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
+        seconds, tokens = engine.last_generate()
         return engine, {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds,
-                        "tokens": sum(len(s.response_ids) for r in results for s in r)}
+                        "tokens": tokens}
     if cmd == "score":
         return engine, engine.score(args[0])
     if cmd == "init_group":

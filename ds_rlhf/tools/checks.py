@@ -227,31 +227,31 @@ def _vllm_support_problem(version: str) -> str:
     return ""
 
 
-def check_flash_attn(gpus: int) -> Check:
-    version = installed_version("flash-attn") or installed_version("flash_attn")
-    present = version is not None or importlib.util.find_spec("flash_attn") is not None
+def _optional_gpu_package(name: str, module: str, gpus: int, *, used: str, missing: str, fix: str) -> Check:
+    """An optional CUDA-only package (distribution `name`, import `module`): OK when installed (`used` says what
+    for), WARN `missing` + `fix` when absent on a GPU machine, OK when absent on CPU (nothing uses it there)."""
+    version = installed_version(name) or installed_version(module)
+    present = version is not None or importlib.util.find_spec(module) is not None
     facts = {"installed": present, "version": version}
     if present:
-        return Check("flash-attn", OK, f"flash-attn {version or '(version unknown)'}", facts=facts)
+        return Check(name, OK, f"{name} {version or '(version unknown)'}{used}", facts=facts)
     if gpus:
-        return Check("flash-attn", WARN, "not installed (optional: torch varlen / SDPA attention is used)",
-                     "pip install -r requirements/cuda-optional.txt (needs nvcc)", facts)
-    return Check("flash-attn", OK, "not installed (not used on CPU)", facts=facts)
+        return Check(name, WARN, missing, fix, facts)
+    return Check(name, OK, "not installed (not used on CPU)", facts=facts)
+
+
+def check_flash_attn(gpus: int) -> Check:
+    return _optional_gpu_package("flash-attn", "flash_attn", gpus, used="",
+                                 missing="not installed (optional: torch varlen / SDPA attention is used)",
+                                 fix="pip install -r requirements/cuda-optional.txt (needs nvcc)")
 
 
 def check_liger(gpus: int) -> Check:
     """liger-kernel, which `model.kernels auto` uses on CUDA (engines/kernels.py)."""
-    version = installed_version("liger-kernel") or installed_version("liger_kernel")
-    present = version is not None or importlib.util.find_spec("liger_kernel") is not None
-    facts = {"installed": present, "version": version}
-    if present:
-        return Check("liger-kernel", OK, f"liger-kernel {version or '(version unknown)'} (model.kernels auto uses it "
-                     "on CUDA)", facts=facts)
-    if gpus:
-        return Check("liger-kernel", WARN, "not installed: model.kernels auto falls back to Hugging Face's layers "
-                     "(the 0.5B training phase took 1.23x as long on the H200, docs/PERFORMANCE.md)",
-                     "pip install liger-kernel (requirements/cuda.txt pins it)", facts)
-    return Check("liger-kernel", OK, "not installed (not used on CPU)", facts=facts)
+    return _optional_gpu_package("liger-kernel", "liger_kernel", gpus, used=" (model.kernels auto uses it on CUDA)",
+                                 missing="not installed: model.kernels auto falls back to Hugging Face's layers (the "
+                                         "0.5B training phase took 1.23x as long on the H200, docs/PERFORMANCE.md)",
+                                 fix="pip install liger-kernel (requirements/cuda.txt pins it)")
 
 
 # ---- DeepSpeed JIT builds ----------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if cfg.model.attn_impl == "flash_attention_2" and not c["flash-attn"].facts.get("installed"):
         results = _need(results, "flash-attn", "model.attn_impl=flash_attention_2",
                         "pip install -r requirements/cuda-optional.txt, or --model.attn_impl auto")
-    if getattr(cfg.model, "kernels", "auto") == "liger":
+    if cfg.model.kernels == "liger":
         if not c["liger-kernel"].facts.get("installed"):
             results = _need(results, "liger-kernel", "model.kernels=liger",
                             "pip install liger-kernel, or --model.kernels auto")

@@ -162,12 +162,16 @@ def check_kernels(cfg: Config) -> None:
     from ds_rlhf.engines import kernels
 
     config = Path(cfg.model.path) / "config.json"
+    model_type = None  # a model not built yet ("tiny"): the device and the install are still checked
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.path={cfg.model.path!r}: unreadable {config}: {exc}") from None
     try:
-        model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
         kernels.resolve("liger", model_type, kernels.run_device_type())
-    except ValueError as exc:  # a config.json that is not JSON is reported the same way
-        raise ConfigError(f"{exc}" if "model.kernels" in str(exc) else f"model.path={cfg.model.path!r}: "
-                          f"unreadable {config}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_rl_run(cfg: Config) -> None:
