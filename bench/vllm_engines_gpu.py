@@ -49,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.max_engines = known.max_engines or max(args.engine_counts)
     if not args.engine_counts or min(args.engine_counts) < 1 or max(args.engine_counts) > args.max_engines:
         p.error(f"--engines {known.engines!r}: counts must be >= 1 and <= --max-engines {args.max_engines}")
-    if args.prompts % max(args.engine_counts):
-        p.error(f"--prompts {args.prompts} does not split evenly over {max(args.engine_counts)} engines")
+    if args.prompts < max(args.engine_counts):
+        p.error(f"--prompts {args.prompts} is fewer than {max(args.engine_counts)} engines")
     return args
 
 
@@ -105,7 +105,7 @@ def start_engines(args, model_dir: Path) -> tuple[list, list]:
 
 def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
     """`repeats` rounds of the whole batch split over engines 0..n-1 (plus one untimed warm-up on each)."""
-    shard = len(prompts) // n
+    bounds = [len(prompts) * i // n for i in range(n + 1)]  # contiguous shards, sizes differing by at most one
     for c in conns[:n]:
         c.send(("gen", prompts[:4], None))
     for c in conns[:n]:
@@ -114,7 +114,7 @@ def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
     for _ in range(repeats):
         start_at = time.time() + 0.3
         for i, c in enumerate(conns[:n]):
-            c.send(("gen", prompts[i * shard:(i + 1) * shard], start_at))
+            c.send(("gen", prompts[bounds[i]:bounds[i + 1]], start_at))
         done = [c.recv() for c in conns[:n]]
         begin, end = min(d[2] for d in done), max(d[3] for d in done)
         tokens = sum(d[4] for d in done)

@@ -110,6 +110,9 @@ class RolloutConfig:
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
     async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
     max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
+    # sidecar: vLLM engine processes on the training GPU, the batch and gpu_memory_utilization split evenly between
+    # them (vLLM's decode is bound by per-step host work; N processes run N of those loops at once)
+    sidecar_engines: int = opt(1, ge=1)
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
     temperature: float = opt(1.0, gt=0)
@@ -202,6 +205,9 @@ class RolloutConfig:
     def check(self, cfg: Config) -> None:
         self._check_vllm_options()
         self._check_lora_sync(cfg)
+        if self.sidecar_engines > 1 and self.placement != "sidecar":
+            raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
+                              f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")
         if self.async_generation and cfg.rl.mismatch == "off":
             raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
                               "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")

@@ -44,9 +44,14 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     weight_backend, load_format, skip_tokenizer_init, batch_size for HF), among them the vLLM engine options of
     `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
     enforce_eager) for every placement; the HF backend has none of those and says so when one is set.
-    `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only)."""
+    `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only).
+    `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` and its own
+    seed, behind one `ShardedRolloutEngine` that splits every batch between them (`sharded.py`)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
+    n_engines = kw.pop("sidecar_engines", 1)
+    if n_engines > 1 and placement != "sidecar":
+        raise ValueError(f"sidecar_engines={n_engines} needs placement='sidecar', got {placement!r}")
     backend = resolve_backend(backend)
     if kw.get("lora") and (backend != "vllm" or placement != "colocated"):
         raise ValueError(f"adapter sync (lora={kw['lora']}) needs the colocated vLLM engine, got backend={backend!r}, "
@@ -75,4 +80,25 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
 
     client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
     client = {k: kw.pop(k) for k in client_keys if k in kw}
-    return RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
+    if n_engines == 1:
+        return RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
+    return _sharded(n_engines, str(model_path), client, vllm_kw, kw)
+
+
+def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> RolloutEngine:
+    """`n` sidecar servers started one after the other (vLLM measures free memory at start-up), then one engine
+    over them; a failed start closes the servers already running."""
+    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
+
+    engines: list = []
+    try:
+        for i in range(n):
+            own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i)
+            log_path = f"{client['log_path']}.{i}" if client.get("log_path") else None
+            engines.append(RemoteVLLMEngine(model_path, **dict(client, log_path=log_path), **own, **kw))
+        return ShardedRolloutEngine(engines)
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise

@@ -108,10 +108,19 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError(f"rollout server failed:\n{payload}")
         return payload
 
-    def _call(self, *msg):
+    def send_command(self, *msg) -> None:
+        """Send one command to the server without waiting (`receive()` gets its reply): several servers can
+        then work at once (`sharded.py`). Single-rank use only: no gather over the trainer's ranks."""
         if self._conn is None:
             raise RolloutError("rollout engine is closed")
         self._conn.send(msg)
+
+    def receive(self):
+        """The reply to the last `send_command` (RolloutError with the server's traceback on failure)."""
+        return self._recv()
+
+    def _call(self, *msg):
+        self.send_command(*msg)
         return self._recv()
 
     def _gather_to_owner(self, item) -> list | None:
@@ -227,7 +236,7 @@ class RemoteVLLMEngine(RolloutEngine):
             plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
         t0 = time.perf_counter()
         if self.weight_backend == "ipc":
-            nbytes = self._update_through_ipc(buckets, plan)
+            nbytes = update_through_ipc([self], buckets, plan)
             self._record_update(nbytes, time.perf_counter() - t0)
             return
         self._ensure_group()
@@ -250,25 +259,6 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
         self._recv()
         self._record_update(nbytes, time.perf_counter() - t0)
-
-    def _update_through_ipc(self, buckets, plan) -> int:
-        """Sidecar on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed into a
-        CUDA buffer the server maps through CUDA IPC once, then one message per bucket; the server loads from its
-        view and answers after its copies finished, so the next bucket may overwrite the buffer."""
-        nbytes = 0
-        for bucket, metas in zip(buckets, plan):
-            size = bucket_nbytes(metas)
-            if self._ipc_buf is None or self._ipc_buf.numel() < size:
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                self._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-                self._call("init_ipc", reduce_tensor(self._ipc_buf))
-            pack_bucket([t for _, t in bucket], metas, out=self._ipc_buf)
-            torch.cuda.current_stream().synchronize()
-            self._call("update_ipc", plan_to_wire([metas]))
-            nbytes += size
-        self._call("update_done")
-        return nbytes
 
     def _ensure_group(self) -> None:
         if self._group is not None:
@@ -320,6 +310,34 @@ class RemoteVLLMEngine(RolloutEngine):
             if obj is not None:
                 obj.close()
                 setattr(self, attr, None)
+
+
+def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan) -> int:
+    """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
+    into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
+    bucket to each; the servers load from their views at the same time and answer after their copies finished, so
+    the next bucket may overwrite the buffer. Returns the bytes sent (once, however many servers)."""
+    lead, nbytes = engines[0], 0
+
+    def on_all(*msg) -> None:
+        for e in engines:
+            e.send_command(*msg)
+        for e in engines:
+            e.receive()
+
+    for bucket, metas in zip(buckets, plan):
+        size = bucket_nbytes(metas)
+        if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+            on_all("init_ipc", reduce_tensor(lead._ipc_buf))
+        pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
+        torch.cuda.current_stream().synchronize()
+        on_all("update_ipc", plan_to_wire([metas]))
+        nbytes += size
+    on_all("update_done")
+    return nbytes
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):

@@ -94,7 +94,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
-                                      lora=lora_engine, **cfg.rollout.vllm_options())
+                                      lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
+                                      **cfg.rollout.vllm_options())
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory_cap)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)

@@ -171,21 +171,28 @@ def test_async_generation_still_learns(sft_run, addition_stores, vllm_colocated,
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_sidecar_generates_while_the_trainer_trains(sft_run, addition_stores, tmp_path):
+@pytest.mark.parametrize("engines", [1, 2])
+def test_sidecar_generates_while_the_trainer_trains(engines, sft_run, addition_stores, tmp_path):
     """vLLM in its own process (the sidecar placement; on CPU a second process on the same cores): step k+1's
-    batch is generated while step k trains, and the run learns on it."""
+    batch is generated while step k trains, and the run learns on it; with rollout.sidecar_engines=2 two server
+    processes each generate half of every batch."""
     from ds_rlhf.trainer.rl_trainer import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 3,
-                   ["--rollout.async_generation", "true", "--rollout.placement", "sidecar"])
+                   ["--rollout.async_generation", "true", "--rollout.placement", "sidecar",
+                    "--rollout.sidecar_engines", str(engines)])
     trainer = RLTrainer(parse_config(args))
-    assert trainer.parts.rollout.placement == "disaggregated"  # the remote engine class, on the trainer's device
+    # one server: the remote engine class, on the trainer's device; two: the sharded engine over two of them
+    assert trainer.parts.rollout.placement == ("disaggregated" if engines == 1 else "sidecar")
+    assert len(getattr(trainer.parts.rollout, "engines", [None])) == engines
     history = trainer.train()
     assert [h["rollout/staleness"] for h in history] == [0.0, 1.0, 1.0]
     assert all(h["reward/mean"] == h["reward/mean"] for h in history)
     # the server's own generation time is logged; with overlap the trainer waited less than that
     assert all(h["rollout/generate_seconds"] > 0 and h["rollout/generate_tokens_per_s"] > 0 for h in history)
     assert all(h["rollout/generate_seconds"] > h["time/rollout"] for h in history[1:]), history
+    if engines > 1:  # every server generated a share of every batch
+        assert all(e["generate_calls"] == len(history) for e in trainer.parts.rollout.stats()["engines"])
 
 
 @pytest.mark.slow

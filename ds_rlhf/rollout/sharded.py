@@ -1,0 +1,152 @@
+"""Several sidecar vLLM engines on the trainer's GPU, the rollout batch split between them (`rollout.sidecar_engines`).
+
+Why: at RL batch sizes vLLM's decode is bound by its per-step host work (scheduling, sampler bookkeeping, output
+processing: Python loops over the running requests, one thread per engine), not by the GPU. N engine processes with
+1/N of the requests each run N of those loops at once on other CPU cores while they share the GPU
+(docs/PERFORMANCE.md, "Several vLLM engines on one GPU").
+
+`ShardedRolloutEngine(engines)` is one `RolloutEngine` over N `RemoteVLLMEngine`s (one training rank):
+- `generate` / `submit`: the prompts are cut into N contiguous shards (sizes differing by at most one; fewer shards
+  when there are fewer prompts); shard k starts at prompt o_k and its spec's seed is `seed + o_k * n`, so with
+  `seeding="request"` every request keeps the seed it has on one engine, and with `seeding="batch"` each shard's call
+  has its own seed that follows from the call alone (resume stays exact). Every server generates its shard at once;
+  `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
+- weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
+  time (`remote.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
+- `score` (the sync canary): every server scores every sequence, and the returned log-probs are those of the server
+  furthest from server 0, so the canary's bound on |trainer - rollout| holds for each of them (a server that missed a
+  sync cannot hide behind one that did not).
+- sleep / wake / close go to every server; `stats()["engines"]` lists each server's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, RolloutTicket, SamplingSpec
+from ds_rlhf.rollout.remote import RemoteVLLMEngine, update_through_ipc
+
+
+def shard_bounds(n_prompts: int, n_engines: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) prompt ranges, one per engine used (at most `n_prompts` of them, none empty)."""
+    used = max(1, min(n_engines, n_prompts))
+    cuts = [n_prompts * i // used for i in range(used + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def shard_spec(spec: SamplingSpec, offset: int) -> SamplingSpec:
+    """The spec of the shard starting at prompt `offset`: request seeds unchanged, a batch seed of its own."""
+    return spec if spec.seed is None or offset == 0 else dataclasses.replace(spec, seed=spec.seed + offset * spec.n)
+
+
+class ShardedRolloutEngine(RolloutEngine):
+    backend = "vllm"
+    placement = "sidecar"
+
+    def __init__(self, engines: Sequence[RemoteVLLMEngine]) -> None:
+        super().__init__()
+        if not engines:
+            raise ValueError("ShardedRolloutEngine needs at least one engine")
+        if any(e._d is not None for e in engines):
+            raise RolloutError("several sidecar engines serve one training rank; this run has several ranks")
+        self.engines = list(engines)
+        self._in_flight = False
+        self._c.extra.update(engines=len(self.engines), vllm_version=engines[0].stats().get("vllm_version"))
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.engines[0].weight_dtype
+
+    # ---- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
+        return self.collect(self.submit(prompts, spec))
+
+    def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
+        if self._in_flight:
+            raise RolloutError("a generation is already in flight: collect it first")
+        started = []
+        for engine, (a, b) in zip(self.engines, shard_bounds(len(prompts), len(self.engines))):
+            started.append((engine, a, engine.submit(prompts[a:b], shard_spec(spec, a))))
+        self._in_flight = True
+        return RolloutTicket(pending=started, started=started[0][2].started)
+
+    def collect(self, ticket: RolloutTicket) -> list[RolloutSample]:
+        if ticket.samples is not None:
+            return ticket.samples
+        if not self._in_flight:
+            raise RolloutError("no generation in flight to collect")
+        self._in_flight = False
+        samples, seconds, tokens, failure = [], 0.0, 0, None
+        for engine, offset, sub in ticket.pending:  # collect every shard, even after a failure: no reply left behind
+            try:
+                part = engine.collect(sub)
+            except RolloutError as e:
+                failure = failure or e
+                continue
+            samples.extend(dataclasses.replace(s, prompt_index=s.prompt_index + offset) for s in part)
+            call_s, call_tokens = engine.last_generate()
+            seconds, tokens = max(seconds, call_s), tokens + call_tokens
+        if failure is not None:
+            raise failure
+        self._record_generate(samples, seconds, tokens)
+        return samples
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        self._check_idle()
+        for e in self.engines:
+            e.send_command("score", sequences)
+        results = [e.receive() for e in self.engines]
+        out = []
+        for i, first in enumerate(results[0]):
+            def gap(r, i=i, first=first):
+                return max((abs(x - y) for x, y in zip(r[i], first)), default=0.0)
+
+            out.append(max(results, key=gap)[i])
+        return out
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tensors = list(named_tensors)
+        for e in self.engines:
+            e.update_weights(tensors)
+
+    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                              plan: BucketPlan | None = None) -> None:
+        self._check_idle()
+        if plan is not None and all(e.weight_backend == "ipc" for e in self.engines):
+            import time
+
+            t0 = time.perf_counter()
+            nbytes = update_through_ipc(self.engines, buckets, plan)
+            self._record_update(nbytes, time.perf_counter() - t0)
+            return
+        zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: keep copies
+        held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
+        for e in self.engines:
+            e.update_weight_buckets(held, plan)
+
+    def _check_idle(self) -> None:
+        if self._in_flight:
+            raise RolloutError("a generation is in flight: collect it before any other call")
+
+    # ---- the rest goes to every engine -------------------------------------------------------------------------
+    def sleep(self) -> None:
+        for e in self.engines:
+            e.sleep()
+        self.sleeping = True
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        for e in self.engines:
+            e.wake(tags)
+        if tags is None or "kv_cache" in tags:
+            self.sleeping = False
+
+    def stats(self) -> dict:
+        return {**super().stats(), "engines": [e.stats() for e in self.engines]}
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()

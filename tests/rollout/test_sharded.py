@@ -1,0 +1,120 @@
+"""Several sidecar vLLM engines behind one `ShardedRolloutEngine` (`rollout.sidecar_engines`): how the batch is cut,
+which seeds each shard gets, the memory split and seeds the factory gives each server, and (two real servers on CPU)
+the rollout contract, a weight sync into both, and the canary seeing a server that missed a sync."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_helpers import PROBE, STALE_MIN, TOL, check_generate_contract, skipped_sync_fires, sync_roundtrip
+
+from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.rollout.base import SamplingSpec, batch_seed
+from ds_rlhf.rollout.sharded import shard_bounds, shard_spec
+
+
+@pytest.mark.parametrize(("prompts", "engines", "expected"), [
+    (32, 3, [(0, 10), (10, 21), (21, 32)]),
+    (8, 2, [(0, 4), (4, 8)]),
+    (2, 4, [(0, 1), (1, 2)]),  # fewer prompts than engines: one prompt each, the rest idle
+    (5, 1, [(0, 5)]),
+    (0, 2, [(0, 0)]),
+])
+def test_shard_bounds_cover_every_prompt_once_in_order(prompts, engines, expected):
+    bounds = shard_bounds(prompts, engines)
+    assert bounds == expected
+    assert [i for a, b in bounds for i in range(a, b)] == list(range(prompts))
+
+
+def test_shard_specs_keep_request_seeds_and_give_each_batch_shard_its_own():
+    spec = SamplingSpec(n=4, seed=100)
+    for offset in (0, 3, 7):
+        shifted = shard_spec(spec, offset)
+        # prompt `offset + i` keeps the seed it has when one engine serves the whole batch
+        assert [shifted.request_seed(i) for i in range(3)] == [spec.request_seed(offset + i) for i in range(3)]
+    batch = SamplingSpec(n=4, seed=100, seeding="batch")
+    seeds = [batch_seed([shard_spec(batch, o)]) for o in (0, 10, 21)]
+    assert len(set(seeds)) == 3 and seeds[0] == batch_seed([batch])
+    assert shard_spec(SamplingSpec(n=4), 5).seed is None  # unseeded stays unseeded
+
+
+def test_sidecar_engines_needs_the_sidecar_placement():
+    with pytest.raises(ConfigError, match=r"rollout.sidecar_engines=2 .*--rollout.placement sidecar"):
+        parse_config(["--rollout.sidecar_engines", "2"])
+    with pytest.raises(ConfigError, match="sidecar_engines"):
+        parse_config(["--rollout.sidecar_engines", "0", "--rollout.placement", "sidecar"])
+    cfg = parse_config(["--rollout.sidecar_engines", "3", "--rollout.placement", "sidecar"])
+    assert cfg.rollout.sidecar_engines == 3
+
+
+def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failure(monkeypatch, tiny_model_path):
+    from ds_rlhf.rollout import factory, make_rollout_engine
+    from ds_rlhf.rollout import remote as remote_mod
+    from ds_rlhf.rollout.base import RolloutError
+
+    started, closed = [], []
+
+    class FakeRemote:
+        def __init__(self, model_path, **kw):
+            if len(started) == 2:
+                raise RolloutError("third server failed to start")
+            started.append(kw)
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", FakeRemote)
+    monkeypatch.setattr(factory, "resolve_backend", lambda backend: "vllm")
+    with pytest.raises(RolloutError, match="third server"):
+        make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6, seed=5,
+                            sidecar_engines=3, log_path="/tmp/server.log")
+    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 2
+    assert [kw["seed"] for kw in started] == [5, 6]  # unseeded requests must not repeat across shards
+    assert [kw["log_path"] for kw in started] == ["/tmp/server.log.0", "/tmp/server.log.1"]
+    assert len(closed) == 2
+    with pytest.raises(ValueError, match="placement='sidecar'"):
+        make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), sidecar_engines=2)
+
+
+@pytest.fixture(scope="module")
+def two_sidecars(tiny_model_path, tmp_path_factory):
+    from ds_rlhf.rollout import make_rollout_engine
+    from ds_rlhf.rollout.vllm_adapter import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not importable here")
+    log = tmp_path_factory.mktemp("sidecars") / "server.log"
+    engine = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), dtype="float32",
+                                 max_model_len=256, seed=0, sidecar_engines=2, log_path=str(log))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.slow
+def test_two_sidecar_engines_keep_the_rollout_contract(two_sidecars, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    check_generate_contract(two_sidecars, AutoTokenizer.from_pretrained(str(tiny_model_path)).eos_token_id)
+    # both servers generated: each holds its share of the calls' samples
+    per_engine = [e["samples"] for e in two_sidecars.stats()["engines"]]
+    assert all(n > 0 for n in per_engine) and sum(per_engine) == two_sidecars.stats()["samples"]
+    seconds, tokens = two_sidecars.last_generate()
+    assert seconds > 0 and tokens == 3 * 8  # the last contract call: 3 prompts x 8 tokens over both servers
+
+
+@pytest.mark.slow
+def test_a_sync_reaches_both_servers_and_the_canary_sees_one_that_missed_it(two_sidecars, tiny_model_path,
+                                                                           dist_single):
+    r = sync_roundtrip(two_sidecars, tiny_model_path, stage=0)
+    assert r["initial"] < TOL and r["stale"] > STALE_MIN and r["after"] < TOL and r["gen_diff"] < TOL, r
+    # every server scores the probe alike after the sync
+    first, second = (e.score([PROBE])[0] for e in two_sidecars.engines)
+    assert max(abs(a - b) for a, b in zip(first, second)) < TOL
+    assert "not serving the trained weights" in skipped_sync_fires(two_sidecars, tiny_model_path, stage=0)
+    # only server 0 gets the trained weights: the sharded score reports server 1's, so the canary fires
+    from ds_rlhf.rollout import SyncCanary, SyncCanaryError
+
+    two_sidecars.engines[0].update_weights(list(r["engine"].module.named_parameters()))
+    with pytest.raises(SyncCanaryError):
+        SyncCanary(PROBE, threshold=1e-3).check(r["engine"], two_sidecars)
+    two_sidecars.engines[1].update_weights(list(r["engine"].module.named_parameters()))
+    assert SyncCanary(PROBE, threshold=1e-3).measure(r["engine"], two_sidecars)["max_abs_diff"] < TOL
