@@ -112,7 +112,7 @@ class RolloutConfig:
     max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
     # sidecar: vLLM engine processes on the training GPU, the batch and gpu_memory_utilization split evenly between
     # them (vLLM's decode is bound by per-step host work; N processes run N of those loops at once)
-    sidecar_engines: int = opt(1, ge=1)
+    sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
     temperature: float = opt(1.0, gt=0)

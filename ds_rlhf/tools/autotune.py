@@ -9,6 +9,7 @@
 Knobs, searched one at a time in this order, each trial changing one knob of the best point so far:
   rollout.async_generation        off, on (on needs rl.mismatch tis or mis: a combination the config refuses is
                                   recorded as invalid and not run)
+  rollout.sidecar_engines         your value, 1, 2, 3 (only with rollout.placement sidecar and the vLLM backend)
   data.micro_batch_tokens         your value and multiples of the longest sequence (prompt + response tokens)
   rollout.gpu_memory_utilization  your value, 0.3, 0.5, 0.7, 0.85 (left out with rollout.backend hf: no effect)
   rollout.max_num_seqs            your value (0 = vLLM's default), 64, 128, 256, 512 (left out with rollout.backend
@@ -43,13 +44,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 OBJECTIVES = {"completions": "throughput/completions_per_s", "tokens": "throughput/tokens_per_s"}
-KNOB_ORDER = ("rollout.async_generation", "data.micro_batch_tokens", "rollout.gpu_memory_utilization",
-              "rollout.max_num_seqs")
+KNOB_ORDER = ("rollout.async_generation", "rollout.sidecar_engines", "data.micro_batch_tokens",
+              "rollout.gpu_memory_utilization", "rollout.max_num_seqs")
 TRIAL_SETTINGS = ["--run.overwrite", "true", "--run.resume", "", "--run.progress", "false", "--run.tensorboard",
                   "false", "--run.wandb", "false", "--run.export_hf", "false", "--run.eval_every", "0",
                   "--run.eval_before_train", "false", "--run.sample_log_every", "0", "--run.metrics_port", "0",
                   "--run.save_every", "0", "--run.keep_last", "1"]
-VLLM_ONLY = ("rollout.gpu_memory_utilization", "rollout.max_num_seqs")  # no effect with rollout.backend hf
+VLLM_ONLY = ("rollout.gpu_memory_utilization", "rollout.max_num_seqs", "rollout.sidecar_engines")  # not with hf
 KILL_MARGIN_S = 2.0  # the search's own bookkeeping after the last trial
 
 
@@ -127,6 +128,7 @@ def default_knobs(cfg, custom: dict[str, list[str]]) -> tuple[dict[str, list], d
         "data.micro_batch_tokens": [-(-seq * k // 1024) * 1024 for k in (4, 16, 64)],
         "rollout.gpu_memory_utilization": [0.3, 0.5, 0.7, 0.85],
         "rollout.max_num_seqs": [64, 128, 256, 512],
+        "rollout.sidecar_engines": [1, 2, 3],
     }
     knobs, skipped = {}, {}
     for key in [*KNOB_ORDER, *(k for k in custom if k not in KNOB_ORDER)]:
@@ -138,6 +140,9 @@ def default_knobs(cfg, custom: dict[str, list[str]]) -> tuple[dict[str, list], d
             continue
         if key in VLLM_ONLY and cfg.rollout.backend == "hf" and key not in custom:
             skipped[key] = "no effect with rollout.backend hf"
+            continue
+        if key == "rollout.sidecar_engines" and cfg.rollout.placement != "sidecar" and key not in custom:
+            skipped[key] = f"needs rollout.placement sidecar (this run: {cfg.rollout.placement})"
             continue
         base = config_value(cfg, key)
         values = [typed(key, v) for v in custom[key]] if key in custom else defaults.get(key, [])

@@ -59,8 +59,12 @@ def test_default_knobs_skip_what_does_not_exist_or_apply():
     assert "no effect" in skipped["rollout.gpu_memory_utilization"]
     misspelt = "rollout.max_num_sequences"
     assert "not a config key" in default_knobs(cfg, {misspelt: ["8"]})[1][misspelt]
-    vllm_knobs, _ = default_knobs(parse_config(["--rollout.backend", "vllm"]), {})
+    vllm_knobs, vllm_skipped = default_knobs(parse_config(["--rollout.backend", "vllm"]), {})
     assert vllm_knobs["rollout.max_num_seqs"] == [0, 64, 128, 256, 512]  # 0 = vLLM's default, then the candidates
+    assert "needs rollout.placement sidecar" in vllm_skipped["rollout.sidecar_engines"]  # colocated: one engine
+    sidecar, _ = default_knobs(parse_config(["--rollout.backend", "vllm", "--rollout.placement", "sidecar",
+                                             "--rollout.sidecar_engines", "2"]), {})
+    assert sidecar["rollout.sidecar_engines"] == [2, 1, 3]  # the run's value first, then the other candidates
     knobs, skipped = default_knobs(cfg, {"data.micro_batch_tokens": ["4096", "0"], "rl.mini_batch_size": ["16"],
                                          "rollout.async_generation": []})
     assert knobs["data.micro_batch_tokens"] == [0, 4096] and knobs["rl.mini_batch_size"] == [0, 16]
