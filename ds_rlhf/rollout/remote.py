@@ -289,7 +289,8 @@ class RemoteVLLMEngine(RolloutEngine):
             out["server"] = self._call("stats")
         return out
 
-    def close(self) -> None:
+    def begin_close(self) -> None:
+        """Tell the server to shut down without waiting for it (`close` waits): several servers then stop at once."""
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -297,6 +298,9 @@ class RemoteVLLMEngine(RolloutEngine):
                 conn.close()
             except OSError:
                 pass
+
+    def close(self) -> None:
+        self.begin_close()
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=60)

@@ -148,5 +148,7 @@ class ShardedRolloutEngine(RolloutEngine):
         return {**super().stats(), "engines": [e.stats() for e in self.engines]}
 
     def close(self) -> None:
+        for e in self.engines:  # every server shuts down at once, then each is waited for
+            e.begin_close()
         for e in self.engines:
             e.close()
