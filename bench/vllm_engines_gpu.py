@@ -6,7 +6,8 @@ per step grows with the requests in the step, and one engine's host work runs on
 processes each with 1/N of the batch run N of those loops at once on other cores while they share the GPU.
 
 All `--max-engines` engines start once, one after the other (each `gpu_memory_utilization` = `--gpu-mem` / that
-count, so the memory split is explicit), in their own processes; then for each N in `--engines` the batch (the
+count, so the memory split is explicit, and the same whatever N is timed: at the default batch one engine's share
+still holds every sequence's KV cache), in their own processes; then for each N in `--engines` the batch (the
 prompts of `bench/rl_step_gpu.py`'s rollout: 32 prompts x 8 samples, 128-token prompts, 256 new tokens, per-token
 log-probs) is split into N contiguous prompt shards, engines 0..N-1 start their shard at the same wall-clock time,
 and the round's time is from that start to the last engine's end. NVML is sampled every 100 ms. Engine options are
@@ -28,12 +29,10 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine core, as our engines run it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

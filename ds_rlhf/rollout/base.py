@@ -158,6 +158,11 @@ class RolloutEngine(ABC):
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each `tokens[1:]` given its prefix, under the rollout engine's current weights."""
 
+    def score_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """`score` on every replica that serves generations (one list per replica): the sync canary checks each,
+        so a replica that missed a sync cannot hide behind one that did not. One replica here."""
+        return [self.score(sequences)]
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (Hugging Face name, full tensor) pairs into the engine in place; names not known raise."""

@@ -90,13 +90,14 @@ class SyncCanary:
         t0 = time.perf_counter()
         ref = trainer_logprobs(trainer_module, self.probe_ids)
         local, mean = -math.inf, float("nan")
-        if rollout is not None:
-            got = rollout.score([self.probe_ids])[0]
-            diffs = [abs(a - b) for a, b in zip(ref, got)]
-            if len(got) != len(ref) or any(math.isnan(d) for d in diffs):
-                local = math.inf
-            else:
-                local, mean = max(diffs), sum(diffs) / len(diffs)
+        if rollout is not None:  # every replica (several sidecar engines): the worst one counts
+            for replica in rollout.score_replicas([self.probe_ids]):
+                got = replica[0]
+                diffs = [abs(a - b) for a, b in zip(ref, got)]
+                if len(got) != len(ref) or any(math.isnan(d) for d in diffs):
+                    local = math.inf
+                elif max(diffs) > local:
+                    local, mean = max(diffs), sum(diffs) / len(diffs)
         diff = _max_over_ranks(local)
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype)

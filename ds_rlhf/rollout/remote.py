@@ -316,6 +316,29 @@ class RemoteVLLMEngine(RolloutEngine):
                 setattr(self, attr, None)
 
 
+def command_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list:
+    """Send `msg` to every server, then read the reply of every server it reached, even after one failed (so no
+    connection is left with an unread reply that the next call would take for its own); the first failure is
+    raised once all replies are in. Returns the replies in the engines' order."""
+    sent, failure = [], None
+    for e in engines:
+        try:
+            e.send_command(*msg)
+            sent.append(e)
+        except (RolloutError, OSError) as err:
+            failure = failure or err
+            break
+    replies = []
+    for e in sent:
+        try:
+            replies.append(e.receive())
+        except RolloutError as err:
+            failure = failure or err
+    if failure is not None:
+        raise failure if isinstance(failure, RolloutError) else RolloutError(f"rollout server: {failure}")
+    return replies
+
+
 def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan) -> int:
     """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
     into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
@@ -324,10 +347,7 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     lead, nbytes = engines[0], 0
 
     def on_all(*msg) -> None:
-        for e in engines:
-            e.send_command(*msg)
-        for e in engines:
-            e.receive()
+        command_all(engines, *msg)
 
     for bucket, metas in zip(buckets, plan):
         size = bucket_nbytes(metas)

@@ -13,21 +13,33 @@ processing: Python loops over the running requests, one thread per engine), not 
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
 - weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
   time (`remote.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
-- `score` (the sync canary): every server scores every sequence, and the returned log-probs are those of the server
-  furthest from server 0, so the canary's bound on |trainer - rollout| holds for each of them (a server that missed a
-  sync cannot hide behind one that did not).
+- `score_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
+  against the trainer, so a server that missed a sync cannot hide behind one that did not; `score` is server 0's.
+- errors: a command goes to every server and every reply is read before the first failure is raised
+  (`remote.command_all`), and a `submit` that fails part-way waits out the shards already sent, so no connection is
+  left with a reply the next call would take for its own.
 - sleep / wake / close go to every server; `stats()["engines"]` lists each server's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
 
-from ds_rlhf.rollout.base import BucketPlan, RolloutEngine, RolloutError, RolloutSample, RolloutTicket, SamplingSpec
-from ds_rlhf.rollout.remote import RemoteVLLMEngine, update_through_ipc
+from ds_rlhf.rollout.base import (
+    BucketPlan,
+    RolloutEngine,
+    RolloutError,
+    RolloutSample,
+    RolloutTicket,
+    SamplingSpec,
+    TensorMeta,
+)
+from ds_rlhf.rollout.remote import RemoteVLLMEngine, command_all, update_through_ipc
 
 
 def shard_bounds(n_prompts: int, n_engines: int) -> list[tuple[int, int]]:
@@ -65,11 +77,16 @@ class ShardedRolloutEngine(RolloutEngine):
         return self.collect(self.submit(prompts, spec))
 
     def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
-        if self._in_flight:
-            raise RolloutError("a generation is already in flight: collect it first")
+        self._check_idle()
         started = []
-        for engine, (a, b) in zip(self.engines, shard_bounds(len(prompts), len(self.engines))):
-            started.append((engine, a, engine.submit(prompts[a:b], shard_spec(spec, a))))
+        try:
+            for engine, (a, b) in zip(self.engines, shard_bounds(len(prompts), len(self.engines))):
+                started.append((engine, a, engine.submit(prompts[a:b], shard_spec(spec, a))))
+        except RolloutError:
+            for engine, _, sub in started:  # the shards already sent: wait them out, so those servers stay usable
+                with contextlib.suppress(RolloutError):
+                    engine.collect(sub)
+            raise
         self._in_flight = True
         return RolloutTicket(pending=started, started=started[0][2].started)
 
@@ -95,38 +112,38 @@ class ShardedRolloutEngine(RolloutEngine):
         return samples
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        self._check_idle()
-        for e in self.engines:
-            e.send_command("score", sequences)
-        results = [e.receive() for e in self.engines]
-        out = []
-        for i, first in enumerate(results[0]):
-            def gap(r, i=i, first=first):
-                return max((abs(x - y) for x, y in zip(r[i], first)), default=0.0)
+        return self.score_replicas(sequences)[0]
 
-            out.append(max(results, key=gap)[i])
-        return out
+    def score_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """Every server scores every sequence (at once): one list per server, for the canary to check each."""
+        self._check_idle()
+        return command_all(self.engines, "score", sequences)
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_idle()
         tensors = list(named_tensors)
+        t0 = time.perf_counter()
         for e in self.engines:
             e.update_weights(tensors)
+        self._record_update(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
 
     def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
                               plan: BucketPlan | None = None) -> None:
         self._check_idle()
-        if plan is not None and all(e.weight_backend == "ipc" for e in self.engines):
-            import time
-
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        if all(e.weight_backend == "ipc" for e in self.engines):  # a GPU sidecar (placement.py): one shared buffer
+            if plan is None:
+                buckets = [list(b) for b in buckets if b]
+                plan = [[TensorMeta(n, tuple(t.shape), self.weight_dtype) for n, t in b] for b in buckets]
             nbytes = update_through_ipc(self.engines, buckets, plan)
-            self._record_update(nbytes, time.perf_counter() - t0)
-            return
-        zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: keep copies
-        held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
-        for e in self.engines:
-            e.update_weight_buckets(held, plan)
+        else:  # gloo on CPU: each server has its own weight group, so every bucket is held and sent to each in turn
+            zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: copies
+            held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
+            for e in self.engines:
+                e.update_weight_buckets(held, plan)
+            nbytes = sum(t.numel() * t.element_size() for b in held for _, t in b)
+        self._record_update(nbytes, time.perf_counter() - t0)
 
     def _check_idle(self) -> None:
         if self._in_flight:

@@ -223,9 +223,10 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         batch = min(64, step_seqs)
         return RolePlan("rollout (HF)", num_params, num_params * act, kv_cache=batch * s.seq_len * per_token,
                         detail=f"generate, batches of {batch}"), []
-    weights = num_params * act // r.tensor_parallel_size
-    overhead = activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
-                                lm_head=False) // r.tensor_parallel_size
+    engines = r.sidecar_engines if r.placement == "sidecar" else 1  # each holds its own weights and profile pass
+    weights = engines * num_params * act // r.tensor_parallel_size
+    overhead = engines * activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
+                                          lm_head=False) // r.tensor_parallel_size
     cpu_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     if s.device == "cpu" and cpu_space.strip():
         kv = int(float(cpu_space) * GiB)
@@ -233,12 +234,15 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     else:
         kv = int(r.gpu_memory_utilization * s.capacity) - weights - overhead
         detail = f"gpu_memory_utilization {r.gpu_memory_utilization}"
+        if engines > 1:
+            detail += f" over {engines} sidecar engines (a weight copy each)"
     notes = []
     seqs = max(kv, 0) // max(per_token * s.seq_len, 1)
     if kv <= 0:
         notes.append(f"FAIL: vLLM's budget (rollout.gpu_memory_utilization={r.gpu_memory_utilization} of "
                      f"{fmt_bytes(s.capacity)}) does not hold its weights ({fmt_bytes(weights)}) and profiling "
-                     f"forward ({fmt_bytes(overhead)}): raise it or use tensor parallelism")
+                     f"forward ({fmt_bytes(overhead)}): raise it or use tensor parallelism"
+                     + (f", or fewer rollout.sidecar_engines ({engines}: a weight copy each)" if engines > 1 else ""))
     elif seqs < 1:
         notes.append(f"FAIL: vLLM's KV cache ({fmt_bytes(kv)}) holds no full {s.seq_len}-token sequence: vLLM "
                      "refuses to start; raise rollout.gpu_memory_utilization or lower rollout.max_model_len")

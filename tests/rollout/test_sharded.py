@@ -5,10 +5,19 @@ the rollout contract, a weight sync into both, and the canary seeing a server th
 from __future__ import annotations
 
 import pytest
-from rollout_helpers import PROBE, STALE_MIN, TOL, check_generate_contract, skipped_sync_fires, sync_roundtrip
+import torch
+from rollout_helpers import (
+    PROBE,
+    STALE_MIN,
+    TOL,
+    check_generate_contract,
+    restore_checkpoint_weights,
+    skipped_sync_fires,
+    sync_roundtrip,
+)
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout.base import SamplingSpec, batch_seed
+from ds_rlhf.rollout.base import RolloutError, RolloutTicket, SamplingSpec, batch_seed
 from ds_rlhf.rollout.sharded import shard_bounds, shard_spec
 
 
@@ -75,6 +84,78 @@ def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failu
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), sidecar_engines=2)
 
 
+class FakeServer:
+    """A RemoteVLLMEngine stand-in: queued commands, scores `offset` away from `truth`, failures on demand."""
+
+    _d = None
+    weight_backend = "gloo"
+    weight_dtype = torch.float32
+
+    def __init__(self, truth=None, offset=0.0, fail_score=False, fail_submit=False):
+        self.truth, self.offset, self.fail_score, self.fail_submit = truth, offset, fail_score, fail_submit
+        self.queue, self.in_flight, self.collected = [], False, 0
+
+    def stats(self):
+        return {"vllm_version": "fake"}
+
+    def send_command(self, *msg):
+        self.queue.append(msg)
+
+    def receive(self):
+        cmd, seqs = self.queue.pop(0)
+        if self.fail_score:
+            raise RolloutError("server failed")
+        return [[x + self.offset for x in self.truth] for _ in seqs]
+
+    def submit(self, prompts, spec):
+        if self.fail_submit:
+            raise RolloutError("submit failed")
+        self.in_flight = True
+        return RolloutTicket(pending=True)
+
+    def collect(self, ticket):
+        self.in_flight, self.collected = False, self.collected + 1
+        return []
+
+    def last_generate(self):
+        return (0.1, 0)
+
+
+@pytest.mark.parametrize("stale", [0, 1])
+def test_the_canary_checks_every_server_whichever_missed_the_sync(stale, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from ds_rlhf.rollout import SyncCanary
+    from ds_rlhf.rollout.canary import trainer_logprobs
+    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+    truth = trainer_logprobs(model, PROBE)
+    servers = [FakeServer(truth, offset=0.5 if i == stale else 0.0) for i in range(2)]
+    info = SyncCanary(PROBE, threshold=1e-3).measure(model, ShardedRolloutEngine(servers))
+    assert info["max_abs_diff"] == pytest.approx(0.5, abs=1e-6)
+    fine = SyncCanary(PROBE, threshold=1e-3).measure(model, ShardedRolloutEngine([FakeServer(truth)] * 2))
+    assert fine["max_abs_diff"] < 1e-6
+
+
+def test_a_failing_server_leaves_no_reply_unread_and_no_shard_in_flight():
+    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
+
+    bad, good = FakeServer([0.0], fail_score=True), FakeServer([0.0])
+    engine = ShardedRolloutEngine([bad, good])
+    with pytest.raises(RolloutError, match="server failed"):
+        engine.score([[1, 2]])
+    assert bad.queue == [] and good.queue == []  # the good server's reply was read too
+    first, broken = FakeServer(), FakeServer(fail_submit=True)
+    engine = ShardedRolloutEngine([first, broken])
+    with pytest.raises(RolloutError, match="submit failed"):
+        engine.submit([[1], [2]], SamplingSpec(seed=1))
+    assert first.collected == 1 and not first.in_flight  # the shard already sent was waited out
+    broken.fail_submit = False
+    ticket = engine.submit([[1], [2]], SamplingSpec(seed=1))  # the engine is usable again
+    assert engine.collect(ticket) == [] and (first.collected, broken.collected) == (2, 1)
+
+
 @pytest.fixture(scope="module")
 def two_sidecars(tiny_model_path, tmp_path_factory):
     from ds_rlhf.rollout import make_rollout_engine
@@ -110,11 +191,14 @@ def test_a_sync_reaches_both_servers_and_the_canary_sees_one_that_missed_it(two_
     first, second = (e.score([PROBE])[0] for e in two_sidecars.engines)
     assert max(abs(a - b) for a, b in zip(first, second)) < TOL
     assert "not serving the trained weights" in skipped_sync_fires(two_sidecars, tiny_model_path, stage=0)
-    # only server 0 gets the trained weights: the sharded score reports server 1's, so the canary fires
+    # only one server gets the trained weights (either one): the canary checks both, so it fires
     from ds_rlhf.rollout import SyncCanary, SyncCanaryError
 
-    two_sidecars.engines[0].update_weights(list(r["engine"].module.named_parameters()))
-    with pytest.raises(SyncCanaryError):
-        SyncCanary(PROBE, threshold=1e-3).check(r["engine"], two_sidecars)
-    two_sidecars.engines[1].update_weights(list(r["engine"].module.named_parameters()))
+    trained = list(r["engine"].module.named_parameters())
+    for synced in (0, 1):
+        restore_checkpoint_weights(two_sidecars, tiny_model_path)
+        two_sidecars.engines[synced].update_weights(trained)
+        with pytest.raises(SyncCanaryError):
+            SyncCanary(PROBE, threshold=1e-3).check(r["engine"], two_sidecars)
+    two_sidecars.engines[0].update_weights(trained)
     assert SyncCanary(PROBE, threshold=1e-3).measure(r["engine"], two_sidecars)["max_abs_diff"] < TOL

@@ -164,6 +164,18 @@ def test_vllm_budget_and_kv_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     cpu = _roles(_plan("--rollout.backend", "vllm"))["vllm"]
     assert cpu.kv_cache == GiB
+    # rollout.sidecar_engines: every sidecar engine holds its own weights and profiling pass inside the one budget
+    sidecar = ("--model.path", str(tmp_path), "--rollout.backend", "vllm", "--rollout.placement", "sidecar")
+    one = _roles(_plan(*sidecar, "--rollout.gpu_memory_utilization", "0.9", device="cuda", capacity=80 * GiB))["vllm"]
+    three = _plan(*sidecar, "--rollout.gpu_memory_utilization", "0.9", "--rollout.sidecar_engines", "3",
+                  device="cuda", capacity=80 * GiB)
+    v3 = _roles(three)["vllm"]
+    assert (v3.params, v3.activations) == (3 * one.params, 3 * one.activations)
+    assert v3.params + v3.activations + v3.kv_cache == int(0.9 * 80 * GiB) and 0 < v3.kv_cache < one.kv_cache
+    assert "over 3 sidecar engines" in v3.detail
+    tight = _plan(*sidecar, "--rollout.gpu_memory_utilization", "0.4", "--rollout.sidecar_engines", "3",
+                  device="cuda", capacity=80 * GiB)  # 3 x 15 GiB of weights > 32 GiB
+    assert not tight.fits and any("fewer rollout.sidecar_engines (3" in n for n in tight.notes), tight.notes
 
 
 def test_cli_table_json_and_exit_status(tmp_path, capsys):
