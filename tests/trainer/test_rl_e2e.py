@@ -86,15 +86,30 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_store
     killed with SIGKILL is a fresh process, as a user runs it; the uninterrupted and the resumed runs train in this
     process on the session's engine (a new trainer, so only what the checkpoint holds carries over: the resumed run
     starts after the uninterrupted one, whose RNG and engine state it must not inherit)."""
+
+    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", str(mode == "async")]
+    _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, vllm_colocated, capsys)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_kill_9_then_resume_with_two_sidecar_engines_matches(sft_run, addition_stores, tmp_path, capsys):
+    """rollout.sidecar_engines=2 with overlap: each run starts its own two servers; the batch in flight at the
+    checkpoint (both shards) is saved with it, and the resumed run matches the uninterrupted one."""
+    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", "true",
+              "--rollout.placement", "sidecar", "--rollout.sidecar_engines", "2"]
+    _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, None, capsys)
+
+
+def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys) -> None:
+    """An uninterrupted 6-step run; the same run as a fresh process SIGKILLed mid-step 5, then resumed here; the
+    two metric streams must match (`rollout`: the engine the in-process runs share, None: each builds its own)."""
     from ds_rlhf.trainer.rl_trainer import RLTrainer
 
-    model = sft_run[0] / "export"
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", str(mode == "async")]
-    RLTrainer(parse_config(rl_args(straight, model, addition_stores, steps=6, extra=common)),
-              rollout=vllm_colocated).train()
+    RLTrainer(parse_config(rl_args(straight, model, stores, steps=6, extra=common)), rollout=rollout).train()
     with open(tmp_path / "killed.log", "w") as log:
-        proc = _launch(rl_args(killed, model, addition_stores, steps=6, extra=common), log)
+        proc = _launch(rl_args(killed, model, stores, steps=6, extra=common), log)
         deadline = time.time() + 600
         while not (killed / "checkpoints" / "step_00000004" / "COMPLETE").exists():
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
@@ -102,8 +117,8 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_store
         os.killpg(proc.pid, signal.SIGKILL)  # mid-step 5: everything since step 4's checkpoint is lost
         proc.wait()
     capsys.readouterr()
-    RLTrainer(parse_config(rl_args(killed, model, addition_stores, steps=6, extra=[*common, "--run.resume", "latest"])),
-              rollout=vllm_colocated).train()
+    RLTrainer(parse_config(rl_args(killed, model, stores, steps=6, extra=[*common, "--run.resume", "latest"])),
+              rollout=rollout).train()
     assert "resumed from" in capsys.readouterr().out
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
