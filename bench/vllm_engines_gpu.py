@@ -104,7 +104,9 @@ def start_engines(args, model_dir: Path) -> tuple[list, list]:
 
 def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
     """`repeats` rounds of the whole batch split over engines 0..n-1 (plus one untimed warm-up on each)."""
-    bounds = [len(prompts) * i // n for i in range(n + 1)]  # contiguous shards, sizes differing by at most one
+    from ds_rlhf.rollout.sharded import shard_bounds
+
+    bounds = shard_bounds(len(prompts), n)  # the shards rollout.sidecar_engines cuts
     for c in conns[:n]:
         c.send(("gen", prompts[:4], None))
     for c in conns[:n]:
@@ -113,7 +115,7 @@ def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
     for _ in range(repeats):
         start_at = time.time() + 0.3
         for i, c in enumerate(conns[:n]):
-            c.send(("gen", prompts[bounds[i]:bounds[i + 1]], start_at))
+            c.send(("gen", prompts[bounds[i][0]:bounds[i][1]], start_at))
         done = [c.recv() for c in conns[:n]]
         begin, end = min(d[2] for d in done), max(d[3] for d in done)
         tokens = sum(d[4] for d in done)

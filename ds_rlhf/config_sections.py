@@ -110,8 +110,8 @@ class RolloutConfig:
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
     async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
     max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
-    # sidecar: vLLM engine processes on the training GPU, the batch and gpu_memory_utilization split evenly between
-    # them (vLLM's decode is bound by per-step host work; N processes run N of those loops at once)
+    # gpu_memory_utilization is split evenly too; why several: vLLM's decode is bound by per-step host work, and N
+    # processes run N of those loops at once (rollout/sharded.py)
     sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)

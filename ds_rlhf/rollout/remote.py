@@ -345,22 +345,18 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     bucket to each; the servers load from their views at the same time and answer after their copies finished, so
     the next bucket may overwrite the buffer. Returns the bytes sent (once, however many servers)."""
     lead, nbytes = engines[0], 0
-
-    def on_all(*msg) -> None:
-        command_all(engines, *msg)
-
     for bucket, metas in zip(buckets, plan):
         size = bucket_nbytes(metas)
         if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
             from torch.multiprocessing.reductions import reduce_tensor
 
             lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-            on_all("init_ipc", reduce_tensor(lead._ipc_buf))
+            command_all(engines, "init_ipc", reduce_tensor(lead._ipc_buf))
         pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
         torch.cuda.current_stream().synchronize()
-        on_all("update_ipc", plan_to_wire([metas]))
+        command_all(engines, "update_ipc", plan_to_wire([metas]))
         nbytes += size
-    on_all("update_done")
+    command_all(engines, "update_done")
     return nbytes
 
 

@@ -66,7 +66,7 @@ class ShardedRolloutEngine(RolloutEngine):
             raise RolloutError("several sidecar engines serve one training rank; this run has several ranks")
         self.engines = list(engines)
         self._in_flight = False
-        self._c.extra.update(engines=len(self.engines), vllm_version=engines[0].stats().get("vllm_version"))
+        self._c.extra["engines"] = len(self.engines)  # each server's own stats (vLLM version too): stats()["engines"]
 
     @property
     def weight_dtype(self) -> torch.dtype:
