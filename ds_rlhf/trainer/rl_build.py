@@ -87,38 +87,22 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     owns_rollout = rollout is None
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
-    background = generates_in_background(cfg, dist.world_size)
     if rollout is None:
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
-                                                    and cfg.rollout.placement == "colocated" and not background),
+                                                    and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
                                       **cfg.rollout.vllm_options())
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory_cap)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
-    if background and not getattr(rollout, "background", False):
-        from ds_rlhf.rollout.threaded import ThreadedRolloutEngine
-
-        ctx.print("[rl] rollout.async_generation with the colocated engine: it generates on its own thread and CUDA "
-                  "stream while DeepSpeed trains, and stays awake (rollout.sleep applies to synchronous runs)")
-        rollout = ThreadedRolloutEngine(rollout, dist.device)
     sync = _weight_sync(ctx, actor, rollout, sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
                    loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
-
-
-def generates_in_background(cfg, world_size: int) -> bool:
-    """Async generation with the colocated engine and one training rank: the engine generates on its own thread
-    (`rollout/threaded.py`). Several colocated ranks step their engines through collectives, which must not run
-    beside the trainer's on another thread: those engines still generate inside `submit`, one step off-policy
-    without overlap."""
-    r = cfg.rollout
-    return r.async_generation and r.placement == "colocated" and world_size == 1
 
 
 def _prompt_loader(ctx: RunContext) -> StoreLoader:

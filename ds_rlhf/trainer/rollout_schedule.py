@@ -3,8 +3,7 @@
 Synchronous (default, exact on-policy): generate step k's batch with the weights after k updates, train, sync.
 
 Asynchronous (`rollout.async_generation`): step k+1's batch is submitted to the engine *before* step k trains,
-so an engine in its own process (`rollout.placement` sidecar / disaggregated) or, colocated on one rank, on its
-own thread and CUDA stream (`rollout/threaded.py`) generates while DeepSpeed trains.
+so an engine in its own process (`rollout.placement` sidecar / disaggregated) generates while DeepSpeed trains.
 Every batch carries the weights version it was generated with; the trainer's mismatch correction (TIS / MIS)
 weighs it against the rollout policy, and `rollout/staleness` (updates between generation and training) is
 logged per step. The engine gets new weights only while it is idle (between a collect and the next submit),
@@ -94,8 +93,7 @@ class RolloutSchedule:
 
     def _sleeps(self) -> bool:
         r = self.ctx.cfg.rollout
-        return (self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated"
-                and not getattr(self.parts.rollout, "background", False))  # that one generates while we train
+        return self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated"
 
     def _sleep(self) -> None:
         if self._sleeps():  # free it for training

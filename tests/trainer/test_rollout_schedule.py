@@ -56,22 +56,6 @@ def test_first_sync_runs_with_a_sleeping_colocated_engine(device, args, asleep):
     assert schedule.engine_version == 0
 
 
-def test_a_colocated_engine_generating_on_its_own_thread_never_sleeps():
-    """Async colocated (rollout/threaded.py): the engine generates while the trainer trains, so the schedule keeps
-    it awake whatever rollout.sleep says."""
-    from ds_rlhf.rollout.threaded import ThreadedRolloutEngine
-
-    cfg = parse_config(["--rollout.async_generation", "true"])
-    assert cfg.rollout.sleep and cfg.rollout.placement == "colocated"
-    rollout = ThreadedRolloutEngine(Engine())
-    parts = SimpleNamespace(rollout=rollout, sync=RecordingSync(rollout))
-    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cuda")))
-    schedule = RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
-    schedule.first_sync(0)
-    assert parts.sync.seen == [False] and not schedule._sleeps()
-    rollout.close()
-
-
 class PartitionedEngine:
     def __init__(self, calls):
         self.calls = calls
