@@ -33,7 +33,7 @@ Conventions every backend follows (tests check them):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -107,6 +107,31 @@ class RolloutError(RuntimeError):
     """A rollout engine could not do what was asked; the message says what to change."""
 
 
+class Pending:
+    """What a `*_later` call returns: `result()` waits for the engine's answer (raising its error) and returns it,
+    the same on every call. Engines that answer at once return `Pending.done(value)`."""
+
+    def __init__(self, read: Callable[[], object]) -> None:
+        self._read, self._state = read, None
+
+    @classmethod
+    def done(cls, value=None) -> Pending:
+        out = cls(lambda: value)
+        out._state = ("ok", value)
+        return out
+
+    def result(self):
+        if self._state is None:
+            try:
+                self._state = ("ok", self._read())
+            except Exception as e:  # noqa: BLE001  kept, then raised on this and every later call
+                self._state = ("error", e)
+        status, value = self._state
+        if status == "error":
+            raise value
+        return value
+
+
 @dataclass
 class _Counters:
     generate_calls: int = 0
@@ -163,6 +188,11 @@ class RolloutEngine(ABC):
         so a replica that missed a sync cannot hide behind one that did not. One replica here."""
         return [self.score(sequences)]
 
+    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
+        """`score_replicas` without waiting where the engine runs elsewhere (the sync canary then overlaps the next
+        generation); `result()` returns its lists. Here: scored now."""
+        return Pending.done(self.score_replicas(sequences))
+
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (Hugging Face name, full tensor) pairs into the engine in place; names not known raise."""
@@ -173,6 +203,15 @@ class RolloutEngine(ABC):
         front, one control message per sync); in-process ones just load bucket by bucket."""
         for bucket in buckets:
             self.update_weights(bucket)
+
+    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                    plan: BucketPlan | None = None) -> Pending:
+        """`update_weight_buckets` that may return once the bytes are handed over, before the engine has loaded
+        them (a server in its own process): `result()` waits for its acknowledgement and raises its error. The
+        engine runs its commands in order, so a generation submitted after this call uses the new weights; the
+        caller must not trust (train on) that generation before `result()` returned. Here: loaded now."""
+        self.update_weight_buckets(buckets, plan)
+        return Pending.done()
 
     @property
     def lora_enabled(self) -> bool:

@@ -77,6 +77,10 @@ class SyncCanary:
 
     `rollout` may be None on ranks without a rollout engine (disaggregated placement: only trainer rank 0 has one);
     those ranks still take part in the trainer forward and the cross-rank max.
+
+    `start(trainer, rollout)` splits a check in two: the trainer's forward and the engine's scoring request now
+    (not awaited where the engine runs elsewhere: `RolloutEngine.score_replicas_later`), the comparison in the
+    returned check's `finish()` (every rank, at the same point: the cross-rank max is collective).
     """
 
     def __init__(self, probe_ids: Sequence[int], threshold: float | None = None) -> None:
@@ -86,33 +90,53 @@ class SyncCanary:
         self.threshold = threshold
         self.history: list[dict] = []
 
-    def measure(self, trainer_module, rollout) -> dict:
+    def start(self, trainer_module, rollout) -> CanaryCheck:
         t0 = time.perf_counter()
         ref = trainer_logprobs(trainer_module, self.probe_ids)
+        replicas = rollout.score_replicas_later([self.probe_ids]) if rollout is not None else None
+        dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
+        threshold = self.threshold if self.threshold is not None else default_threshold(dtype)
+        return CanaryCheck(self, ref, replicas, threshold, time.perf_counter() - t0)
+
+    def measure(self, trainer_module, rollout) -> dict:
+        return self.start(trainer_module, rollout).measure()
+
+    def check(self, trainer_module, rollout) -> float:
+        return self.start(trainer_module, rollout).finish()
+
+
+class CanaryCheck:
+    """One canary check under way (`SyncCanary.start`). `seconds` counts the trainer's own time in it: the
+    forward and request, and the comparison (with the wait for the engine's scores, where not already read)."""
+
+    def __init__(self, canary: SyncCanary, ref: list[float], replicas, threshold: float, seconds: float) -> None:
+        self.canary, self.ref, self.replicas, self.threshold, self.seconds = canary, ref, replicas, threshold, seconds
+
+    def measure(self) -> dict:
+        t0 = time.perf_counter()
         local, mean = -math.inf, float("nan")
-        if rollout is not None:  # every replica (several sidecar engines): the worst one counts
-            for replica in rollout.score_replicas([self.probe_ids]):
+        if self.replicas is not None:  # every replica (several sidecar engines): the worst one counts
+            for replica in self.replicas.result():
                 got = replica[0]
-                diffs = [abs(a - b) for a, b in zip(ref, got)]
-                if len(got) != len(ref) or any(math.isnan(d) for d in diffs):
+                diffs = [abs(a - b) for a, b in zip(self.ref, got)]
+                if len(got) != len(self.ref) or any(math.isnan(d) for d in diffs):
                     local = math.inf
                 elif max(diffs) > local:
                     local, mean = max(diffs), sum(diffs) / len(diffs)
         diff = _max_over_ranks(local)
-        dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
-        threshold = self.threshold if self.threshold is not None else default_threshold(dtype)
-        return {"max_abs_diff": diff, "mean_abs_diff": mean, "threshold": threshold,
-                "seconds": time.perf_counter() - t0}
+        return {"max_abs_diff": diff, "mean_abs_diff": mean, "threshold": self.threshold,
+                "seconds": self.seconds + time.perf_counter() - t0}
 
-    def check(self, trainer_module, rollout) -> float:
-        info = self.measure(trainer_module, rollout)
-        self.history.append(info)
+    def finish(self) -> float:
+        """The max abs difference; SyncCanaryError when it is over the threshold (recorded in the history)."""
+        info = self.measure()
+        self.canary.history.append(info)
         diff, threshold = info["max_abs_diff"], info["threshold"]
         log.info("sync canary: max |logp_trainer - logp_rollout| = %.3g (threshold %.3g)", diff, threshold)
         if not diff <= threshold:
             raise SyncCanaryError(
                 f"after the weight sync the rollout engine disagrees with the trainer on the probe sequence: max abs "
-                f"log-prob difference {diff:.4g} > threshold {threshold:.4g} ({len(self.probe_ids)} tokens). The "
+                f"log-prob difference {diff:.4g} > threshold {threshold:.4g} ({len(self.ref) + 1} tokens). The "
                 "rollout engine is not serving the trained weights (sync skipped, not applied, or names mis-mapped),"
                 " so its rollouts would be off-policy; stopping instead of training on them. If the difference is "
                 "only numerical noise (e.g. bf16), raise the threshold (SyncCanary(threshold=...)).")

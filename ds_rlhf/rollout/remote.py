@@ -11,6 +11,10 @@ A sync (only rank 0 talks to vLLM; other ranks drain the ZeRO-3 gathers):
   rank 0: per bucket: flatten, one broadcast on the weight group (gloo on CPU, NCCL on GPU)
   server: collective_rpc -> each vLLM worker receives each bucket and calls model.load_weights on views of it
   server -> rank 0: ("ok", None)          after vLLM's prefix cache was reset
+The server answers every command in the order it came, so replies are read in that order (`send_command` returns a
+`Pending` per command; reading one reads and keeps those before it). That lets a single-rank trainer hand weights
+over without waiting (`update_weight_buckets_later`): its next generation request queues behind the load, and the
+load's acknowledgement is read, at the latest, when that generation is collected.
 The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync. Server errors come
 back as RolloutError with the server's traceback; a dead server is reported with its exit code.
 """
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Listener
 from pathlib import Path
@@ -32,6 +37,7 @@ import torch
 from ds_rlhf.distributed import clean_dist_env, free_port, multi_rank
 from ds_rlhf.rollout.base import (
     BucketPlan,
+    Pending,
     RolloutEngine,
     RolloutError,
     RolloutSample,
@@ -55,6 +61,8 @@ class RemoteVLLMEngine(RolloutEngine):
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._group: WeightGroup | None = None
         self._in_flight = False
+        self._generation: Pending | None = None  # the reply to the generation in flight
+        self._unread: deque[Pending] = deque()  # replies not read yet, oldest first (the server answers in order)
         self._ipc_buf: torch.Tensor | None = None
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
@@ -108,20 +116,35 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError(f"rollout server failed:\n{payload}")
         return payload
 
-    def send_command(self, *msg) -> None:
-        """Send one command to the server without waiting (`receive()` gets its reply): several servers can
-        then work at once (`sharded.py`). Single-rank use only: no gather over the trainer's ranks."""
+    def send_command(self, *msg) -> Pending:
+        """Send one command to the server without waiting; `result()` of the returned `Pending` reads its reply
+        (RolloutError with the server's traceback on failure), after reading and keeping every earlier unread
+        reply for its own `Pending`. Several servers can then work at once (`sharded.py`). Single-rank use only:
+        no gather over the trainer's ranks."""
         if self._conn is None:
             raise RolloutError("rollout engine is closed")
         self._conn.send(msg)
+        reply = Pending(lambda: self._read_until(reply))
+        self._unread.append(reply)
+        return reply
 
-    def receive(self):
-        """The reply to the last `send_command` (RolloutError with the server's traceback on failure)."""
-        return self._recv()
+    def _read_until(self, reply: Pending):
+        """Read replies in order up to `reply`'s; each earlier one is kept in its own `Pending`."""
+        while self._unread:
+            head = self._unread.popleft()
+            try:
+                state = ("ok", self._recv())
+            except RolloutError as e:
+                state = ("error", e)
+            if head is reply:
+                if state[0] == "error":
+                    raise state[1]
+                return state[1]
+            head._state = state
+        raise RolloutError("no reply is pending for that command (read already, or sent to another server)")
 
     def _call(self, *msg):
-        self.send_command(*msg)
-        return self._recv()
+        return self.send_command(*msg).result()
 
     def _gather_to_owner(self, item) -> list | None:
         """Every rank's `item`, as a list on rank 0 (None elsewhere)."""
@@ -182,7 +205,7 @@ class RemoteVLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         groups = self._gather_to_owner((prompts, spec))
         if self.owner:
-            self._conn.send(("generate_many", groups))
+            self._generation = self.send_command("generate_many", groups)
         self._in_flight = True
         return RolloutTicket(pending=groups is not None, started=t0)
 
@@ -192,7 +215,9 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self._in_flight:
             raise RolloutError("no generation in flight to collect")
         self._in_flight = False
-        rows, seconds, tokens = self._scatter_from_owner((lambda: self._per_rank(self._recv())) if self.owner else None)
+        reply, self._generation = self._generation, None
+        rows, seconds, tokens = self._scatter_from_owner((lambda: self._per_rank(reply.result())) if self.owner
+                                                         else None)
         samples = [RolloutSample(*s) for s in rows]
         self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
@@ -226,21 +251,30 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
                               plan: BucketPlan | None = None) -> None:
+        self._update(buckets, plan, wait=True)
+
+    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                    plan: BucketPlan | None = None) -> Pending:
+        """Hands the buckets over and returns before the server acknowledges the last one (single rank only: with
+        several ranks a failure must reach every rank at once, so this waits as `update_weight_buckets` does)."""
+        return self._update(buckets, plan, wait=self._d is not None)
+
+    def _update(self, buckets, plan: BucketPlan | None, *, wait: bool) -> Pending:
         if not self.owner:
             if getattr(buckets, "zero3", True):
                 for _ in buckets:  # ZeRO-3 gathers are collective: take part, send nothing
                     pass
-            return
+            return Pending.done()
         if plan is None:
             buckets = [b for b in buckets if b]
             plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
         t0 = time.perf_counter()
         if self.weight_backend == "ipc":
-            nbytes = update_through_ipc([self], buckets, plan)
+            nbytes, done = update_through_ipc([self], buckets, plan, wait=wait)
             self._record_update(nbytes, time.perf_counter() - t0)
-            return
+            return done
         self._ensure_group()
-        self._conn.send(("update", plan_to_wire(plan)))
+        done = self.send_command("update", plan_to_wire(plan))
         nbytes, pending, n_sent = 0, None, 0
         for bucket, metas in zip(buckets, plan):
             names = [n for n, _ in bucket]
@@ -257,17 +291,19 @@ class RemoteVLLMEngine(RolloutEngine):
             pending.wait()
         if n_sent != len(plan):
             raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
-        self._recv()
+        if wait:
+            done.result()
         self._record_update(nbytes, time.perf_counter() - t0)
+        return done
 
     def _ensure_group(self) -> None:
         if self._group is not None:
             return
         port, world = free_port(), 1 + self.world
-        self._conn.send(("init_group", self.host, port, world, self.weight_backend, self.timeout_s))
+        reply = self.send_command("init_group", self.host, port, world, self.weight_backend, self.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" else None
         self._group = WeightGroup(self.host, port, world, 0, self.weight_backend, self.timeout_s, device)
-        self._recv()
+        reply.result()
 
     def reset_cache(self) -> None:
         """The server resets vLLM's prefix cache itself at the end of every update."""
@@ -292,6 +328,7 @@ class RemoteVLLMEngine(RolloutEngine):
     def begin_close(self) -> None:
         """Tell the server to shut down without waiting for it (`close` waits): several servers then stop at once."""
         conn, self._conn = self._conn, None
+        self._unread.clear()  # replies nobody will read now
         if conn is not None:
             try:
                 conn.send(("close",))
@@ -316,36 +353,59 @@ class RemoteVLLMEngine(RolloutEngine):
                 setattr(self, attr, None)
 
 
+def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:
+    """Send `msg` to every server without waiting; one `Pending` reply each. When a send fails, the replies of the
+    servers it reached are read first (so none is left for a later call to take for its own), then it raises."""
+    sent = []
+    for e in engines:
+        try:
+            sent.append(e.send_command(*msg))
+        except (RolloutError, OSError) as err:
+            for reply in sent:
+                try:
+                    reply.result()
+                except RolloutError:
+                    pass
+            raise err if isinstance(err, RolloutError) else RolloutError(f"rollout server: {err}") from err
+    return sent
+
+
+def all_of(replies: Sequence[Pending]) -> Pending:
+    """One `Pending` for several: `result()` reads every reply, even after one failed, then raises the first
+    failure, else returns the replies' values in order."""
+    def read():
+        values, failure = [], None
+        for reply in replies:
+            try:
+                values.append(reply.result())
+            except RolloutError as err:
+                failure = failure or err
+        if failure is not None:
+            raise failure
+        return values
+
+    return Pending(read)
+
+
 def command_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list:
     """Send `msg` to every server, then read the reply of every server it reached, even after one failed (so no
     connection is left with an unread reply that the next call would take for its own); the first failure is
     raised once all replies are in. Returns the replies in the engines' order."""
-    sent, failure = [], None
-    for e in engines:
-        try:
-            e.send_command(*msg)
-            sent.append(e)
-        except (RolloutError, OSError) as err:
-            failure = failure or err
-            break
-    replies = []
-    for e in sent:
-        try:
-            replies.append(e.receive())
-        except RolloutError as err:
-            failure = failure or err
-    if failure is not None:
-        raise failure if isinstance(failure, RolloutError) else RolloutError(f"rollout server: {failure}")
-    return replies
+    return all_of(send_all(engines, *msg)).result()
 
 
-def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan) -> int:
+def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
+                       wait: bool = True) -> tuple[int, Pending]:
     """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
     into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
     bucket to each; the servers load from their views at the same time and answer after their copies finished, so
-    the next bucket may overwrite the buffer. Returns the bytes sent (once, however many servers)."""
-    lead, nbytes = engines[0], 0
-    for bucket, metas in zip(buckets, plan):
+    the next bucket may overwrite the buffer. With `wait=False` the last bucket's replies (and the final
+    'update_done') are not awaited: the returned `Pending` reads them. The buffer is then next written at the next
+    sync, after those replies were read (the schedule collects the generation queued behind them first). Returns
+    the bytes sent (once, however many servers) and that `Pending` (done when `wait`)."""
+    lead, nbytes, last = engines[0], 0, len(plan) - 1
+    owed: list[Pending] = []
+    for i, (bucket, metas) in enumerate(zip(buckets, plan)):
         size = bucket_nbytes(metas)
         if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
             from torch.multiprocessing.reductions import reduce_tensor
@@ -354,10 +414,15 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
             command_all(engines, "init_ipc", reduce_tensor(lead._ipc_buf))
         pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
         torch.cuda.current_stream().synchronize()
-        command_all(engines, "update_ipc", plan_to_wire([metas]))
+        if wait or i < last:
+            command_all(engines, "update_ipc", plan_to_wire([metas]))
+        else:
+            owed += send_all(engines, "update_ipc", plan_to_wire([metas]))
         nbytes += size
-    command_all(engines, "update_done")
-    return nbytes
+    if wait:
+        command_all(engines, "update_done")
+        return nbytes, Pending.done()
+    return nbytes, all_of(owed + send_all(engines, "update_done"))
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):

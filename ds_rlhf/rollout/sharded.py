@@ -13,6 +13,9 @@ processing: Python loops over the running requests, one thread per engine), not 
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
 - weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
   time (`remote.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
+  `update_weight_buckets_later` / `score_replicas_later` do not wait for the last replies (a sync with overlap: the
+  servers load and score the canary probe while the trainer goes on; the replies are read before the generation
+  queued behind them).
 - `score_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
   against the trainer, so a server that missed a sync cannot hide behind one that did not; `score` is server 0's.
 - errors: a command goes to every server and every reply is read before the first failure is raised
@@ -32,6 +35,7 @@ import torch
 
 from ds_rlhf.rollout.base import (
     BucketPlan,
+    Pending,
     RolloutEngine,
     RolloutError,
     RolloutSample,
@@ -39,7 +43,7 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.remote import RemoteVLLMEngine, command_all, update_through_ipc
+from ds_rlhf.rollout.remote import RemoteVLLMEngine, all_of, send_all, update_through_ipc
 
 
 def shard_bounds(n_prompts: int, n_engines: int) -> list[tuple[int, int]]:
@@ -116,8 +120,11 @@ class ShardedRolloutEngine(RolloutEngine):
 
     def score_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every server scores every sequence (at once): one list per server, for the canary to check each."""
+        return self.score_replicas_later(sequences).result()
+
+    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
         self._check_idle()
-        return command_all(self.engines, "score", sequences)
+        return all_of(send_all(self.engines, "score", sequences))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -130,20 +137,30 @@ class ShardedRolloutEngine(RolloutEngine):
 
     def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
                               plan: BucketPlan | None = None) -> None:
+        self._update(buckets, plan, wait=True)
+
+    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                    plan: BucketPlan | None = None) -> Pending:
+        return self._update(buckets, plan, wait=False)
+
+    def _update(self, buckets, plan: BucketPlan | None, *, wait: bool) -> Pending:
         self._check_idle()
         t0 = time.perf_counter()
         if all(e.weight_backend == "ipc" for e in self.engines):  # a GPU sidecar (placement.py): one shared buffer
             if plan is None:
                 buckets = [list(b) for b in buckets if b]
                 plan = [[TensorMeta(n, tuple(t.shape), self.weight_dtype) for n, t in b] for b in buckets]
-            nbytes = update_through_ipc(self.engines, buckets, plan)
+            nbytes, done = update_through_ipc(self.engines, buckets, plan, wait=wait)
         else:  # gloo on CPU: each server has its own weight group, so every bucket is held and sent to each in turn
             zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: copies
             held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
-            for e in self.engines:
-                e.update_weight_buckets(held, plan)
+            owed = [e.update_weight_buckets_later(held, plan) for e in self.engines]
+            done = all_of(owed)
+            if wait:
+                done.result()
             nbytes = sum(t.numel() * t.element_size() for b in held for _, t in b)
         self._record_update(nbytes, time.perf_counter() - t0)
+        return done
 
     def _check_idle(self) -> None:
         if self._in_flight:

@@ -11,6 +11,13 @@
 Returns (and logs) seconds, bytes and GB/s of step 2, the bucket count, the largest gathered bucket and the canary
 difference.
 
+`sync(wait=False)` (async generation with an engine in its own process): steps 2 and 5 do not wait for the engine.
+The buckets are handed over and the canary's probe is sent, and the trainer goes on: the engine loads, scores the
+probe and then runs the generation submitted after the sync, in that order. `confirm()` reads its acknowledgement
+and finishes the canary (SyncCanaryError as above); the caller calls it before training on anything generated after
+the sync. `seconds` is then the trainer's time to hand the weights over; the canary's figures come with `confirm()`.
+Engines that cannot defer (in-process ones, several ranks) finish both steps in `sync` as before.
+
 `mode="adapter"` (a LoRA actor on a frozen base, an engine started with LoRA: `rollout.lora_sync=adapter`) replaces
 step 2 by an adapter-only transfer (`adapter_sync.py`): gather the LoRA A/B tensors, write them as a peft adapter
 directory, and have the engine serve it as the next adapter version; a quantized base is sent once, at the first
@@ -26,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ds_rlhf.rollout import adapter_sync
-from ds_rlhf.rollout.base import RolloutEngine, RolloutError
+from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
 from ds_rlhf.rollout.canary import SyncCanary
 from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
 
@@ -60,15 +67,24 @@ class WeightSync:
         self._adapter_dir = adapter_dir
         self._dirs: adapter_sync.AdapterDir | None = None
         self.history: list[dict] = []
+        self._unconfirmed: tuple | None = None  # (the engine's acknowledgement, the canary check, the info)
 
-    def sync(self, *, check: bool = True) -> dict:
+    def sync(self, *, check: bool = True, wait: bool = True) -> dict:
+        """Move the weights (see the module docstring); `wait=False` leaves the engine's acknowledgement and the
+        canary's verdict to `confirm()` where the engine can defer them (merged mode, an awake engine)."""
+        self.confirm()  # an earlier sync made without waiting is confirmed first
         rollout = self.rollout
         t_start = time.perf_counter()
         was_asleep = rollout is not None and rollout.sleeping
         if was_asleep:
             rollout.wake(("weights",))
+        defer = not wait and self.mode == "merged" and not was_asleep
         t0 = time.perf_counter()
-        info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
+        acknowledged = None
+        if defer:
+            info, acknowledged = self._send_merged(later=True)
+        else:
+            info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
         if rollout is not None:
             rollout.reset_cache()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -78,6 +94,14 @@ class WeightSync:
             rollout.wake(("kv_cache",))
         info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
                     gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
+        if defer:
+            canary = self.canary.start(self.engine, rollout) if self.canary is not None and check else None
+            info.update(deferred=1, total_seconds=time.perf_counter() - t_start)
+            self._unconfirmed = (acknowledged, canary, info)
+            self.history.append(info)
+            log.info("weight sync (%s): %.3f GB handed over in %.3f s; load and canary confirmed later", self.mode,
+                     info["bytes"] / 1e9, seconds)
+            return info
         if self.canary is not None and check:
             try:
                 self.canary.check(self.engine, rollout)
@@ -90,21 +114,50 @@ class WeightSync:
                  info["bytes"] / 1e9, seconds, info["gbps"], info["buckets"], info["canary_max_abs_diff"])
         return info
 
+    def confirm(self) -> dict | None:
+        """Finish a sync made with `wait=False`: wait for the engine's acknowledgement (its error, if any, is
+        raised), then the canary's comparison (SyncCanaryError). Returns the canary's figures (`canary_max_abs_diff`,
+        `canary_seconds`: the trainer's own time in it) and `confirm_seconds` (this call's time), also added to that
+        sync's history entry; None when no sync is unconfirmed. Every rank calls it at the same point."""
+        if self._unconfirmed is None:
+            return None
+        acknowledged, canary, info = self._unconfirmed
+        self._unconfirmed = None
+        t0 = time.perf_counter()
+        acknowledged.result()
+        out = {"canary_max_abs_diff": None}
+        if canary is not None:
+            try:
+                canary.finish()
+            finally:
+                c = self.canary.history[-1] if self.canary.history else {}
+                out.update(canary_max_abs_diff=c.get("max_abs_diff"), canary_seconds=c.get("seconds"))
+        out["confirm_seconds"] = time.perf_counter() - t0
+        info.update(out)
+        return out
+
     def _dtype(self):
         return self.rollout.weight_dtype if self.rollout is not None else None
 
-    def _stream(self, buckets: WeightBuckets) -> None:
-        """Buckets into the engine, or (no engine on this rank) drained for ZeRO-3's collective gathers."""
+    def _stream(self, buckets: WeightBuckets, later: bool = False) -> Pending:
+        """Buckets into the engine, or (no engine on this rank) drained for ZeRO-3's collective gathers. `later`:
+        the engine may acknowledge after this returns (the `Pending` reads it)."""
         if self.rollout is not None:
+            if later:
+                return self.rollout.update_weight_buckets_later(buckets, plan=buckets.plan)
             self.rollout.update_weight_buckets(buckets, plan=buckets.plan)
         elif buckets.zero3:
             buckets.drain()
+        return Pending.done()
 
-    def _send_merged(self) -> dict:
+    def _send_merged(self, later: bool = False):
+        """The merged weights into the engine: their info, and with `later` also the engine's `Pending`
+        acknowledgement."""
         buckets = iter_weight_buckets(self.engine, self.bucket_bytes, name_map=self.name_map, dtype=self._dtype())
-        self._stream(buckets)
-        return {"bytes": buckets.bytes, "buckets": len(buckets), "max_gathered_bytes": buckets.max_gathered_bytes,
+        acknowledged = self._stream(buckets, later)
+        info = {"bytes": buckets.bytes, "buckets": len(buckets), "max_gathered_bytes": buckets.max_gathered_bytes,
                 "zero3": buckets.zero3}
+        return (info, acknowledged) if later else info
 
     def _send_adapter(self) -> dict:
         """The base once where needed, then the adapters as the next version of the engine's LoRA adapter."""

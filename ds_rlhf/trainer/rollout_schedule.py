@@ -7,7 +7,12 @@ so an engine in its own process (`rollout.placement` sidecar / disaggregated) ge
 Every batch carries the weights version it was generated with; the trainer's mismatch correction (TIS / MIS)
 weighs it against the rollout policy, and `rollout/staleness` (updates between generation and training) is
 logged per step. The engine gets new weights only while it is idle (between a collect and the next submit),
-whenever the next batch would otherwise be more than `rollout.max_staleness` updates old.
+whenever the next batch would otherwise be more than `rollout.max_staleness` updates old. With
+`rollout.overlap_sync` (default) that sync does not wait for the engine (`WeightSync.sync(wait=False)`): the
+trainer hands the weights over, sends the canary's probe, submits the next batch and trains, while the engine loads,
+scores the probe, then generates. The engine's acknowledgement and the canary's verdict are read when that batch is
+collected, before anything trains on it (`WeightSync.confirm`); their figures are logged with the step that trains
+on the batch (`sync/canary_*`, `sync/confirm_seconds`), the handover's with the step that made it (`sync/seconds`).
 
 Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `RLConfig` refuses it with async
 generation): a step's batch is generated and scored in rounds. Each round draws the loader's next
@@ -63,7 +68,9 @@ class RolloutSchedule:
         r = ctx.cfg.rollout
         self.asynchronous, self.max_staleness = r.async_generation, r.max_staleness
         self.engine_version = start_step  # the trainer synced its weights into the engine at start
+        self.overlap_sync = r.overlap_sync
         self.in_flight: _InFlight | None = None
+        self._confirmed: dict | None = None  # figures of a sync confirmed since the last report
         self.dynamic = ctx.cfg.rl.dynamic_sampling
 
     def _submit(self, step: int) -> None:
@@ -82,6 +89,10 @@ class RolloutSchedule:
         samples = self.parts.rollout.collect(job.ticket)
         if pending:
             job.generation = self.parts.rollout.last_generate()
+        with self.timer.phase("sync"):  # the sync before this generation, if made without waiting: checked now
+            confirmed = self.parts.sync.confirm()
+        if confirmed is not None:
+            self._confirmed = confirmed
         return samples
 
     def _collect(self) -> RolloutBatch:
@@ -172,10 +183,10 @@ class RolloutSchedule:
         self._sleep()
         return self.sync(weights_version)
 
-    def sync(self, weights_version: int) -> dict:
+    def sync(self, weights_version: int, *, wait: bool = True) -> dict:
         with self.timer.phase("sync"):
             self._release_trainer_memory()
-            report = self.parts.sync.sync()
+            report = self.parts.sync.sync(wait=wait)
         self.engine_version = weights_version
         return report
 
@@ -192,9 +203,11 @@ class RolloutSchedule:
             batch = self._collect()
         if self.asynchronous and step + 1 < total_steps:
             if step + 1 - self.engine_version > self.max_staleness:
-                report = self.sync(step)
+                report = self.sync(step, wait=not self.overlap_sync)
             with self.timer.phase("rollout"):
                 self._submit(step + 1)  # generates while this step trains
+        if self._confirmed is not None:  # the canary of the weights that generated this batch
+            report, self._confirmed = {**(report or {}), **self._confirmed}, None
         return batch, report
 
     def after_update(self, weights_version: int) -> dict | None:

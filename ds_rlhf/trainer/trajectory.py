@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
+from itertools import chain
 
+import numpy as np
 import torch
 
 from ds_rlhf.algos.advantages import compute_advantages, estimator_inputs, token_rewards_from_scores
@@ -111,27 +113,34 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     in token-mean's denominator); its score still enters its group's baseline (`with_advantages`)."""
     if not samples:
         raise ValueError("no rollout samples to train on")
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    batch = len(samples)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    action_mask = torch.zeros((batch, width - 1))
-    rollout_logp = torch.zeros((batch, width - 1))
-    masked = truncated_rows([s.finish_reason for s in samples]).tolist() if mask_truncated else [False] * batch
+    # Vectorised: one flat array per field, scattered through boolean masks in row-major order (each row's tokens
+    # are consecutive), instead of a tensor per row: 256 x 384 tokens took ~0.1 s of host time per step that way.
+    p_lens = np.fromiter((len(s.prompt_ids) for s in samples), dtype=np.int64, count=len(samples))
+    r_lens = np.fromiter((len(s.response_ids) for s in samples), dtype=np.int64, count=len(samples))
     for row, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if len(s.logprobs) != r:
-            raise ValueError(f"sample {row}: {r} response tokens but {len(s.logprobs)} log-probs")
-        input_ids[row, : p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
-        attention_mask[row, : p + r] = 1
-        action_mask[row, p - 1 : p + r - 1] = 0.0 if masked[row] else 1.0
-        rollout_logp[row, p - 1 : p + r - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
+        if len(s.logprobs) != r_lens[row]:
+            raise ValueError(f"sample {row}: {r_lens[row]} response tokens but {len(s.logprobs)} log-probs")
+    seq_lens = p_lens + r_lens
+    width, batch = int(seq_lens.max()), len(samples)
+    cols = np.arange(width)
+    filled = cols[None, :] < seq_lens[:, None]  # [B, L]
+    ids = np.fromiter(chain.from_iterable(chain(s.prompt_ids, s.response_ids) for s in samples), dtype=np.int64,
+                      count=int(seq_lens.sum()))
+    input_ids = np.full((batch, width), pad_id, dtype=np.int64)
+    input_ids[filled] = ids
+    # position t predicts token t+1: the response's tokens are predicted at positions p-1 .. p+r-2
+    acting = (cols[None, : width - 1] >= p_lens[:, None] - 1) & (cols[None, : width - 1] < seq_lens[:, None] - 1)
+    rollout_logp = np.zeros((batch, width - 1), dtype=np.float32)
+    rollout_logp[acting] = np.fromiter(chain.from_iterable(s.logprobs for s in samples), dtype=np.float32,
+                                       count=int(r_lens.sum()))
+    if mask_truncated:
+        acting &= ~truncated_rows([s.finish_reason for s in samples]).numpy()[:, None]
     return Trajectory(
-        input_ids=input_ids, attention_mask=attention_mask, action_mask=action_mask, rollout_logp=rollout_logp,
-        scores=torch.tensor(scores, dtype=torch.float32),
-        prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples]),
-        response_lens=torch.tensor([len(s.response_ids) for s in samples]),
-        group_ids=torch.tensor([s.prompt_index for s in samples]), weights_version=weights_version,
+        input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(filled.astype(np.int64)),
+        action_mask=torch.from_numpy(acting.astype(np.float32)), rollout_logp=torch.from_numpy(rollout_logp),
+        scores=torch.tensor(scores, dtype=torch.float32), prompt_lens=torch.from_numpy(p_lens),
+        response_lens=torch.from_numpy(r_lens),
+        group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long), weights_version=weights_version,
     ).to(device)
 
 

@@ -17,7 +17,7 @@ from rollout_helpers import (
 )
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout.base import RolloutError, RolloutTicket, SamplingSpec, batch_seed
+from ds_rlhf.rollout.base import Pending, RolloutError, RolloutTicket, SamplingSpec, batch_seed
 from ds_rlhf.rollout.sharded import shard_bounds, shard_spec
 
 
@@ -100,8 +100,9 @@ class FakeServer:
 
     def send_command(self, *msg):
         self.queue.append(msg)
+        return Pending(self._reply)
 
-    def receive(self):
+    def _reply(self):
         cmd, seqs = self.queue.pop(0)
         if self.fail_score:
             raise RolloutError("server failed")
@@ -202,3 +203,39 @@ def test_a_sync_reaches_both_servers_and_the_canary_sees_one_that_missed_it(two_
             SyncCanary(PROBE, threshold=1e-3).check(r["engine"], two_sidecars)
     two_sidecars.engines[0].update_weights(trained)
     assert SyncCanary(PROBE, threshold=1e-3).measure(r["engine"], two_sidecars)["max_abs_diff"] < TOL
+
+
+@pytest.mark.slow
+def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirmed_after_it(
+        two_sidecars, tiny_model_path, dist_single):
+    """`WeightSync.sync(wait=False)` (async generation with overlap): the trainer hands the weights over and sends
+    the canary probe without waiting; a generation submitted right after runs on the new weights in both servers,
+    and `confirm()` then reports the canary. A load that fails on a server is raised by `confirm()`, and the
+    servers' reply streams stay in step."""
+    from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
+    from ds_rlhf.rollout.canary import trainer_logprobs
+
+    from rollout_helpers import build_engine, train
+
+    restore_checkpoint_weights(two_sidecars, tiny_model_path)
+    engine = build_engine(tiny_model_path, 0)
+    train(engine)
+    sync = WeightSync(engine, two_sidecars, canary=SyncCanary(PROBE, threshold=1e-3))
+    info = sync.sync(wait=False)
+    assert info["deferred"] == 1 and info["canary_max_abs_diff"] is None
+    prompts = [[1, 5, 6, 7, 8], [2, 9, 10, 11]]
+    samples = two_sidecars.collect(two_sidecars.submit(prompts, SamplingSpec(max_new_tokens=12, seed=3,
+                                                                             ignore_eos=True)))
+    for s in samples:  # both shards sampled with the synced weights
+        ref = trainer_logprobs(engine, s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1:]
+        assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL
+    confirmed = sync.confirm()
+    assert confirmed["canary_max_abs_diff"] < TOL and sync.history[-1]["canary_max_abs_diff"] < TOL
+    assert sync.confirm() is None  # nothing left to confirm
+
+    bad = two_sidecars.update_weight_buckets_later([[("model.no_such_layer.weight", torch.zeros(2, 2))]])
+    samples = two_sidecars.generate(prompts, SamplingSpec(max_new_tokens=4, seed=3, ignore_eos=True))
+    assert len(samples) == len(prompts)  # the generation's reply was read past the failed load's
+    with pytest.raises(RolloutError, match="no_such_layer"):
+        bad.result()
+    assert len(two_sidecars.score([PROBE])[0]) == len(PROBE) - 1  # both servers still answer in step

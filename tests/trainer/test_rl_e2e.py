@@ -206,6 +206,9 @@ def test_sidecar_generates_while_the_trainer_trains(engines, sft_run, addition_s
     # the server's own generation time is logged; with overlap the trainer waited less than that
     assert all(h["rollout/generate_seconds"] > 0 and h["rollout/generate_tokens_per_s"] > 0 for h in history)
     assert all(h["rollout/generate_seconds"] > h["time/rollout"] for h in history[1:]), history
+    # rollout.overlap_sync: step 2's sync did not wait for the servers; step 3, which trains on the batch those
+    # weights generated, reports the canary checked before it trained
+    assert history[1]["sync/deferred"] == 1.0 and history[2]["sync/canary_max_abs_diff"] < 1e-3, history
     if engines > 1:  # every server generated a share of every batch
         assert all(e["generate_calls"] == len(history) for e in trainer.parts.rollout.stats()["engines"])
 

@@ -29,9 +29,12 @@ class RecordingSync:
     def __init__(self, rollout):
         self.rollout, self.seen = rollout, []
 
-    def sync(self):
+    def sync(self, wait=True):
         self.seen.append(self.rollout.sleeping)
         return {"seconds": 0.0}
+
+    def confirm(self):
+        return None
 
 
 def _schedule(device: str, *args: str):
