@@ -21,6 +21,7 @@ back as RolloutError with the server's traceback; a dead server is reported with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -362,10 +363,8 @@ def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:
             sent.append(e.send_command(*msg))
         except (RolloutError, OSError) as err:
             for reply in sent:
-                try:
+                with contextlib.suppress(RolloutError):
                     reply.result()
-                except RolloutError:
-                    pass
             raise err if isinstance(err, RolloutError) else RolloutError(f"rollout server: {err}") from err
     return sent
 

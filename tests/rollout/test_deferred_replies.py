@@ -10,7 +10,7 @@ from multiprocessing import Pipe
 
 import pytest
 
-from ds_rlhf.rollout.base import Pending, RolloutError, RolloutEngine
+from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
 from ds_rlhf.rollout.remote import RemoteVLLMEngine, all_of, command_all
 
 

@@ -212,10 +212,10 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     the canary probe without waiting; a generation submitted right after runs on the new weights in both servers,
     and `confirm()` then reports the canary. A load that fails on a server is raised by `confirm()`, and the
     servers' reply streams stay in step."""
+    from rollout_helpers import build_engine, train
+
     from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
     from ds_rlhf.rollout.canary import trainer_logprobs
-
-    from rollout_helpers import build_engine, train
 
     restore_checkpoint_weights(two_sidecars, tiny_model_path)
     engine = build_engine(tiny_model_path, 0)
