@@ -90,13 +90,20 @@ class SyncCanary:
         self.threshold = threshold
         self.history: list[dict] = []
 
-    def start(self, trainer_module, rollout) -> CanaryCheck:
+    def probe(self, trainer_module) -> tuple[list[float], float]:
+        """The trainer's side alone: the probe's log-probs and the seconds they took. `WeightSync` takes them before
+        handing the weights over (same weights), while the GPU is not shared with the engines' loads."""
         t0 = time.perf_counter()
-        ref = trainer_logprobs(trainer_module, self.probe_ids)
+        return trainer_logprobs(trainer_module, self.probe_ids), time.perf_counter() - t0
+
+    def start(self, trainer_module, rollout, probe: tuple[list[float], float] | None = None) -> CanaryCheck:
+        """The trainer's log-probs (`probe`'s, when given: see `probe`) and the engine's scoring request."""
+        t0 = time.perf_counter()
+        ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
         replicas = rollout.score_replicas_later([self.probe_ids]) if rollout is not None else None
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype)
-        return CanaryCheck(self, ref, replicas, threshold, time.perf_counter() - t0)
+        return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0)
 
     def measure(self, trainer_module, rollout) -> dict:
         return self.start(trainer_module, rollout).measure()

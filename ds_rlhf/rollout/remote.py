@@ -21,7 +21,6 @@ back as RolloutError with the server's traceback; a dead server is reported with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import subprocess
@@ -46,7 +45,8 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
+from ds_rlhf.rollout.server_calls import update_through_ipc
+from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
 class RemoteVLLMEngine(RolloutEngine):
@@ -352,76 +352,6 @@ class RemoteVLLMEngine(RolloutEngine):
             if obj is not None:
                 obj.close()
                 setattr(self, attr, None)
-
-
-def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:
-    """Send `msg` to every server without waiting; one `Pending` reply each. When a send fails, the replies of the
-    servers it reached are read first (so none is left for a later call to take for its own), then it raises."""
-    sent = []
-    for e in engines:
-        try:
-            sent.append(e.send_command(*msg))
-        except (RolloutError, OSError) as err:
-            for reply in sent:
-                with contextlib.suppress(RolloutError):
-                    reply.result()
-            raise err if isinstance(err, RolloutError) else RolloutError(f"rollout server: {err}") from err
-    return sent
-
-
-def all_of(replies: Sequence[Pending]) -> Pending:
-    """One `Pending` for several: `result()` reads every reply, even after one failed, then raises the first
-    failure, else returns the replies' values in order."""
-    def read():
-        values, failure = [], None
-        for reply in replies:
-            try:
-                values.append(reply.result())
-            except RolloutError as err:
-                failure = failure or err
-        if failure is not None:
-            raise failure
-        return values
-
-    return Pending(read)
-
-
-def command_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list:
-    """Send `msg` to every server, then read the reply of every server it reached, even after one failed (so no
-    connection is left with an unread reply that the next call would take for its own); the first failure is
-    raised once all replies are in. Returns the replies in the engines' order."""
-    return all_of(send_all(engines, *msg)).result()
-
-
-def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
-                       wait: bool = True) -> tuple[int, Pending]:
-    """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
-    into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
-    bucket to each; the servers load from their views at the same time and answer after their copies finished, so
-    the next bucket may overwrite the buffer. With `wait=False` the last bucket's replies (and the final
-    'update_done') are not awaited: the returned `Pending` reads them. The buffer is then next written at the next
-    sync, after those replies were read (the schedule collects the generation queued behind them first). Returns
-    the bytes sent (once, however many servers) and that `Pending` (done when `wait`)."""
-    lead, nbytes, last = engines[0], 0, len(plan) - 1
-    owed: list[Pending] = []
-    for i, (bucket, metas) in enumerate(zip(buckets, plan)):
-        size = bucket_nbytes(metas)
-        if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-            command_all(engines, "init_ipc", reduce_tensor(lead._ipc_buf))
-        pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
-        torch.cuda.current_stream().synchronize()
-        if wait or i < last:
-            command_all(engines, "update_ipc", plan_to_wire([metas]))
-        else:
-            owed += send_all(engines, "update_ipc", plan_to_wire([metas]))
-        nbytes += size
-    if wait:
-        command_all(engines, "update_done")
-        return nbytes, Pending.done()
-    return nbytes, all_of(owed + send_all(engines, "update_done"))
 
 
 def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):

@@ -55,7 +55,7 @@ def _handle(engine, cmd: str, args: tuple):
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
                      for bucket in plan_from_wire(args[0]) for m in bucket)
         engine._record_update(nbytes, time.perf_counter() - t0)
-        return engine, None
+        return engine, {"load_seconds": time.perf_counter() - t0}
     if cmd == "init_ipc":  # the trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)
         rebuild, rebuild_args = args[0]
         _IPC["buffer"] = rebuild(*rebuild_args)
@@ -66,10 +66,11 @@ def _handle(engine, cmd: str, args: tuple):
         engine.handle.load_weights(unpack_bucket(_IPC["buffer"][: bucket_nbytes(metas)], metas))
         torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
         engine._record_update(bucket_nbytes(metas), time.perf_counter() - t0)
+        _IPC["load_seconds"] = _IPC.get("load_seconds", 0.0) + time.perf_counter() - t0
         return engine, None
-    if cmd == "update_done":
+    if cmd == "update_done":  # replies with this sync's loading time (every bucket's), then starts the next count
         engine.reset_cache()
-        return engine, None
+        return engine, {"load_seconds": _IPC.pop("load_seconds", 0.0)}
     if cmd == "sleep":
         engine.sleep()
         return engine, {k: v for k, v in engine.stats().items() if k.startswith("sleep_")}

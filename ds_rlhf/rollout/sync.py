@@ -79,6 +79,9 @@ class WeightSync:
         if was_asleep:
             rollout.wake(("weights",))
         defer = not wait and self.mode == "merged" and not was_asleep
+        checks = self.canary is not None and check
+        # deferred: the trainer's side of the canary first, on a GPU the engines' loads do not share yet
+        probe = self.canary.probe(self.engine) if defer and checks else None
         t0 = time.perf_counter()
         acknowledged = None
         if defer:
@@ -95,7 +98,7 @@ class WeightSync:
         info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
                     gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
         if defer:
-            canary = self.canary.start(self.engine, rollout) if self.canary is not None and check else None
+            canary = self.canary.start(self.engine, rollout, probe=probe) if checks else None
             info.update(deferred=1, total_seconds=time.perf_counter() - t_start)
             self._unconfirmed = (acknowledged, canary, info)
             self.history.append(info)
@@ -124,8 +127,7 @@ class WeightSync:
         acknowledged, canary, info = self._unconfirmed
         self._unconfirmed = None
         t0 = time.perf_counter()
-        acknowledged.result()
-        out = {"canary_max_abs_diff": None}
+        out = {"canary_max_abs_diff": None, **_load_figures(acknowledged.result())}
         if canary is not None:
             try:
                 canary.finish()
@@ -141,12 +143,11 @@ class WeightSync:
 
     def _stream(self, buckets: WeightBuckets, later: bool = False) -> Pending:
         """Buckets into the engine, or (no engine on this rank) drained for ZeRO-3's collective gathers. `later`:
-        the engine may acknowledge after this returns (the `Pending` reads it)."""
+        the engine may acknowledge after this returns (the `Pending` reads it); else it is read here."""
         if self.rollout is not None:
-            if later:
-                return self.rollout.update_weight_buckets_later(buckets, plan=buckets.plan)
-            self.rollout.update_weight_buckets(buckets, plan=buckets.plan)
-        elif buckets.zero3:
+            acknowledged = self.rollout.update_weight_buckets_later(buckets, plan=buckets.plan)
+            return acknowledged if later else Pending.done(acknowledged.result())
+        if buckets.zero3:
             buckets.drain()
         return Pending.done()
 
@@ -157,7 +158,7 @@ class WeightSync:
         acknowledged = self._stream(buckets, later)
         info = {"bytes": buckets.bytes, "buckets": len(buckets), "max_gathered_bytes": buckets.max_gathered_bytes,
                 "zero3": buckets.zero3}
-        return (info, acknowledged) if later else info
+        return (info, acknowledged) if later else {**info, **_load_figures(acknowledged.result())}
 
     def _send_adapter(self) -> dict:
         """The base once where needed, then the adapters as the next version of the engine's LoRA adapter."""
@@ -192,3 +193,11 @@ class WeightSync:
         if self._dirs is not None:
             self._dirs.close()
             self._dirs = None
+
+
+def _load_figures(acknowledgement) -> dict:
+    """`engine_load_seconds` from an engine's acknowledgement of a weight update where it reports one (a server:
+    its slowest server's own time loading the update), else nothing."""
+    if isinstance(acknowledgement, dict) and acknowledgement.get("load_seconds") is not None:
+        return {"engine_load_seconds": float(acknowledgement["load_seconds"])}
+    return {}

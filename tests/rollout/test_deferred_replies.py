@@ -11,7 +11,8 @@ from multiprocessing import Pipe
 import pytest
 
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
-from ds_rlhf.rollout.remote import RemoteVLLMEngine, all_of, command_all
+from ds_rlhf.rollout.remote import RemoteVLLMEngine
+from ds_rlhf.rollout.server_calls import all_of, command_all
 
 
 class _Alive:

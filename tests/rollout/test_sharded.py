@@ -231,6 +231,7 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
         assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL
     confirmed = sync.confirm()
     assert confirmed["canary_max_abs_diff"] < TOL and sync.history[-1]["canary_max_abs_diff"] < TOL
+    assert confirmed["engine_load_seconds"] > 0  # the slowest server's own loading time, from its acknowledgement
     assert sync.confirm() is None  # nothing left to confirm
 
     bad = two_sidecars.update_weight_buckets_later([[("model.no_such_layer.weight", torch.zeros(2, 2))]])

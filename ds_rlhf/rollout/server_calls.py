@@ -1,0 +1,93 @@
+"""Calls to several rollout servers at once (`rollout.sidecar_engines`, `sharded.py`) over their `RemoteVLLMEngine`s:
+send to all, then read every reply even after one failed, so no connection is left with a reply that a later call
+would take for its own; and the weight update through one shared CUDA-IPC buffer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
+from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
+
+if TYPE_CHECKING:
+    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+
+
+def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:
+    """Send `msg` to every server without waiting; one `Pending` reply each. When a send fails, the replies of the
+    servers it reached are read first (so none is left for a later call to take for its own), then it raises."""
+    sent = []
+    for e in engines:
+        try:
+            sent.append(e.send_command(*msg))
+        except (RolloutError, OSError) as err:
+            for reply in sent:
+                with contextlib.suppress(RolloutError):
+                    reply.result()
+            raise err if isinstance(err, RolloutError) else RolloutError(f"rollout server: {err}") from err
+    return sent
+
+
+def all_of(replies: Sequence[Pending]) -> Pending:
+    """One `Pending` for several: `result()` reads every reply, even after one failed, then raises the first
+    failure, else returns the replies' values in order."""
+    def read():
+        values, failure = [], None
+        for reply in replies:
+            try:
+                values.append(reply.result())
+            except RolloutError as err:
+                failure = failure or err
+        if failure is not None:
+            raise failure
+        return values
+
+    return Pending(read)
+
+
+def command_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list:
+    """Send `msg` to every server, then read the reply of every server it reached, even after one failed (so no
+    connection is left with an unread reply that the next call would take for its own); the first failure is
+    raised once all replies are in. Returns the replies in the engines' order."""
+    return all_of(send_all(engines, *msg)).result()
+
+
+def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
+                       wait: bool = True) -> tuple[int, Pending]:
+    """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
+    into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
+    bucket to each; the servers load from their views at the same time and answer after their copies finished, so
+    the next bucket may overwrite the buffer. With `wait=False` the last bucket's replies (and the final
+    'update_done') are not awaited: the returned `Pending` reads them. The buffer is then next written at the next
+    sync, after those replies were read (the schedule collects the generation queued behind them first). Returns
+    the bytes sent (once, however many servers) and that `Pending` (done when `wait`)."""
+    lead, nbytes, last = engines[0], 0, len(plan) - 1
+    owed: list[Pending] = []
+    for i, (bucket, metas) in enumerate(zip(buckets, plan)):
+        size = bucket_nbytes(metas)
+        if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
+            command_all(engines, "init_ipc", reduce_tensor(lead._ipc_buf))
+        pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
+        torch.cuda.current_stream().synchronize()
+        if wait or i < last:
+            command_all(engines, "update_ipc", plan_to_wire([metas]))
+        else:
+            owed += send_all(engines, "update_ipc", plan_to_wire([metas]))
+        nbytes += size
+    if wait:
+        return nbytes, Pending.done(slowest_load(command_all(engines, "update_done")))
+    done = all_of(owed + send_all(engines, "update_done"))
+    return nbytes, Pending(lambda: slowest_load(done.result()))
+
+
+def slowest_load(replies: list) -> dict:
+    """The servers' acknowledgements of one weight update as one: the slowest server's `load_seconds`."""
+    seconds = [r["load_seconds"] for r in replies if isinstance(r, dict) and r.get("load_seconds") is not None]
+    return {"load_seconds": max(seconds)} if seconds else {}
