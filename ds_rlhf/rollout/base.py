@@ -188,6 +188,12 @@ class RolloutEngine(ABC):
         so a replica that missed a sync cannot hide behind one that did not. One replica here."""
         return [self.score(sequences)]
 
+    @property
+    def defers_replies(self) -> bool:
+        """True where `update_weight_buckets_later` / `score_replicas_later` really return before the engine has
+        answered (a server in its own process, one training rank); False: they finish at once, as here."""
+        return False
+
     def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
         """`score_replicas` without waiting where the engine runs elsewhere (the sync canary then overlaps the next
         generation); `result()` returns its lists. Here: scored now."""

@@ -49,6 +49,11 @@ from ds_rlhf.rollout.server_calls import update_through_ipc
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
+class ConnectionLost(RolloutError):
+    """The server stopped answering (it exited, timed out, or closed the connection): every reply still owed is
+    lost with it, so each unread `Pending` raises this."""
+
+
 class RemoteVLLMEngine(RolloutEngine):
     backend = "vllm"
     placement = "disaggregated"
@@ -64,7 +69,9 @@ class RemoteVLLMEngine(RolloutEngine):
         self._in_flight = False
         self._generation: Pending | None = None  # the reply to the generation in flight
         self._unread: deque[Pending] = deque()  # replies not read yet, oldest first (the server answers in order)
+        self._lost: ConnectionLost | None = None  # set once the connection broke: no later reply can be trusted
         self._ipc_buf: torch.Tensor | None = None
+        self._ipc_owed: Pending | None = None  # the last IPC update's replies, when not awaited (server_calls.py)
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
@@ -107,12 +114,15 @@ class RemoteVLLMEngine(RolloutEngine):
     def _recv(self, timeout: float | None = None):
         timeout = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while not self._conn.poll(1.0):
-            if self._proc.poll() is not None:
-                raise RolloutError(f"rollout server exited with code {self._proc.returncode}")
-            if time.monotonic() > deadline:
-                raise RolloutError(f"rollout server did not answer within {timeout:.0f}s")
-        status, payload = self._conn.recv()
+        try:
+            while not self._conn.poll(1.0):
+                if self._proc.poll() is not None:
+                    raise ConnectionLost(f"rollout server exited with code {self._proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise ConnectionLost(f"rollout server did not answer within {timeout:.0f}s")
+            status, payload = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise ConnectionLost(f"rollout server connection lost: {type(e).__name__}: {e}") from e
         if status == "error":
             raise RolloutError(f"rollout server failed:\n{payload}")
         return payload
@@ -124,18 +134,24 @@ class RemoteVLLMEngine(RolloutEngine):
         no gather over the trainer's ranks."""
         if self._conn is None:
             raise RolloutError("rollout engine is closed")
+        if self._lost is not None:
+            raise self._lost
         self._conn.send(msg)
         reply = Pending(lambda: self._read_until(reply))
         self._unread.append(reply)
         return reply
 
     def _read_until(self, reply: Pending):
-        """Read replies in order up to `reply`'s; each earlier one is kept in its own `Pending`."""
+        """Read replies in order up to `reply`'s; each earlier one is kept in its own `Pending`. A lost connection
+        fails every reply still owed (a late answer must never be taken for the next command's)."""
         while self._unread:
             head = self._unread.popleft()
             try:
                 state = ("ok", self._recv())
-            except RolloutError as e:
+            except ConnectionLost as e:
+                self._lose(e)
+                state = ("error", e)
+            except RolloutError as e:  # the server's own failure of this command: the stream is still in step
                 state = ("error", e)
             if head is reply:
                 if state[0] == "error":
@@ -143,6 +159,11 @@ class RemoteVLLMEngine(RolloutEngine):
                 return state[1]
             head._state = state
         raise RolloutError("no reply is pending for that command (read already, or sent to another server)")
+
+    def _lose(self, error: ConnectionLost) -> None:
+        self._lost = error
+        while self._unread:
+            self._unread.popleft()._state = ("error", error)
 
     def _call(self, *msg):
         return self.send_command(*msg).result()
@@ -223,6 +244,18 @@ class RemoteVLLMEngine(RolloutEngine):
         self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
 
+    @property
+    def defers_replies(self) -> bool:
+        return self._d is None  # one rank: a failure read later reaches the only rank there is
+
+    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
+        if not self.defers_replies:
+            return super().score_replicas_later(sequences)  # collective: every rank now
+        if self._in_flight:
+            raise RolloutError("a generation is in flight: collect it before any other call")
+        reply = self.send_command("score", sequences)
+        return Pending(lambda: [reply.result()])
+
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         def run(groups):
             flat = self._call("score", [s for g in groups for s in g])
@@ -258,7 +291,10 @@ class RemoteVLLMEngine(RolloutEngine):
                                     plan: BucketPlan | None = None) -> Pending:
         """Hands the buckets over and returns before the server acknowledges the last one (single rank only: with
         several ranks a failure must reach every rank at once, so this waits as `update_weight_buckets` does)."""
-        return self._update(buckets, plan, wait=self._d is not None)
+        if self.defers_replies:
+            return self._update(buckets, plan, wait=False)
+        self._update(buckets, plan, wait=True)
+        return Pending.done()  # the same (empty) acknowledgement on every rank: reports keep one set of keys
 
     def _update(self, buckets, plan: BucketPlan | None, *, wait: bool) -> Pending:
         if not self.owner:
@@ -315,6 +351,10 @@ class RemoteVLLMEngine(RolloutEngine):
         self.sleeping = True
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Ask the server to wake only when this engine was put to sleep: a call on an awake one would read
+        every reply still owed (a weight update handed over without waiting) just to do nothing."""
+        if not self.sleeping:
+            return
         if self.owner:
             self._c.extra.update(self._call("wake", None if tags is None else list(tags)))
         if tags is None or "kv_cache" in tags:

@@ -62,10 +62,13 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
     bucket to each; the servers load from their views at the same time and answer after their copies finished, so
     the next bucket may overwrite the buffer. With `wait=False` the last bucket's replies (and the final
-    'update_done') are not awaited: the returned `Pending` reads them. The buffer is then next written at the next
-    sync, after those replies were read (the schedule collects the generation queued behind them first). Returns
-    the bytes sent (once, however many servers) and that `Pending` (done when `wait`)."""
+    'update_done') are not awaited: the returned `Pending` reads them, and so does the next call here before it
+    writes the buffer again (kept on the first engine). Returns the bytes sent (once, however many servers) and
+    that `Pending` (done when `wait`)."""
     lead, nbytes, last = engines[0], 0, len(plan) - 1
+    if getattr(lead, "_ipc_owed", None) is not None:  # a server may still be copying out of the buffer
+        owed_before, lead._ipc_owed = lead._ipc_owed, None
+        owed_before.result()
     owed: list[Pending] = []
     for i, (bucket, metas) in enumerate(zip(buckets, plan)):
         size = bucket_nbytes(metas)
@@ -84,6 +87,7 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     if wait:
         return nbytes, Pending.done(slowest_load(command_all(engines, "update_done")))
     done = all_of(owed + send_all(engines, "update_done"))
+    lead._ipc_owed = done  # read before the buffer is written again, whoever calls next
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
 

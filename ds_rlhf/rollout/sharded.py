@@ -77,6 +77,10 @@ class ShardedRolloutEngine(RolloutEngine):
     def weight_dtype(self) -> torch.dtype:
         return self.engines[0].weight_dtype
 
+    @property
+    def defers_replies(self) -> bool:
+        return True  # one training rank (checked above)
+
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
         return self.collect(self.submit(prompts, spec))

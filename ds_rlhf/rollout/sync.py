@@ -78,7 +78,8 @@ class WeightSync:
         was_asleep = rollout is not None and rollout.sleeping
         if was_asleep:
             rollout.wake(("weights",))
-        defer = not wait and self.mode == "merged" and not was_asleep
+        defer = (not wait and self.mode == "merged" and not was_asleep and rollout is not None
+                 and rollout.defers_replies)
         checks = self.canary is not None and check
         # deferred: the trainer's side of the canary first, on a GPU the engines' loads do not share yet
         probe = self.canary.probe(self.engine) if defer and checks else None

@@ -77,7 +77,7 @@ class RolloutSchedule:
         from ds_rlhf.trainer.rl_step import sampling_spec
 
         rows = next(self.parts.loader_iter)
-        self.parts.rollout.wake()
+        self._wake()
         ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows], sampling_spec(self.ctx, step))
         self.in_flight = _InFlight(rows, ticket, self.engine_version)
         if ticket.samples is not None:  # an in-process engine generated it just now
@@ -105,6 +105,12 @@ class RolloutSchedule:
     def _sleeps(self) -> bool:
         r = self.ctx.cfg.rollout
         return self.ctx.dist.device.type == "cuda" and r.sleep and r.placement == "colocated"
+
+    def _wake(self) -> None:
+        """Wake a sleeping engine before it generates; an awake one is left alone (a call to a server would wait
+        for every reply still owed, e.g. a weight update handed over without waiting)."""
+        if self.parts.rollout.sleeping:
+            self.parts.rollout.wake()
 
     def _sleep(self) -> None:
         if self._sleeps():  # free it for training
@@ -141,7 +147,7 @@ class RolloutSchedule:
         while True:
             rows = next(self.parts.loader_iter)  # the loader's position after every round is part of the state
             with self.timer.phase("rollout"):
-                self.parts.rollout.wake()
+                self._wake()
                 ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows],
                                                    sampling_spec(self.ctx, step, round_=len(rounds)))
                 samples = self.parts.rollout.collect(ticket)

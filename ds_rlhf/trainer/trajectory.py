@@ -117,6 +117,9 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     # are consecutive), instead of a tensor per row: 256 x 384 tokens took ~0.1 s of host time per step that way.
     p_lens = np.fromiter((len(s.prompt_ids) for s in samples), dtype=np.int64, count=len(samples))
     r_lens = np.fromiter((len(s.response_ids) for s in samples), dtype=np.int64, count=len(samples))
+    if (p_lens < 1).any():
+        raise ValueError(f"sample {int(np.argmin(p_lens))} has an empty prompt: the first response token needs a "
+                         "prompt token to be predicted from")
     for row, s in enumerate(samples):
         if len(s.logprobs) != r_lens[row]:
             raise ValueError(f"sample {row}: {r_lens[row]} response tokens but {len(s.logprobs)} log-probs")

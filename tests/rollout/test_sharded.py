@@ -223,9 +223,13 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     sync = WeightSync(engine, two_sidecars, canary=SyncCanary(PROBE, threshold=1e-3))
     info = sync.sync(wait=False)
     assert info["deferred"] == 1 and info["canary_max_abs_diff"] is None
+    # nothing waited for the servers: each still owes the update's and the probe's replies
+    assert [len(e._unread) for e in two_sidecars.engines] == [2, 2]
     prompts = [[1, 5, 6, 7, 8], [2, 9, 10, 11]]
-    samples = two_sidecars.collect(two_sidecars.submit(prompts, SamplingSpec(max_new_tokens=12, seed=3,
-                                                                             ignore_eos=True)))
+    ticket = two_sidecars.submit(prompts, SamplingSpec(max_new_tokens=12, seed=3, ignore_eos=True))
+    two_sidecars.wake()  # what the schedule may call before a submit: an awake engine must not read them either
+    assert [len(e._unread) for e in two_sidecars.engines] == [3, 3]
+    samples = two_sidecars.collect(ticket)
     for s in samples:  # both shards sampled with the synced weights
         ref = trainer_logprobs(engine, s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1:]
         assert max(abs(a - b) for a, b in zip(ref, s.logprobs)) < TOL

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.rollout.base import RolloutEngine
+from ds_rlhf.rollout.base import RolloutEngine, RolloutTicket
 from ds_rlhf.telemetry import PhaseTimer
 from ds_rlhf.trainer.rollout_schedule import RolloutSchedule
 
@@ -75,3 +75,67 @@ def test_sync_releases_zero3_partition_caches_before_a_colocated_engine_wakes(de
     schedule.sync(1)
     assert calls == (["released", "released"] if released else [])
     assert schedule.engine_version == 1
+
+
+class ServerLikeEngine(Engine):
+    """An engine in another process, as the schedule sees it: submit returns a ticket, collect its samples."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def wake(self, tags=None):
+        self.calls.append("wake")
+        super().wake(tags)
+
+    def submit(self, prompts, spec):
+        self.calls.append("submit")
+        return RolloutTicket(pending=True)
+
+    def collect(self, ticket):
+        self.calls.append("collect")
+        return []
+
+
+class DeferringSync:
+    """WeightSync's contract with `wait=False`: `sync` hands over, `confirm` gives the canary's figures once."""
+
+    def __init__(self, calls):
+        self.calls, self.owed = calls, None
+
+    def sync(self, wait=True):
+        self.calls.append(f"sync(wait={wait})")
+        self.owed = None if wait else {"canary_max_abs_diff": 0.01, "confirm_seconds": 0.0}
+        return {"seconds": 0.002, "deferred": int(not wait), "canary_max_abs_diff": None}
+
+    def confirm(self):
+        self.calls.append("confirm")
+        out, self.owed = self.owed, None
+        return out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_it(overlap):
+    """With rollout.overlap_sync the step's sync does not wait; the engine is not woken (it is awake: a call would
+    wait for the owed replies); the next collect confirms it before the batch goes on, and that step's report
+    carries the canary of the weights that generated its batch."""
+    calls = []
+    cfg = parse_config(["--rollout.placement", "sidecar", "--rollout.async_generation", "true",
+                        "--rollout.overlap_sync", str(overlap)])
+    rollout = ServerLikeEngine(calls)
+    parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
+    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
+                          tokenizer=SimpleNamespace(eos_token_id=0))
+    schedule = RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
+    reports = [schedule.next_batch(step, 3)[1] for step in range(3)]
+    assert "wake" not in calls
+    sync_call = f"sync(wait={not overlap})"
+    assert calls == ["submit", "collect", "confirm", "submit",              # step 0: staleness 1 allows no sync yet
+                     "collect", "confirm", sync_call, "submit",             # step 1: sync, then the next batch
+                     "collect", "confirm"]                                  # step 2 (last): its batch's sync confirmed
+    assert reports[0] is None
+    assert reports[1]["deferred"] == int(overlap)
+    if overlap:
+        assert reports[2]["canary_max_abs_diff"] == 0.01
+    else:
+        assert reports[2] is None
