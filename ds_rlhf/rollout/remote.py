@@ -136,7 +136,11 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError("rollout engine is closed")
         if self._lost is not None:
             raise self._lost
-        self._conn.send(msg)
+        try:
+            self._conn.send(msg)
+        except OSError as e:  # the server closed its end (it exited, or broke): nothing owed will come either
+            self._lose(ConnectionLost(f"rollout server connection lost: {type(e).__name__}: {e}"))
+            raise self._lost from e
         reply = Pending(lambda: self._read_until(reply))
         self._unread.append(reply)
         return reply

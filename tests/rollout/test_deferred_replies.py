@@ -23,10 +23,11 @@ class _Alive:
         return None
 
 
-def _engine_with_script(answers: dict, hang_up_after: int | None = None):
+def _engine_with_script(answers: dict, hang_up_after: int | None = None, hang_up_when=None):
     """A RemoteVLLMEngine talking to a thread that answers each command with (its position, `answers[cmd]`), or
     sends `answers[cmd]` back as a server failure when it is an Exception; it closes the connection instead of
-    answering command number `hang_up_after`. Returns (engine, commands seen)."""
+    answering command number `hang_up_after` (once the event `hang_up_when` is set, when given). Returns (engine,
+    commands seen)."""
     ours, theirs = Pipe()
     seen = []
 
@@ -37,6 +38,8 @@ def _engine_with_script(answers: dict, hang_up_after: int | None = None):
             except (EOFError, OSError):  # the test's end dropped our pipe
                 return
             if len(seen) == hang_up_after:
+                if hang_up_when is not None:
+                    hang_up_when.wait(10)
                 theirs.close()
                 return
             seen.append(msg[0])
@@ -78,9 +81,11 @@ def test_a_failed_reply_raises_where_it_is_read_and_the_stream_stays_in_step():
 
 
 def test_a_lost_connection_fails_every_reply_still_owed_and_every_later_command():
-    engine, _ = _engine_with_script({"update_ipc": None, "score": [[0.0]]}, hang_up_after=1)
+    sent = threading.Event()
+    engine, _ = _engine_with_script({"update_ipc": None, "score": [[0.0]]}, hang_up_after=1, hang_up_when=sent)
     first = engine.send_command("update_ipc")
     lost = [engine.send_command("score", [[1]]) for _ in range(2)]
+    sent.set()  # every command is on its way: now the server hangs up instead of answering the first score
     assert first.result() == (0, None)
     with pytest.raises(ConnectionLost, match="connection lost"):
         lost[0].result()
