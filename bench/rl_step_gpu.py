@@ -254,6 +254,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1", *extra])
     from gpu_timeline import Sampler, render
     from gpu_timeline import summarize as summarize_gpu
+    from low_memory_machine import git_commit
 
     t1 = time.time()
     with Sampler(0.1) as sampler:
@@ -268,7 +269,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
             history.append(record)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
-    result = {"tag": tag, "config": vars(args), "overrides": extra, "bench_switches": switches,
+    result = {"tag": tag, "commit": git_commit(), "config": vars(args), "overrides": extra, "bench_switches": switches,
               "kernels": kernels_used(trainer.parts.actor), "setup_seconds": setup_s,
               "engine_reused": rollout is not None, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),

@@ -74,38 +74,20 @@ class WeightSync:
         canary's verdict to `confirm()` where the engine can defer them (merged mode, an awake engine)."""
         self.confirm()  # an earlier sync made without waiting is confirmed first
         rollout = self.rollout
+        if (not wait and self.mode == "merged" and rollout is not None and not rollout.sleeping
+                and rollout.defers_replies):
+            return self._hand_over(check)
         t_start = time.perf_counter()
         was_asleep = rollout is not None and rollout.sleeping
         if was_asleep:
             rollout.wake(("weights",))
-        defer = (not wait and self.mode == "merged" and not was_asleep and rollout is not None
-                 and rollout.defers_replies)
-        checks = self.canary is not None and check
-        # deferred: the trainer's side of the canary first, on a GPU the engines' loads do not share yet
-        probe = self.canary.probe(self.engine) if defer and checks else None
         t0 = time.perf_counter()
-        acknowledged = None
-        if defer:
-            info, acknowledged = self._send_merged(later=True)
-        else:
-            info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
-        if rollout is not None:
-            rollout.reset_cache()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
-        seconds = time.perf_counter() - t0
+        info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
+        seconds = self._settle(t0)
         if was_asleep:
             rollout.wake(("kv_cache",))
         info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
                     gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
-        if defer:
-            canary = self.canary.start(self.engine, rollout, probe=probe) if checks else None
-            info.update(deferred=1, total_seconds=time.perf_counter() - t_start)
-            self._unconfirmed = (acknowledged, canary, info)
-            self.history.append(info)
-            log.info("weight sync (%s): %.3f GB handed over in %.3f s; load and canary confirmed later", self.mode,
-                     info["bytes"] / 1e9, seconds)
-            return info
         if self.canary is not None and check:
             try:
                 self.canary.check(self.engine, rollout)
@@ -117,6 +99,33 @@ class WeightSync:
         log.info("weight sync (%s): %.3f GB in %.3f s (%.2f GB/s, %d buckets, canary diff %s)", self.mode,
                  info["bytes"] / 1e9, seconds, info["gbps"], info["buckets"], info["canary_max_abs_diff"])
         return info
+
+    def _hand_over(self, check: bool) -> dict:
+        """`sync(wait=False)` where the engine defers: the trainer's side of the canary first (on a GPU the
+        engines' loads do not share yet; the weights are the same), then the buckets and the probe, unread."""
+        t_start = time.perf_counter()
+        probe = self.canary.probe(self.engine) if self.canary is not None and check else None
+        t0 = time.perf_counter()
+        info, acknowledged = self._send_merged(later=True)
+        seconds = self._settle(t0)
+        canary = self.canary.start(self.engine, self.rollout, probe=probe) if probe is not None else None
+        info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None, deferred=1,
+                    gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+                    total_seconds=time.perf_counter() - t_start)
+        self._unconfirmed = (acknowledged, canary, info)
+        self.history.append(info)
+        log.info("weight sync (%s): %.3f GB handed over in %.3f s; load and canary confirmed later", self.mode,
+                 info["bytes"] / 1e9, seconds)
+        return info
+
+    def _settle(self, t0: float) -> float:
+        """After the buckets went out: drop the engine's prefix cache, let our device copies finish (so they are
+        timed); the seconds since `t0`."""
+        if self.rollout is not None:
+            self.rollout.reset_cache()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
+        return time.perf_counter() - t0
 
     def confirm(self) -> dict | None:
         """Finish a sync made with `wait=False`: wait for the engine's acknowledgement (its error, if any, is
