@@ -172,6 +172,10 @@ class RemoteVLLMEngine(RolloutEngine):
     def _call(self, *msg):
         return self.send_command(*msg).result()
 
+    def _check_idle(self) -> None:
+        if self._in_flight:
+            raise RolloutError("a generation is in flight: collect it before any other call")
+
     def _gather_to_owner(self, item) -> list | None:
         """Every rank's `item`, as a list on rank 0 (None elsewhere)."""
         if self._d is None:
@@ -201,8 +205,7 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def _collective(self, item, run):
         """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""
-        if self._in_flight:
-            raise RolloutError("a generation is in flight: collect it before any other call")
+        self._check_idle()
         items = self._gather_to_owner(item)
         return self._scatter_from_owner(lambda: run(items))
 
@@ -255,8 +258,7 @@ class RemoteVLLMEngine(RolloutEngine):
     def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
         if not self.defers_replies:
             return super().score_replicas_later(sequences)  # collective: every rank now
-        if self._in_flight:
-            raise RolloutError("a generation is in flight: collect it before any other call")
+        self._check_idle()
         reply = self.send_command("score", sequences)
         return Pending(lambda: [reply.result()])
 

@@ -66,7 +66,7 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     writes the buffer again (kept on the first engine). Returns the bytes sent (once, however many servers) and
     that `Pending` (done when `wait`)."""
     lead, nbytes, last = engines[0], 0, len(plan) - 1
-    if getattr(lead, "_ipc_owed", None) is not None:  # a server may still be copying out of the buffer
+    if lead._ipc_owed is not None:  # a server may still be copying out of the buffer
         owed_before, lead._ipc_owed = lead._ipc_owed, None
         owed_before.result()
     owed: list[Pending] = []
