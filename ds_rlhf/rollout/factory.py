@@ -86,19 +86,27 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
 
 
 def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> RolloutEngine:
-    """`n` sidecar servers started one after the other (vLLM measures free memory at start-up), then one engine
-    over them; a failed start closes the servers already running."""
+    """`n` sidecar servers spawned at once (each imports vLLM meanwhile: `server_process.py`), their engines built
+    one after the other (vLLM measures free memory at start-up), then one engine over them; a failed start closes
+    the servers already running and those not yet started."""
     from ds_rlhf.rollout.remote import RemoteVLLMEngine
+    from ds_rlhf.rollout.server_process import spawn_servers
     from ds_rlhf.rollout.sharded import ShardedRolloutEngine
 
+    log_paths = [f"{client['log_path']}.{i}" if client.get("log_path") else None for i in range(n)]
+    processes = spawn_servers(n, devices=client.get("devices"), log_paths=log_paths,
+                              host=client.get("host", "127.0.0.1"))
     engines: list = []
     try:
         for i in range(n):
             own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i)
-            log_path = f"{client['log_path']}.{i}" if client.get("log_path") else None
-            engines.append(RemoteVLLMEngine(model_path, **dict(client, log_path=log_path), **own, **kw))
+            engines.append(RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]), process=processes[i],
+                                            **own, **kw))
         return ShardedRolloutEngine(engines)
     except BaseException:
         for e in engines:
             e.close()
+        for process in processes[len(engines):]:  # the one that failed (closing twice is harmless) and the rest
+            if process is not None:
+                process.close()
         raise

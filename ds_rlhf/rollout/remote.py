@@ -21,20 +21,14 @@ back as RolloutError with the server's traceback; a dead server is reported with
 
 from __future__ import annotations
 
-import os
-import secrets
 import subprocess
-import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from multiprocessing.connection import Listener
-from pathlib import Path
 
 import torch
 
-from ds_rlhf.distributed import clean_dist_env, free_port, multi_rank
+from ds_rlhf.distributed import free_port, multi_rank
 from ds_rlhf.rollout.base import (
     BucketPlan,
     Pending,
@@ -46,6 +40,7 @@ from ds_rlhf.rollout.base import (
     TensorMeta,
 )
 from ds_rlhf.rollout.server_calls import update_through_ipc
+from ds_rlhf.rollout.server_process import ServerProcess
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
@@ -60,7 +55,8 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def __init__(self, model_path: str, *, devices: Sequence[int] | None = None, weight_backend: str | None = None,
                  timeout_s: float = 600.0, startup_timeout_s: float = 900.0, bucket_bytes: int = 1 << 30,
-                 log_path: str | None = None, host: str = "127.0.0.1", **engine_kwargs) -> None:
+                 log_path: str | None = None, host: str = "127.0.0.1", process: ServerProcess | None = None,
+                 **engine_kwargs) -> None:
         super().__init__()
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
@@ -75,7 +71,10 @@ class RemoteVLLMEngine(RolloutEngine):
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
-        info = self._start(model_path, devices, log_path, startup_timeout_s, engine_kwargs) if self.owner else None
+        info = None
+        if self.owner:  # a server spawned ahead (`server_process.spawn_servers`) or one of its own
+            process = process or ServerProcess(devices=devices, log_path=log_path, host=host)
+            info = self._start(process, model_path, startup_timeout_s, engine_kwargs)
         if self._d is not None:
             box = [info]
             self._d.broadcast_object_list(box, src=0)
@@ -87,21 +86,12 @@ class RemoteVLLMEngine(RolloutEngine):
         self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"],
                              vllm_options=info.get("options"))
 
-    def _start(self, model_path, devices, log_path, startup_timeout_s, engine_kwargs) -> dict:
-        authkey = secrets.token_bytes(16)
-        self._listener = Listener((self.host, 0), authkey=authkey)
-        root = str(Path(__file__).resolve().parents[2])
-        env = clean_dist_env(DS_RLHF_ROLLOUT_ADDR=f"{self.host}:{self._listener.address[1]}",
-                             DS_RLHF_ROLLOUT_KEY=authkey.hex(), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                             PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
-        self._proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.remote_server"], env=env,
-                                      stdout=self._log, stderr=subprocess.STDOUT if self._log else None)
+    def _start(self, process: ServerProcess, model_path, startup_timeout_s, engine_kwargs) -> dict:
+        """Take `process` over, wait for its connection and have it build its engine."""
+        self._listener, self._proc, self._log = process.listener, process.proc, process.log
         try:
             deadline = time.monotonic() + startup_timeout_s
-            self._conn = _accept(self._listener, self._proc, startup_timeout_s)
+            self._conn = process.connect(startup_timeout_s)
             self._conn.send(("start", str(model_path), engine_kwargs))
             info = self._recv(max(1.0, deadline - time.monotonic()))
         except RolloutError as e:
@@ -399,19 +389,3 @@ class RemoteVLLMEngine(RolloutEngine):
                 obj.close()
                 setattr(self, attr, None)
 
-
-def _accept(listener: Listener, proc: subprocess.Popen, timeout: float):
-    """Accept the server's connection, giving up if it dies or takes longer than `timeout` seconds."""
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("conn", listener.accept()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while thread.is_alive():
-        thread.join(0.5)
-        if proc.poll() is not None and thread.is_alive():
-            raise RolloutError(f"rollout server exited with code {proc.returncode} before connecting")
-        if time.monotonic() > deadline:
-            raise RolloutError(f"rollout server did not connect within {timeout:.0f}s")
-    if "conn" not in box:
-        raise RolloutError("rollout server connection failed")
-    return box["conn"]

@@ -85,6 +85,12 @@ def _handle(engine, cmd: str, args: tuple):
 def serve() -> None:
     host, port = os.environ["DS_RLHF_ROLLOUT_ADDR"].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("DS_RLHF_ROLLOUT_KEY")))
+    # Import vLLM now, while the client may still be starting another server's engine (`server_process.py`). An
+    # import that fails here fails again in 'start', whose traceback goes back to the client.
+    with contextlib.suppress(Exception):
+        from ds_rlhf.rollout.vllm_adapter import preload
+
+        preload()
     engine = None
     while True:
         try:

@@ -80,6 +80,12 @@ def vllm_version() -> str | None:
     return getattr(vllm, "__version__", "0.0.0")
 
 
+def preload() -> None:
+    """Import vLLM's engine entry points now: seconds of CPU work that touch no device, done by a rollout server
+    while it waits for its turn to build an engine (`server_process.py`)."""
+    from vllm import LLM, SamplingParams  # noqa: F401
+
+
 def check_vllm_version(version: str | None = None) -> tuple[int, int]:
     """`vllm_mapping.check_version` of `version`, by default the installed vLLM's."""
     return check_version(version or vllm_version())

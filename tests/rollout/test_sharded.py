@@ -56,32 +56,62 @@ def test_sidecar_engines_needs_the_sidecar_placement():
 
 
 def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failure(monkeypatch, tiny_model_path):
-    from ds_rlhf.rollout import factory, make_rollout_engine
+    from ds_rlhf.rollout import factory, make_rollout_engine, server_process
     from ds_rlhf.rollout import remote as remote_mod
     from ds_rlhf.rollout.base import RolloutError
 
-    started, closed = [], []
+    spawned, spawned_when_started, started, closed, processes_closed = [], [], [], [], []
+
+    class FakeProcess:
+        def __init__(self, i):
+            self.i = i
+
+        def close(self):
+            processes_closed.append(self.i)
+
+    def fake_spawn(n, *, devices=None, log_paths=(), host="127.0.0.1"):
+        spawned.extend(log_paths)
+        return [FakeProcess(i) for i in range(n)]
 
     class FakeRemote:
-        def __init__(self, model_path, **kw):
+        def __init__(self, model_path, *, process, **kw):
+            spawned_when_started.append(len(spawned))
             if len(started) == 2:
                 raise RolloutError("third server failed to start")
+            assert process.i == len(started)  # engine i takes server i over
             started.append(kw)
 
         def close(self):
             closed.append(True)
 
+    monkeypatch.setattr(server_process, "spawn_servers", fake_spawn)
     monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", FakeRemote)
     monkeypatch.setattr(factory, "resolve_backend", lambda backend: "vllm")
     with pytest.raises(RolloutError, match="third server"):
         make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6, seed=5,
                             sidecar_engines=3, log_path="/tmp/server.log")
+    assert spawned == ["/tmp/server.log.0", "/tmp/server.log.1", "/tmp/server.log.2"]
+    assert spawned_when_started == [3, 3, 3]  # every server runs (importing vLLM) before the first engine starts
     assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 2
     assert [kw["seed"] for kw in started] == [5, 6]  # unseeded requests must not repeat across shards
     assert [kw["log_path"] for kw in started] == ["/tmp/server.log.0", "/tmp/server.log.1"]
-    assert len(closed) == 2
+    assert len(closed) == 2 and processes_closed == [2]  # the engines started, and the server none took over
     with pytest.raises(ValueError, match="placement='sidecar'"):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), sidecar_engines=2)
+
+
+def test_a_spawned_server_connects_before_its_engine_is_asked_for_and_close_stops_it(tmp_path):
+    from ds_rlhf.rollout.server_process import spawn_servers
+
+    process = spawn_servers(1, log_paths=[str(tmp_path / "server.log")])[0]
+    try:
+        conn = process.connect(timeout=120)  # connects right away, then imports vLLM while no 'start' comes
+        assert process.proc.poll() is None
+    finally:
+        process.close()
+    assert process.proc.poll() is not None and process.log.closed
+    conn.close()
+    process.close()  # twice is harmless (the factory may close a server an engine already closed)
 
 
 class FakeServer:

@@ -135,20 +135,22 @@ def test_default_colocated_engine_arguments_are_unchanged(tiny_model_path, llm_c
 @pytest.mark.parametrize("placement", ["sidecar", "disaggregated"])
 def test_server_placements_pass_the_options_to_llm(placement, tiny_model_path, llm_calls, as_gpu, monkeypatch):
     """The client sends its engine keywords in 'start'; the server builds its VLLMRolloutEngine from them."""
-    from ds_rlhf.rollout import make_rollout_engine, remote_server
+    from ds_rlhf.rollout import make_rollout_engine, remote, remote_server
     from ds_rlhf.rollout.remote import RemoteVLLMEngine
 
     sent = {}
 
-    def fake_start(self, model_path, devices, log_path, startup_timeout_s, engine_kwargs):
-        sent.update(model_path=model_path, kwargs=engine_kwargs)
+    def fake_start(self, process, model_path, startup_timeout_s, engine_kwargs):
+        sent.update(process=process, model_path=model_path, kwargs=engine_kwargs)
         return {"error": "stopped before starting a server"}
 
+    monkeypatch.setattr(remote, "ServerProcess", lambda **kw: ("no process", kw))  # nothing is spawned
     monkeypatch.setattr(RemoteVLLMEngine, "_start", fake_start)
     with pytest.raises(RolloutError, match="stopped before"):
         make_rollout_engine("vllm", placement, model_path=str(tiny_model_path), max_model_len=256,
                             **parse_config(OPTIONS).rollout.vllm_options())
     assert sent["kwargs"]["max_num_seqs"] == 256 and sent["kwargs"]["cudagraph_sizes"] == [64, 8, 16]
+    assert sent["process"][0] == "no process"  # the engine spawned its own server (none was handed to it)
     with pytest.raises(_Stop):
         remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
