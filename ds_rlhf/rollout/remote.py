@@ -97,6 +97,9 @@ class RemoteVLLMEngine(RolloutEngine):
         except RolloutError as e:
             self.close()
             return {"error": str(e)}  # every rank raises it, instead of ranks > 0 waiting forever
+        except BaseException:  # e.g. Ctrl-C while the server starts: stop it before going
+            self.close()
+            raise
         self._c.extra["server_pid"] = self._proc.pid
         return info
 

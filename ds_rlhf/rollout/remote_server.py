@@ -82,15 +82,26 @@ def _handle(engine, cmd: str, args: tuple):
     raise ValueError(f"unknown command {cmd!r}")
 
 
-def serve() -> None:
-    host, port = os.environ["DS_RLHF_ROLLOUT_ADDR"].rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("DS_RLHF_ROLLOUT_KEY")))
-    # Import vLLM now, while the client may still be starting another server's engine (`server_process.py`). An
-    # import that fails here fails again in 'start', whose traceback goes back to the client.
-    with contextlib.suppress(Exception):
+def _preload() -> None:
+    """Import vLLM before connecting: the client accepts this server's connection only when its turn comes
+    (`server_process.py`), so the import runs while it still builds another server's engine. An import that fails
+    here fails again in 'start', whose traceback goes back to the client."""
+    t0 = time.perf_counter()
+    try:
         from ds_rlhf.rollout.vllm_adapter import preload
 
         preload()
+    except Exception as e:  # noqa: BLE001  reported by 'start' (see above)
+        print(f"[rollout server] importing vLLM failed ({type(e).__name__}); 'start' will say why", flush=True)
+        return
+    print(f"[rollout server] vLLM imported in {time.perf_counter() - t0:.1f}s, before connecting", flush=True)
+
+
+def serve() -> None:
+    host, port = os.environ["DS_RLHF_ROLLOUT_ADDR"].rsplit(":", 1)
+    key = bytes.fromhex(os.environ.pop("DS_RLHF_ROLLOUT_KEY"))
+    _preload()
+    conn = Client((host, int(port)), authkey=key)
     engine = None
     while True:
         try:

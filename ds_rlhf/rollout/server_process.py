@@ -1,11 +1,12 @@
 """A rollout server process (`python -m ds_rlhf.rollout.remote_server`), started before it is told to build an engine.
 
-A new server spends its first seconds importing torch and vLLM (about 8 s on a 2-core CPU; the gap between one
-sidecar engine being ready and the next one's first log line was about 20 s on the H200). It does that before the
-client's 'start' arrives (`vllm_adapter.preload`), so `spawn_servers` starts every server of a sharded sidecar at
-once: they import side by side while their engines are still built one after the other (vLLM sizes its KV cache
-from the device memory it measures while it starts, so two engines must not start at the same time). Importing
-vLLM touches no device.
+A new server spends its first seconds importing torch and vLLM (about 10 s on a 2-core CPU; the gap between one
+sidecar engine being ready and the next one's first log line was about 20 s on the H200). It does that before it
+connects back (`remote_server._preload`), and the client accepts a server's connection only when that server's
+turn comes, so `spawn_servers` starts every server of a sharded sidecar at once: they import side by side while
+their engines are still built one after the other (vLLM sizes its KV cache from the device memory it measures while
+it starts, so two engines must not start at the same time). Importing vLLM touches no device (it finds the GPU
+through NVML, not CUDA).
 
 `RemoteVLLMEngine(process=...)` takes a spawned process over (its listener, process and log file); without one it
 spawns its own. Only trainer rank 0 runs servers: `spawn_servers` gives None to the other ranks.
@@ -40,8 +41,9 @@ class ServerProcess:
                              PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
+        self.log = None
         try:
+            self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
             self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.remote_server"], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         except BaseException:

@@ -81,8 +81,8 @@ def vllm_version() -> str | None:
 
 
 def preload() -> None:
-    """Import vLLM's engine entry points now: seconds of CPU work that touch no device, done by a rollout server
-    while it waits for its turn to build an engine (`server_process.py`)."""
+    """Import vLLM's engine entry points now: seconds of CPU work that touch no device (vLLM finds the GPU through
+    NVML), done by a rollout server while it waits for its turn to build an engine (`server_process.py`)."""
     from vllm import LLM, SamplingParams  # noqa: F401
 
 

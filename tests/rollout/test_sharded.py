@@ -58,6 +58,7 @@ def test_sidecar_engines_needs_the_sidecar_placement():
 def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failure(monkeypatch, tiny_model_path):
     from ds_rlhf.rollout import factory, make_rollout_engine, server_process
     from ds_rlhf.rollout import remote as remote_mod
+    from ds_rlhf.rollout import sharded as sharded_mod
     from ds_rlhf.rollout.base import RolloutError
 
     spawned, spawned_when_started, started, closed, processes_closed = [], [], [], [], []
@@ -76,8 +77,8 @@ def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failu
     class FakeRemote:
         def __init__(self, model_path, *, process, **kw):
             spawned_when_started.append(len(spawned))
-            if len(started) == 2:
-                raise RolloutError("third server failed to start")
+            if len(started) == 1:
+                raise RolloutError("second server failed to start")
             assert process.i == len(started)  # engine i takes server i over
             started.append(kw)
 
@@ -87,26 +88,51 @@ def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failu
     monkeypatch.setattr(server_process, "spawn_servers", fake_spawn)
     monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", FakeRemote)
     monkeypatch.setattr(factory, "resolve_backend", lambda backend: "vllm")
-    with pytest.raises(RolloutError, match="third server"):
+    with pytest.raises(RolloutError, match="second server"):
         make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6, seed=5,
                             sidecar_engines=3, log_path="/tmp/server.log")
     assert spawned == ["/tmp/server.log.0", "/tmp/server.log.1", "/tmp/server.log.2"]
-    assert spawned_when_started == [3, 3, 3]  # every server runs (importing vLLM) before the first engine starts
-    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 2
-    assert [kw["seed"] for kw in started] == [5, 6]  # unseeded requests must not repeat across shards
-    assert [kw["log_path"] for kw in started] == ["/tmp/server.log.0", "/tmp/server.log.1"]
-    assert len(closed) == 2 and processes_closed == [2]  # the engines started, and the server none took over
+    assert spawned_when_started == [3, 3]  # every server runs (importing vLLM) before the first engine starts
+    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)]
+    assert [kw["log_path"] for kw in started] == ["/tmp/server.log.0"]
+    assert len(closed) == 1 and processes_closed == [1, 2]  # the engine started, the failed server and the last
+    started.clear()  # all three start: their memory shares and seeds
+
+    class Starts(FakeRemote):
+        def __init__(self, model_path, *, process, **kw):
+            started.append(kw)
+
+    monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", Starts)
+    monkeypatch.setattr(sharded_mod, "ShardedRolloutEngine", lambda engines: engines)
+    engines = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6,
+                                  seed=5, sidecar_engines=3)
+    assert len(engines) == 3
+    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 3
+    assert [kw["seed"] for kw in started] == [5, 6, 7]  # unseeded requests must not repeat across shards
     with pytest.raises(ValueError, match="placement='sidecar'"):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), sidecar_engines=2)
 
 
-def test_a_spawned_server_connects_before_its_engine_is_asked_for_and_close_stops_it(tmp_path):
-    from ds_rlhf.rollout.server_process import spawn_servers
+def test_a_spawned_server_imports_vllm_before_its_turn_and_close_stops_it(tmp_path):
+    """The client accepts a server's connection only when that server's engine is built, so the import must not
+    wait for it: the server logs the import done while nobody has accepted its connection yet."""
+    import time
 
-    process = spawn_servers(1, log_paths=[str(tmp_path / "server.log")])[0]
+    from ds_rlhf.rollout.server_process import spawn_servers
+    from ds_rlhf.rollout.vllm_adapter import vllm_version
+
+    if vllm_version() is None:
+        pytest.skip("vLLM is not importable here")
+    log = tmp_path / "server.log"
+    process = spawn_servers(1, log_paths=[str(log)])[0]
     try:
-        conn = process.connect(timeout=120)  # connects right away, then imports vLLM while no 'start' comes
+        deadline = time.monotonic() + 180
+        while "vLLM imported" not in log.read_text() and time.monotonic() < deadline:
+            assert process.proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        assert "before connecting" in log.read_text()  # not accepted: it waits for its turn, alive
         assert process.proc.poll() is None
+        conn = process.connect(timeout=60)
     finally:
         process.close()
     assert process.proc.poll() is not None and process.log.closed
