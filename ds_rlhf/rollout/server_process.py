@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-from ds_rlhf.distributed import clean_dist_env, multi_rank
+from ds_rlhf.distributed import clean_dist_env, world
 from ds_rlhf.rollout.base import RolloutError
 
 
@@ -41,15 +41,13 @@ class ServerProcess:
                              PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        self.log = None
+        self.log, self.proc = None, None
         try:
             self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
             self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.remote_server"], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         except BaseException:
-            self.listener.close()
-            if self.log is not None:
-                self.log.close()
+            self.close()
             raise
 
     def connect(self, timeout: float):
@@ -58,7 +56,7 @@ class ServerProcess:
 
     def close(self) -> None:
         """Stop a server that no engine took over (idempotent; an engine that took it over closes it itself)."""
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         self.listener.close()
@@ -69,11 +67,8 @@ class ServerProcess:
 def spawn_servers(n: int, *, devices: Sequence[int] | None = None, log_paths: Sequence[str | None] = (),
                   host: str = "127.0.0.1") -> list[ServerProcess | None]:
     """`n` servers started at once on trainer rank 0 (None for each on other ranks, which run no server)."""
-    if multi_rank():
-        import torch.distributed as dist
-
-        if dist.get_rank() != 0:
-            return [None] * n
+    if world()[0] != 0:
+        return [None] * n
     log_paths = list(log_paths) or [None] * n
     out: list[ServerProcess | None] = []
     try:

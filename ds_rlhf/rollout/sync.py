@@ -83,11 +83,9 @@ class WeightSync:
             rollout.wake(("weights",))
         t0 = time.perf_counter()
         info = self._send_adapter() if self.mode == "adapter" else self._send_merged()
-        seconds = self._settle(t0)
+        seconds = self._settle(info, t0)
         if was_asleep:
             rollout.wake(("kv_cache",))
-        info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
-                    gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
         if self.canary is not None and check:
             try:
                 self.canary.check(self.engine, rollout)
@@ -107,25 +105,27 @@ class WeightSync:
         probe = self.canary.probe(self.engine) if self.canary is not None and check else None
         t0 = time.perf_counter()
         info, acknowledged = self._send_merged(later=True)
-        seconds = self._settle(t0)
+        seconds = self._settle(info, t0)
         canary = self.canary.start(self.engine, self.rollout, probe=probe) if probe is not None else None
-        info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None, deferred=1,
-                    gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-                    total_seconds=time.perf_counter() - t_start)
+        info.update(deferred=1, total_seconds=time.perf_counter() - t_start)
         self._unconfirmed = (acknowledged, canary, info)
         self.history.append(info)
         log.info("weight sync (%s): %.3f GB handed over in %.3f s; load and canary confirmed later", self.mode,
                  info["bytes"] / 1e9, seconds)
         return info
 
-    def _settle(self, t0: float) -> float:
+    def _settle(self, info: dict, t0: float) -> float:
         """After the buckets went out: drop the engine's prefix cache, let our device copies finish (so they are
-        timed); the seconds since `t0`."""
+        timed); records the seconds since `t0` and the rate in `info` (the canary's figures not yet) and returns
+        the seconds."""
         if self.rollout is not None:
             self.rollout.reset_cache()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        info.update(mode=self.mode, seconds=seconds, canary_max_abs_diff=None,
+                    gbps=info["bytes"] / seconds / 1e9 if seconds > 0 else 0.0)
+        return seconds
 
     def confirm(self) -> dict | None:
         """Finish a sync made with `wait=False`: wait for the engine's acknowledgement (its error, if any, is
