@@ -90,21 +90,20 @@ class SyncCanary:
         self.threshold = threshold
         self.history: list[dict] = []
 
-    def start(self, trainer_module, rollout) -> CanaryCheck:
-        """The trainer's log-probs and the engine's scoring request (not awaited where the engine defers)."""
-        check = self.request(rollout)
-        check.score_trainer(trainer_module)
-        return check
-
-    def request(self, rollout) -> CanaryCheck:
-        """The engine's scoring request alone; the check's `score_trainer` must follow while the trainer still has
-        the weights the engine was sent (before its next optimizer step). `WeightSync.sync(wait=False)` sends it
-        with the weights, and the trainer scores its side after submitting the next generation."""
+    def probe(self, trainer_module) -> tuple[list[float], float]:
+        """The trainer's side alone: the probe's log-probs and the seconds they took. `WeightSync` takes them before
+        handing the weights over (same weights), while the GPU is not shared with the engines' loads."""
         t0 = time.perf_counter()
+        return trainer_logprobs(trainer_module, self.probe_ids), time.perf_counter() - t0
+
+    def start(self, trainer_module, rollout, probe: tuple[list[float], float] | None = None) -> CanaryCheck:
+        """The trainer's log-probs (`probe`'s, when given: see `probe`) and the engine's scoring request."""
+        t0 = time.perf_counter()
+        ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
         replicas = rollout.score_replicas_later([self.probe_ids]) if rollout is not None else None
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype)
-        return CanaryCheck(self, None, replicas, threshold, time.perf_counter() - t0)
+        return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0)
 
     def measure(self, trainer_module, rollout) -> dict:
         return self.start(trainer_module, rollout).measure()
@@ -117,20 +116,10 @@ class CanaryCheck:
     """One canary check under way (`SyncCanary.start`). `seconds` counts the trainer's own time in it: the
     forward and request, and the comparison (with the wait for the engine's scores, where not already read)."""
 
-    def __init__(self, canary: SyncCanary, ref: list[float] | None, replicas, threshold: float,
-                 seconds: float) -> None:
+    def __init__(self, canary: SyncCanary, ref: list[float], replicas, threshold: float, seconds: float) -> None:
         self.canary, self.ref, self.replicas, self.threshold, self.seconds = canary, ref, replicas, threshold, seconds
 
-    def score_trainer(self, trainer_module) -> None:
-        """The trainer's side: the probe's log-probs under its current weights (those the engine was sent)."""
-        t0 = time.perf_counter()
-        self.ref = trainer_logprobs(trainer_module, self.canary.probe_ids)
-        self.seconds += time.perf_counter() - t0
-
     def measure(self) -> dict:
-        if self.ref is None:
-            raise RuntimeError("the canary's comparison was asked for before the trainer scored the probe "
-                               "(CanaryCheck.score_trainer, which WeightSync.score_probe calls)")
         t0 = time.perf_counter()
         local, mean = -math.inf, float("nan")
         if self.replicas is not None:  # every replica (several sidecar engines): the worst one counts

@@ -13,12 +13,9 @@ difference.
 
 `sync(wait=False)` (async generation with an engine in its own process): steps 2 and 5 do not wait for the engine.
 The buckets are handed over and the canary's probe is sent, and the trainer goes on: the engine loads, scores the
-probe and then runs the generation submitted after the sync, in that order. The caller submits that generation, then
-calls `score_probe()` (the trainer's own forward over the probe, with the weights it handed over: before its next
-optimizer step), so the engine is busy meanwhile instead of waiting for it. `confirm()` reads the engine's
-acknowledgement and finishes the canary (SyncCanaryError as above); the caller calls it before training on anything
-generated after the sync. `seconds` is then the trainer's time to hand the weights over; the canary's figures come
-with `confirm()`.
+probe and then runs the generation submitted after the sync, in that order. `confirm()` reads its acknowledgement
+and finishes the canary (SyncCanaryError as above); the caller calls it before training on anything generated after
+the sync. `seconds` is then the trainer's time to hand the weights over; the canary's figures come with `confirm()`.
 Engines that cannot defer (in-process ones, several ranks) finish both steps in `sync` as before.
 
 `mode="adapter"` (a LoRA actor on a frozen base, an engine started with LoRA: `rollout.lora_sync=adapter`) replaces
@@ -71,7 +68,6 @@ class WeightSync:
         self._dirs: adapter_sync.AdapterDir | None = None
         self.history: list[dict] = []
         self._unconfirmed: tuple | None = None  # (the engine's acknowledgement, the canary check, the info)
-        self._probe_owed = None  # that check, until the trainer has scored its side (`score_probe`)
 
     def sync(self, *, check: bool = True, wait: bool = True) -> dict:
         """Move the weights (see the module docstring); `wait=False` leaves the engine's acknowledgement and the
@@ -103,29 +99,20 @@ class WeightSync:
         return info
 
     def _hand_over(self, check: bool) -> dict:
-        """`sync(wait=False)` where the engine defers: the buckets and the canary's scoring request, unread. The
-        trainer's side of the canary is left to `score_probe`, so that the caller can submit the next generation
-        first: the engines then load, score and generate while the trainer runs its probe forward."""
+        """`sync(wait=False)` where the engine defers: the trainer's side of the canary first (on a GPU the
+        engines' loads do not share yet; the weights are the same), then the buckets and the probe, unread."""
         t_start = time.perf_counter()
+        probe = self.canary.probe(self.engine) if self.canary is not None and check else None
+        t0 = time.perf_counter()
         info, acknowledged = self._send_merged(later=True)
-        seconds = self._settle(info, t_start)
-        canary = self.canary.request(self.rollout) if self.canary is not None and check else None
+        seconds = self._settle(info, t0)
+        canary = self.canary.start(self.engine, self.rollout, probe=probe) if probe is not None else None
         info.update(deferred=1, total_seconds=time.perf_counter() - t_start)
         self._unconfirmed = (acknowledged, canary, info)
-        self._probe_owed = canary
         self.history.append(info)
         log.info("weight sync (%s): %.3f GB handed over in %.3f s; load and canary confirmed later", self.mode,
                  info["bytes"] / 1e9, seconds)
         return info
-
-    def score_probe(self) -> None:
-        """The trainer's side of the canary of a sync made with `wait=False` (its forward over the probe); a no-op
-        when none is owed. Call it after submitting the generation that follows the sync and before the trainer's
-        next optimizer step (the probe must be scored with the weights the engine was sent); `confirm()` refuses
-        to compare without it."""
-        check, self._probe_owed = self._probe_owed, None
-        if check is not None:
-            check.score_trainer(self.engine)
 
     def _settle(self, info: dict, t0: float) -> float:
         """After the buckets went out: drop the engine's prefix cache, let our device copies finish (so they are
@@ -147,9 +134,6 @@ class WeightSync:
         sync's history entry; None when no sync is unconfirmed. Every rank calls it at the same point."""
         if self._unconfirmed is None:
             return None
-        if self._probe_owed is not None:
-            raise RuntimeError("WeightSync.confirm() before score_probe(): the trainer never scored the canary's "
-                               "probe with the weights it handed over, so there is nothing to compare with")
         acknowledged, canary, info = self._unconfirmed
         self._unconfirmed = None
         t0 = time.perf_counter()

@@ -9,9 +9,8 @@ weighs it against the rollout policy, and `rollout/staleness` (updates between g
 logged per step. The engine gets new weights only while it is idle (between a collect and the next submit),
 whenever the next batch would otherwise be more than `rollout.max_staleness` updates old. With
 `rollout.overlap_sync` (default) that sync does not wait for the engine (`WeightSync.sync(wait=False)`): the
-trainer hands the weights over, sends the canary's probe, submits the next batch, scores the probe itself
-(`WeightSync.score_probe`, before its next update) and trains, while the engine loads, scores the probe, then
-generates. The engine's acknowledgement and the canary's verdict are read when that batch is
+trainer hands the weights over, sends the canary's probe, submits the next batch and trains, while the engine loads,
+scores the probe, then generates. The engine's acknowledgement and the canary's verdict are read when that batch is
 collected, before anything trains on it (`WeightSync.confirm`); their figures are logged with the step that trains
 on the batch (`sync/canary_*`, `sync/confirm_seconds`), the handover's with the step that made it (`sync/seconds`).
 
@@ -213,9 +212,6 @@ class RolloutSchedule:
                 report = self.sync(step, wait=not self.overlap_sync)
             with self.timer.phase("rollout"):
                 self._submit(step + 1)  # generates while this step trains
-            if report is not None:  # a sync made without waiting: the trainer's side of its canary, now that the
-                with self.timer.phase("sync"):  # engine has work (a no-op after a sync that waited)
-                    self.parts.sync.score_probe()
         if self._confirmed is not None:  # the canary of the weights that generated this batch
             report, self._confirmed = {**(report or {}), **self._confirmed}, None
         return batch, report

@@ -94,27 +94,3 @@ def test_trainer_logprobs_match_hf_score(hf_rollout, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
     hf_rollout.update_weights(model.named_parameters())
     assert max(abs(a - b) for a, b in zip(trainer_logprobs(model, PROBE), hf_rollout.score([PROBE])[0])) < 1e-5
-
-
-def test_a_sync_without_waiting_takes_the_trainers_probe_when_asked_not_at_confirm(hf_rollout, tiny_model_path,
-                                                                                   dist_single, monkeypatch):
-    """`sync(wait=False)` leaves the trainer's canary forward to `score_probe()` (the schedule calls it after
-    submitting the next generation); the trainer's later updates do not reach the comparison, and `confirm()`
-    refuses to compare before the trainer scored its side."""
-    from transformers import AutoModelForCausalLM
-
-    hf_rollout.update_weights(AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).named_parameters())
-    monkeypatch.setattr(type(hf_rollout), "defers_replies", property(lambda self: True))
-    engine = build_engine(tiny_model_path, stage=0)
-    train(engine)
-    sync = WeightSync(engine, hf_rollout, canary=SyncCanary(PROBE, threshold=1e-3))
-    assert sync.sync(wait=False)["deferred"] == 1
-    with pytest.raises(RuntimeError, match="score_probe"):
-        sync.confirm()
-    sync.score_probe()
-    train(engine)  # the trainer's next update, before the batch generated after the sync is collected
-    assert SyncCanary(PROBE).measure(engine, hf_rollout)["max_abs_diff"] > STALE_MIN  # its weights moved on
-    confirmed = sync.confirm()
-    assert confirmed["canary_max_abs_diff"] < TOL and sync.history[-1]["canary_max_abs_diff"] < TOL
-    assert sync.confirm() is None
-    sync.score_probe()  # nothing owed: a no-op

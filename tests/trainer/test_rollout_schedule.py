@@ -101,21 +101,16 @@ class DeferringSync:
     """WeightSync's contract with `wait=False`: `sync` hands over, `confirm` gives the canary's figures once."""
 
     def __init__(self, calls):
-        self.calls, self.owed, self.probed = calls, None, False
+        self.calls, self.owed = calls, None
 
     def sync(self, wait=True):
         self.calls.append(f"sync(wait={wait})")
         self.owed = None if wait else {"canary_max_abs_diff": 0.01, "confirm_seconds": 0.0}
         return {"seconds": 0.002, "deferred": int(not wait), "canary_max_abs_diff": None}
 
-    def score_probe(self):
-        self.calls.append("score_probe")
-        self.probed = True
-
     def confirm(self):
         self.calls.append("confirm")
-        assert self.owed is None or self.probed, "confirmed before the trainer scored the probe"
-        out, self.owed, self.probed = self.owed, None, False
+        out, self.owed = self.owed, None
         return out
 
 
@@ -136,8 +131,7 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
     assert "wake" not in calls
     sync_call = f"sync(wait={not overlap})"
     assert calls == ["submit", "collect", "confirm", "submit",              # step 0: staleness 1 allows no sync yet
-                     "collect", "confirm", sync_call, "submit", "score_probe",  # step 1: sync, the next batch,
-                                                                            # then the trainer's canary forward
+                     "collect", "confirm", sync_call, "submit",             # step 1: sync, then the next batch
                      "collect", "confirm"]                                  # step 2 (last): its batch's sync confirmed
     assert reports[0] is None
     assert reports[1]["deferred"] == int(overlap)
