@@ -110,9 +110,10 @@ class RolloutConfig:
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
     async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
     max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
-    # async: the weight sync hands the weights over without waiting for the engine to load them; its acknowledgement
-    # and the sync canary are checked when the batch generated with them is collected, before it trains
-    overlap_sync: bool = True  # async: do not wait for the engine's load and canary (checked before training)
+    # the weight sync hands the weights over without waiting for the engine to load them (an engine in its own
+    # process, one training rank: sidecar / server); its acknowledgement and the sync canary are checked when the
+    # batch generated with them is collected, before it trains. Async and synchronous mode (there, not the last step)
+    overlap_sync: bool = True  # do not wait for the engine's load and canary (checked before training)
     # gpu_memory_utilization is split evenly too; why several: vLLM's decode is bound by per-step host work, and N
     # processes run N of those loops at once (rollout/sharded.py)
     sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them

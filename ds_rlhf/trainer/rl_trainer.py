@@ -24,7 +24,7 @@ from ds_rlhf.trainer import rl_build
 from ds_rlhf.trainer.preflight import check_rl_run, rl_eval_on
 from ds_rlhf.trainer.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
 from ds_rlhf.trainer.rl_step import run_step, update_kl_controller
-from ds_rlhf.trainer.rollout_schedule import RolloutSchedule
+from ds_rlhf.trainer.rollout_schedule import RolloutSchedule, merge_reports
 from ds_rlhf.trainer.run_checkpoints import CheckpointManager
 from ds_rlhf.trainer.run_context import RunContext, setup_run
 from ds_rlhf.trainer.signals import GracefulStop
@@ -132,7 +132,7 @@ class RLTrainer:
         metrics, rows = run_step(self.parts, self.ctx, batch, step=self.step, kl_coef=self.kl_ctl.value,
                                  generator=self.generator, timer=self.timer,
                                  samples=self.cfg.run.sample_log_k if samples else 0)
-        report = self.schedule.after_update(self.step + 1) or report
+        report = merge_reports(report, self.schedule.after_update(self.step + 1))
         if report is not None:
             self.last_sync = report
             metrics.update({f"sync/{k}": v for k, v in report.items() if isinstance(v, int | float)})
@@ -163,7 +163,7 @@ class RLTrainer:
         time is the next step's `time/sync`. `rl_eval.evaluate` restores every RNG, so training and its resume
         are exactly as without evaluation.
         """
-        self.schedule.state_dict()  # waits for the generation in flight (if any): the engine is idle after this
+        self.schedule.settle()  # waits for the generation in flight (if any) and checks the last sync: idle after it
         if self.schedule.engine_version != self.step:
             self.last_sync = self.schedule.sync(self.step)
         return self.evaluation.run(self.parts.rollout)

@@ -13,6 +13,9 @@ trainer hands the weights over, sends the canary's probe, submits the next batch
 scores the probe, then generates. The engine's acknowledgement and the canary's verdict are read when that batch is
 collected, before anything trains on it (`WeightSync.confirm`); their figures are logged with the step that trains
 on the batch (`sync/canary_*`, `sync/confirm_seconds`), the handover's with the step that made it (`sync/seconds`).
+In synchronous mode `rollout.overlap_sync` hands over the same way after every update but the last: the engine
+loads before it generates the next batch, so the batches are those of a waited sync, and the trainer's wait for
+that batch includes the load. Evaluation and dynamic-sampling rounds confirm before they use the engine.
 
 Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `RLConfig` refuses it with async
 generation): a step's batch is generated and scored in rounds. Each round draws the loader's next
@@ -62,6 +65,17 @@ def _plain(value):
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+def merge_reports(*reports: dict | None) -> dict | None:
+    """Sync reports of one step as one (a handover and the confirmation of an earlier sync): later values win, but
+    None never hides a value (a handover's canary figure, not known yet, leaves the confirmed one). None if empty."""
+    out: dict = {}
+    for report in reports:
+        for key, value in (report or {}).items():
+            if value is not None or key not in out:
+                out[key] = value
+    return out or None
+
+
 class RolloutSchedule:
     def __init__(self, parts: RLParts, ctx: RunContext, timer: PhaseTimer, *, start_step: int):
         self.parts, self.ctx, self.timer = parts, ctx, timer
@@ -89,11 +103,16 @@ class RolloutSchedule:
         samples = self.parts.rollout.collect(job.ticket)
         if pending:
             job.generation = self.parts.rollout.last_generate()
-        with self.timer.phase("sync"):  # the sync before this generation, if made without waiting: checked now
+        self._confirm()  # the sync before this generation, if made without waiting: checked now
+        return samples
+
+    def _confirm(self) -> None:
+        """Check a sync made without waiting (`WeightSync.confirm`; a no-op when there is none); its figures go
+        into the next report."""
+        with self.timer.phase("sync"):
             confirmed = self.parts.sync.confirm()
         if confirmed is not None:
             self._confirmed = confirmed
-        return samples
 
     def _collect(self) -> RolloutBatch:
         job, self.in_flight = self.in_flight, None
@@ -151,6 +170,7 @@ class RolloutSchedule:
                 ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows],
                                                    sampling_spec(self.ctx, step, round_=len(rounds)))
                 samples = self.parts.rollout.collect(ticket)
+            self._confirm()  # the last step's sync, when it did not wait (overlap_sync): before anything trains
             seconds, tokens = self.parts.rollout.last_generate() or (0.0, 0)
             gen_seconds, gen_tokens = gen_seconds + seconds, gen_tokens + tokens
             with self.timer.phase("reward"):
@@ -201,7 +221,9 @@ class RolloutSchedule:
         made meanwhile (async mode) or None. With dynamic sampling the batch comes scored (a `ScoredBatch`: the
         rounds needed rewards to choose prompts), and `rl_step.run_step` skips its reward stage."""
         if self.dynamic:  # synchronous mode only (RLConfig refuses it with async generation)
-            return self._dynamic_batch(step), None
+            batch = self._dynamic_batch(step)
+            report, self._confirmed = self._confirmed, None
+            return batch, report
         report = None
         with self.timer.phase("rollout"):
             if self.in_flight is None:
@@ -212,13 +234,27 @@ class RolloutSchedule:
                 report = self.sync(step, wait=not self.overlap_sync)
             with self.timer.phase("rollout"):
                 self._submit(step + 1)  # generates while this step trains
-        if self._confirmed is not None:  # the canary of the weights that generated this batch
-            report, self._confirmed = {**(report or {}), **self._confirmed}, None
-        return batch, report
+        report, self._confirmed = merge_reports(report, self._confirmed), None  # the canary of the weights
+        return batch, report                                                    # that generated this batch
 
     def after_update(self, weights_version: int) -> dict | None:
-        """Synchronous mode: the engine gets the new weights right after the update."""
-        return None if self.asynchronous else self.sync(weights_version)
+        """Synchronous mode: the engine gets the new weights right after the update. With `rollout.overlap_sync`
+        the sync does not wait for an engine that can defer (a sidecar or server on one rank) while another step
+        follows: the engine runs its commands in order, so it loads the weights (and scores the canary's probe)
+        before it generates the next batch, and `_take` confirms both when that batch is collected, before it
+        trains. The batches are those of a sync that waited. The last step's sync waits, leaving nothing
+        unchecked."""
+        if self.asynchronous:
+            return None
+        more = weights_version < self.ctx.cfg.run.steps
+        return self.sync(weights_version, wait=not (self.overlap_sync and more))
+
+    def settle(self) -> None:
+        """For a caller that generates outside the schedule (evaluation): the batch in flight collected and kept
+        (as `state_dict` does: the schedule then trains on it as it would have) and a sync made without waiting
+        confirmed, so the engine is idle and known to hold the trainer's weights."""
+        self.state_dict()
+        self._confirm()
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -214,6 +214,25 @@ def test_sidecar_generates_while_the_trainer_trains(engines, sft_run, addition_s
 
 
 @pytest.mark.slow
+def test_synchronous_sidecar_hands_the_weights_over_and_the_next_batch_is_on_policy(sft_run, addition_stores,
+                                                                                   tmp_path):
+    """Synchronous mode with a server engine and rollout.overlap_sync (default): after every update but the last
+    the trainer hands the weights over without waiting. The server loads them before it generates the next batch
+    (it runs its commands in order), so every batch is on-policy: vLLM's log-probs of the sampled tokens are the
+    trainer's. The canary is checked when that batch is collected and reported with the step that trains on it."""
+    from ds_rlhf.trainer.rl_trainer import RLTrainer
+
+    args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 3, ["--rollout.placement", "sidecar"])
+    history = RLTrainer(parse_config(args)).train()
+    assert [h.get("sync/deferred", 0.0) for h in history] == [1.0, 1.0, 0.0], history  # the last sync waits
+    assert all(h["sync/canary_max_abs_diff"] < 1e-3 for h in history[1:]), history
+    diffs = [h["mismatch/abs_logp_diff_max"] for h in history]
+    print("rollout vs trainer, max |logp diff| per step:", diffs)
+    assert all(d < 1e-3 for d in diffs), diffs  # a stale engine would differ by far more (canary: > 1e-2)
+    assert all(h["rollout/staleness"] == 0.0 for h in history)
+
+
+@pytest.mark.slow
 def test_export_every_writes_hugging_face_dirs_during_training(sft_run, addition_stores, vllm_colocated, tmp_path):
     from ds_rlhf.trainer.rl_trainer import RLTrainer
 

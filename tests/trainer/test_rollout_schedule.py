@@ -11,7 +11,7 @@ import torch
 from ds_rlhf.config import parse_config
 from ds_rlhf.rollout.base import RolloutEngine, RolloutTicket
 from ds_rlhf.telemetry import PhaseTimer
-from ds_rlhf.trainer.rollout_schedule import RolloutSchedule
+from ds_rlhf.trainer.rollout_schedule import RolloutSchedule, merge_reports
 
 
 class Engine(RolloutEngine):
@@ -139,3 +139,39 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
         assert reports[2]["canary_max_abs_diff"] == 0.01
     else:
         assert reports[2] is None
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_synchronous_sync_hands_over_after_every_update_but_the_last_and_is_confirmed_at_the_collect(overlap):
+    """Synchronous mode with rollout.overlap_sync: the sync after an update does not wait while another step
+    follows; the next step's collect confirms it before its batch goes on, and that step's report carries both the
+    confirmed canary and its own handover. The last step's sync waits. `settle` (evaluation) confirms too."""
+    calls = []
+    cfg = parse_config(["--rollout.placement", "sidecar", "--run.steps", "3", "--rollout.overlap_sync", str(overlap)])
+    rollout = ServerLikeEngine(calls)
+    parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
+    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
+                          tokenizer=SimpleNamespace(eos_token_id=0))
+    schedule = RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
+    reports = []
+    for step in range(3):
+        report = schedule.next_batch(step, 3)[1]
+        reports.append(merge_reports(report, schedule.after_update(step + 1)))
+        if step == 0:
+            schedule.settle()  # an evaluation after step 1: the deferred sync is checked before it generates
+    wait = f"sync(wait={not overlap})"
+    assert calls == ["submit", "collect", "confirm", wait, "confirm",            # step 1, then the evaluation's
+                     "submit", "collect", "confirm", wait,                       # step 2
+                     "submit", "collect", "confirm", "sync(wait=True)"]          # step 3: the last sync waits
+    assert [r["deferred"] for r in reports] == [int(overlap), int(overlap), 0]
+    # step 3 trains on the batch of step 2's deferred sync: its report has that canary next to its own handover
+    assert reports[2]["canary_max_abs_diff"] == (0.01 if overlap else None)
+    assert reports[0]["canary_max_abs_diff"] is None  # the evaluation confirmed step 1's sync: step 2 reports it
+    assert reports[1]["canary_max_abs_diff"] == (0.01 if overlap else None)
+
+
+def test_merge_reports_keeps_a_confirmed_value_a_later_none_would_hide():
+    assert merge_reports(None, None) is None
+    assert merge_reports({"canary": 0.01, "seconds": 0.2}, {"canary": None, "seconds": 0.1, "deferred": 1}) == \
+        {"canary": 0.01, "seconds": 0.1, "deferred": 1}
+    assert merge_reports({"canary": None}, None) == {"canary": None}
