@@ -11,11 +11,12 @@ advantages are not all zero. Reports per-phase medians over the steps after warm
     python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: generation one step off-policy
     python3 bench/rl_step_gpu.py --async --sidecar-engines 1 ...  # one sidecar process (the config's default)
 
-Engine placement (the workload above is the same whatever it is): by default the 0.5B shape generates with three
-vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sidecar_engines 3`), in synchronous and
-async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, eleventh session:
-synchronous 109.9 completions/s against 80.0 with the in-process engine, same machine and session). The 1.5B shape
-defaults to the in-process engine (`colocated`), the only placement measured for it.
+Engine placement (the workload above is the same whatever it is): by default the 0.5B shape generates with two
+vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sidecar_engines 2`), in synchronous and
+async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, twelfth session, one
+machine: async 138.4 / 134.8 completions/s with two engines against 117.0 / 116.3 with three, synchronous 118.9
+against 113.2; eleventh session: synchronous three engines 109.9 against 80.0 with the in-process engine). The
+1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
 
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -48,8 +50,9 @@ SHAPES = {  # Qwen2 shapes, vocab 151936
 MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 24576}  # --micro-batch-tokens 0 (default), per shape
 # vLLM sidecar processes. 2026-12-02 (0.5B, async): 1 -> 82.2, 2 -> 109.3, 3 -> 108.6 completions/s, NVML 47.5 /
 # 77.6 / 91.7%; with 3 the trainer no longer waits for the rollout (training-bound). Eleventh session, one machine:
-# async 3 -> 115.4 / 114.6, 4 -> 102.8; synchronous 3 -> 109.9 against 80.0 colocated
-SIDECAR_ENGINES = 3
+# async 3 -> 115.4 / 114.6, 4 -> 102.8; synchronous 3 -> 109.9 against 80.0 colocated. Twelfth session, one
+# machine: async 2 -> 138.4 / 134.8 against 3 -> 117.0 / 116.3 (NVML 92-95% both); synchronous 2 -> 118.9, 3 -> 113.2
+SIDECAR_ENGINES = 2
 PLACEMENT = {"0.5b": "sidecar", "1.5b": "colocated"}  # --placement "" (default), per shape: see the docstring
 
 
@@ -283,6 +286,9 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         t_train = time.time()
         for record in _train_recording_step_ends(trainer, step_ends):
             history.append(record)
+    # The run's final checkpoint (the trainer always writes one: ~7 GiB at 0.5B) is of no use to the bench, and
+    # left behind, a few runs fill the device machine's disk (the eighth run of one session was refused its save)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
     result = {"tag": tag, "commit": git_commit(), "config": vars(args), "overrides": extra, "bench_switches": switches,

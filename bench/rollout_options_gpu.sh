@@ -12,7 +12,7 @@
 # -> $OUT/rl_step_opt_<name>.json (+ .png); with PLAIN=1 also $OUT/vllm_plain_plain_<name>.json. A failed run is
 # listed in $OUT/failed.txt and the sweep goes on. Note: vLLM's own default (auto) already turns async scheduling
 # on for our in-process engine on GPU, so "baseline" is compared with both async_true and async_false.
-# The runs use rl_step_gpu.py's default placement (for 0.5B: three sidecar engines); EXTRA="--placement colocated"
+# The runs use rl_step_gpu.py's default placement (for 0.5B: two sidecar engines); EXTRA="--placement colocated"
 # sweeps the in-process engine.
 set -uo pipefail
 cd "$(dirname "$0")"
