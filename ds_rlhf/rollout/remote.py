@@ -155,6 +155,8 @@ class RemoteVLLMEngine(RolloutEngine):
                     raise state[1]
                 return state[1]
             head._state = state
+            if reply._state is not None:  # failed with the connection, while an earlier reply was read
+                raise reply._state[1]
         raise RolloutError("no reply is pending for that command (read already, or sent to another server)")
 
     def _lose(self, error: ConnectionLost) -> None:

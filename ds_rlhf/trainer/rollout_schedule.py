@@ -170,7 +170,8 @@ class RolloutSchedule:
                 ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows],
                                                    sampling_spec(self.ctx, step, round_=len(rounds)))
                 samples = self.parts.rollout.collect(ticket)
-            self._confirm()  # the last step's sync, when it did not wait (overlap_sync): before anything trains
+            if not rounds:  # the last step's sync, when it did not wait (overlap_sync): before anything trains
+                self._confirm()
             seconds, tokens = self.parts.rollout.last_generate() or (0.0, 0)
             gen_seconds, gen_tokens = gen_seconds + seconds, gen_tokens + tokens
             with self.timer.phase("reward"):
@@ -242,8 +243,10 @@ class RolloutSchedule:
         the sync does not wait for an engine that can defer (a sidecar or server on one rank) while another step
         follows: the engine runs its commands in order, so it loads the weights (and scores the canary's probe)
         before it generates the next batch, and `_take` confirms both when that batch is collected, before it
-        trains. The batches are those of a sync that waited. The last step's sync waits, leaving nothing
-        unchecked."""
+        trains. The batches are those of a sync that waited. The last step's sync waits (no later collect would
+        check it); a run stopped by a signal after a handover exits without checking it, as nothing generates
+        after it. A failed load or canary is then raised in the next step, after this one was logged (and maybe
+        saved: the trainer's own weights, unaffected)."""
         if self.asynchronous:
             return None
         more = weights_version < self.ctx.cfg.run.steps

@@ -95,6 +95,20 @@ def test_a_lost_connection_fails_every_reply_still_owed_and_every_later_command(
         engine.send_command("stats")
 
 
+def test_a_later_reply_read_first_fails_with_the_lost_connection_not_as_unowed():
+    """A generation's reply read while the connection dies under an earlier owed reply (a weight update handed over
+    without waiting): both fail with the connection's error."""
+    sent = threading.Event()
+    engine, _ = _engine_with_script({"update_ipc": None, "generate_many": []}, hang_up_after=0, hang_up_when=sent)
+    update = engine.send_command("update_ipc")
+    generation = engine.send_command("generate_many")
+    sent.set()
+    with pytest.raises(ConnectionLost, match="connection lost"):
+        generation.result()
+    with pytest.raises(ConnectionLost):
+        update.result()
+
+
 def test_all_of_reads_every_reply_before_raising_the_first_failure():
     a, _ = _engine_with_script({"score": RuntimeError("server a broke")})
     b, _ = _engine_with_script({"score": [[0.5]]})

@@ -186,8 +186,20 @@ def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_re
                           dist=SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), is_main=True))
     loader = StoreLoader(store, batch_size=4, seed=0, tokenizer=tiny_tokenizer, expect_kind="prompts")
     parts = SimpleNamespace(loader=loader, loader_iter=iter(loader), rollout=FakeRollout(settled_only),
-                            reward=RewardStage(ctx, fn=reward))
+                            reward=RewardStage(ctx, fn=reward), sync=OwedSync())
     return ctx, parts, RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
+
+
+class OwedSync:
+    """A weight sync made without waiting before the step (`rollout.overlap_sync`): confirmed once, with figures."""
+
+    def __init__(self):
+        self.confirms, self.owed = 0, {"canary_max_abs_diff": 0.01}
+
+    def confirm(self):
+        self.confirms += 1
+        out, self.owed = self.owed, None
+        return out
 
 
 def _groups(scored):
@@ -212,7 +224,8 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_backfills(tmp_path, tiny_
     assert len([r for r in drawn[:-4] if not FakeRollout.settled(r)]) < 4 <= len(open_rows)
     assert rounds > 1, "the fixture should need a refill (its first batch holds a settled prompt)"
     assert scored.metrics["rollout/zero_spread_groups"] == len(drawn) - len(open_rows)
-    assert scored.metrics["rollout/kept_groups"] == 4 and report is None
+    assert scored.metrics["rollout/kept_groups"] == 4
+    assert report == {"canary_max_abs_diff": 0.01}  # the sync before the step, confirmed in its first round
     # every trained group has differing raw rewards, and its samples and rows line up
     groups = _groups(scored)
     assert sorted(groups) == [0, 1, 2, 3] and all(max(v) > min(v) for v in groups.values())
@@ -257,7 +270,9 @@ def test_dynamic_sampling_stops_at_the_round_bound(tmp_path, tiny_model_path, ti
     """No prompt ever has differing rewards: 3 rounds, then the first round's prompts (zero advantages)."""
     _, parts, schedule = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "3",
                                 reward=settled_reward, settled_only=True)
-    scored, _ = schedule.next_batch(0, 10)
+    scored, report = schedule.next_batch(0, 10)
+    # the sync before the step is confirmed once, after the first round's generation, and reported with the step
+    assert parts.sync.confirms == 1 and report == {"canary_max_abs_diff": 0.01}
     assert scored.metrics["rollout/dynamic_rounds"] == 3 and scored.metrics["rollout/kept_groups"] == 0
     assert scored.metrics["rollout/zero_spread_groups"] == 12
     assert len(scored.rollout.rows) == 4 and len(scored.samples) == 16 and len(parts.rollout.calls) == 3

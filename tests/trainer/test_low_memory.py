@@ -257,8 +257,8 @@ def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_r
     trainer = RLTrainer(cfg, rollout=lora_rollout)
     reports, sync = [], trainer.schedule.sync
 
-    def recorded(version):
-        reports.append(sync(version))
+    def recorded(version, **kwargs):
+        reports.append(sync(version, **kwargs))
         return reports[-1]
 
     trainer.schedule.sync = recorded

@@ -229,7 +229,6 @@ def test_synchronous_sidecar_hands_the_weights_over_and_the_next_batch_is_on_pol
     diffs = [h["mismatch/abs_logp_diff_max"] for h in history]
     print("rollout vs trainer, max |logp diff| per step:", diffs)
     assert all(d < 1e-3 for d in diffs), diffs  # a stale engine would differ by far more (canary: > 1e-2)
-    assert all(h["rollout/staleness"] == 0.0 for h in history)
 
 
 @pytest.mark.slow
