@@ -256,8 +256,10 @@ class RolloutSchedule:
         """For a caller that generates outside the schedule (evaluation): the batch in flight collected and kept
         (as `state_dict` does: the schedule then trains on it as it would have) and a sync made without waiting
         confirmed, so the engine is idle and known to hold the trainer's weights."""
-        self.state_dict()
-        self._confirm()
+        if self.in_flight is not None:
+            self.state_dict()  # its collect confirms the sync made before that generation
+        else:
+            self._confirm()
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
