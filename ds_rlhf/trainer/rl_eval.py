@@ -14,8 +14,10 @@ correct, "correct" meaning reward >= `threshold`):
   the n contain a correct one. `eval/pass@1` is the mean of c / n.
 - `eval/mean@k`: the mean over prompts of the average reward of the prompt's *first* k samples (the first k of n
   are as random as any k: samples are independent draws). `mean@n` equals `reward_mean`.
-- overall only: `eval/prompts`, `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0),
-  `eval/response_len_mean`, `eval/truncated_frac`, `eval/seconds`.
+- overall only: `eval/reward/<function>` (each reward function's own mean score, and
+  `eval/reward/<function>/<metric>` for the extra metrics of a function that returns a dict), `eval/prompts`,
+  `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0), `eval/response_len_mean`,
+  `eval/truncated_frac`, `eval/seconds`.
 
 Greedy evaluation (`greedy=True`) decodes at temperature 0 with one sample per prompt (vLLM refuses n > 1 at
 temperature 0, and greedy samples would be identical anyway), so only k = 1 is reported. A k larger than the
@@ -183,15 +185,18 @@ def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
             raise RuntimeError(f"rollout engine returned {len(samples)} samples for {len(eval_rows)} prompts x "
                                f"n={spec.n}")
         counted = [s for s in samples if not eval_rows[s.prompt_index].get(PAD_KEY)]
-        rewards, bad = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
+        rewards, bad, parts = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
     tally = _tally(counted, rewards, bad, eval_rows, threshold, ks, spec)
+    _tally_parts(tally, parts)
     metrics = _metrics(_merge(_all_gather(tally)))
     metrics["eval/seconds"] = time.perf_counter() - t0
     return metrics
 
 
 def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
-           on_bad: str) -> tuple[list[float], list[bool]]:
+           on_bad: str) -> tuple[list[float], list[bool], dict[str, list[float | None]]]:
+    """Each sample's reward, whether it was bad, and each reward function's own score and dict metrics per sample
+    (`RewardReport.components` and `extras`, None where absent)."""
     items = []
     for s in samples:
         row = rows[s.prompt_index]
@@ -202,7 +207,18 @@ def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
                       "id": f"eval/row{row.get('row_id', row.get('index', s.prompt_index))}/sample{s.sample_index}"})
     report = score_samples(reward_fn, items, on_bad)
     bad_ids = {sid for sid, _ in report.bad}
-    return [float(v) for v in report.scores], [it["id"] in bad_ids for it in items]
+    return ([float(v) for v in report.scores], [it["id"] in bad_ids for it in items],
+            {**report.components, **report.extras})
+
+
+def _tally_parts(tally: dict[str, dict[str, float]], parts: dict[str, list[float | None]]) -> None:
+    """Add each reward part's sum and count over the samples that have it to the overall tally (mergeable over
+    ranks), so `eval/reward/<function>` and `eval/reward/<function>/<metric>` report their means."""
+    acc = tally.setdefault(_OVERALL, {})
+    for name, values in parts.items():
+        present = [v for v in values if v is not None]
+        acc[f"part_sum:{name}"] = acc.get(f"part_sum:{name}", 0.0) + float(sum(present))
+        acc[f"part_n:{name}"] = acc.get(f"part_n:{name}", 0.0) + float(len(present))
 
 
 def _tally(samples, rewards, bad, rows, threshold, ks, spec) -> dict[str, dict[str, float]]:
@@ -263,6 +279,9 @@ def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
                 out[prefix + name] = value / prompts
         out[prefix + "prompts"] = prompts
         if source == _OVERALL:
+            for name, total in sums.items():
+                if name.startswith("part_sum:") and sums.get("part_n:" + name[9:]):
+                    out["eval/reward/" + name[9:]] = total / sums["part_n:" + name[9:]]
             samples = max(sums["samples"], 1.0)
             out.update({"eval/samples": sums["samples"], "eval/bad": sums["bad"],
                         "eval/response_len_mean": sums["response_len"] / samples,

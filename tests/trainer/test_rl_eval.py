@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
 from ds_rlhf.trainer import rl_eval
 from ds_rlhf.trainer.rl_eval import (
@@ -190,6 +191,27 @@ def test_bad_rewards_score_zero_and_are_counted():
     assert m["eval/bad"] == 4 and m["eval/pass@1"] == 0.0
     with pytest.raises(Exception, match="boom"):
         run_eval(engine_for(table), rows, reward_fn=flaky, on_bad_reward="fail")
+
+
+def test_each_reward_function_and_dict_metric_is_reported():
+    """`eval/reward/<function>` and `eval/reward/<function>/<metric>`: means over the samples, beside the summed
+    score that pass@k reads (a format check with weight 0 reports format compliance without changing pass@k)."""
+    rewards = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]]
+    rows, table = rows_with(rewards)
+
+    def right(prompt, response, ground_truth, metadata):
+        return {"score": reward_from_text(prompt, response, ground_truth, metadata), "tail": len(response) % 2}
+
+    def formatted(prompt, response, ground_truth, metadata):
+        return float(response.startswith("r=1"))
+
+    reward = RewardSet([RewardSpec(right, name="right"), RewardSpec(formatted, name="fmt", weight=0.0)])
+    m = run_eval(engine_for(table), rows, reward_fn=reward)
+    responses = [f"r={r}" for rw in rewards for r in rw]
+    assert m["eval/reward/right"] == pytest.approx(np.mean(rewards))
+    assert m["eval/reward/fmt"] == pytest.approx(np.mean([r.startswith("r=1") for r in responses]))
+    assert m["eval/reward/right/tail"] == pytest.approx(np.mean([len(r) % 2 for r in responses]))
+    assert m["eval/pass@1"] == pytest.approx(np.mean([sum(rw) / 4 for rw in rewards]))  # weight 0 adds nothing
 
 
 def test_shards_merge_to_the_whole_set(monkeypatch):
