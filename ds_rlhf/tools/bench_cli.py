@@ -10,16 +10,19 @@
     ds-rlhf bench engines [--configs zero2,zero3]      bench/engines_gpu.py: DeepSpeed ZeRO-2 / ZeRO-3 / offload
                                                        training steps, tokens/s, TFLOP/s, peak memory
     ds-rlhf bench data [--size_gib 2]                  bench/data_loading.py: io_uring / mmap / datasets reads, GB/s
+    ds-rlhf bench learn --model M [--task gsm8k]       bench/learn.py: GRPO on a real model, held-out exact match
+                                                       against seconds and steps, synchronous and async
     ds-rlhf bench <name> --help                        that script's own options, forwarded
 
 bench/ is not a package: its scripts live in the checkout beside ds_rlhf/, found from where ds_rlhf is imported
 (the editable install points there), and each runs as `python bench/<script>.py ARGS` in a child process with
 this Python. Without a checkout (a non-editable install) there is nothing to run, and the command says so.
 
-Every run writes JSON: `--json-out PATH` (this command's own option; default ./bench_<name>.json, for rl-step the
-directory ./bench_rl_step) is passed as the script's own output option (rollout/sync: --out FILE; rl-step: --out
-DIR, which gets rl_step_<tag>.json and a PNG timeline; engines/data: --json FILE) unless you pass that option
-yourself. The exit status is the script's.
+Every run writes JSON: `--json-out PATH` (this command's own option; default ./bench_<name>.json, for rl-step and
+learn the directory ./bench_rl_step / ./bench_learn) is passed as the script's own output option unless you pass
+that option yourself: rollout/sync --out FILE; rl-step --out DIR, which gets rl_step_<tag>.json and a PNG timeline;
+learn --out DIR, which gets learn_<task>.json and its PNG; engines/data --json FILE. The exit status is the
+script's.
 """
 
 from __future__ import annotations
@@ -43,12 +46,16 @@ class Bench:
     out_option: str  # the script's own JSON option
     out_is_dir: bool
     about: str
+    result_glob: str = ""  # with out_is_dir: the JSON the script writes into that directory
 
 
 BENCHES = {
     "rollout": Bench("rollout_gpu.py", "--out", False, "weight sync + generate tokens/s + sleep/wake (one GPU)"),
     "sync": Bench("rollout_gpu.py", "--out", False, "the weight-sync rows of rollout_gpu.py (no sync-only mode)"),
-    "rl-step": Bench("rl_step_gpu.py", "--out", True, "a GRPO/PPO run: per-phase medians, completions/s, MFU"),
+    "rl-step": Bench("rl_step_gpu.py", "--out", True, "a GRPO/PPO run: per-phase medians, completions/s, MFU",
+                     "rl_step_*.json"),
+    "learn": Bench("learn.py", "--out", True, "GRPO on a real model: held-out exact match vs seconds, sync + async",
+                   "learn_*.json"),
     "engines": Bench("engines_gpu.py", "--json", False, "ZeRO-2/3/offload training steps: tokens/s, memory"),
     "data": Bench("data_loading.py", "--json", False, "io_uring / mmap / datasets store reads: GB/s, samples/s"),
 }
@@ -114,6 +121,11 @@ def rl_step_rows(data: dict) -> list[dict]:
     return rows
 
 
+def learn_rows(data: dict) -> list[dict]:
+    return [{"task": data.get("task"), "mode": mode, **run.get("summary", {})}
+            for mode, run in data.get("modes", {}).items()]
+
+
 def engines_rows(data: list) -> list[dict]:
     return [{"config": r.get("config"), "error": r["error"]} if "error" in r else
             {"config": r["config"], "tokens/s": r.get("tokens_per_s"), "TFLOP/s (6N)": r.get("tflops"),
@@ -127,8 +139,8 @@ def data_rows(data: dict) -> list[dict]:
              "reader": r.get("reader")} for r in data.get("summary", [])]
 
 
-TABLES = {"rollout": rollout_rows, "sync": sync_rows, "rl-step": rl_step_rows, "engines": engines_rows,
-          "data": data_rows}
+TABLES = {"rollout": rollout_rows, "sync": sync_rows, "rl-step": rl_step_rows, "learn": learn_rows,
+          "engines": engines_rows, "data": data_rows}
 
 
 def table_of(name: str, data) -> str:
@@ -172,7 +184,7 @@ def _pop_json_out(args: list[str]) -> tuple[str | None, list[str]]:
 def _result_file(bench: Bench, target: Path, started: float) -> Path | None:
     if not bench.out_is_dir:
         return target if target.is_file() else None
-    found = [p for p in target.glob("rl_step_*.json") if p.stat().st_mtime >= started - 1]
+    found = [p for p in target.glob(bench.result_glob) if p.stat().st_mtime >= started - 1]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 

@@ -1,0 +1,245 @@
+"""Learning benchmark: does GRPO make a real pretrained model better, and how fast in seconds and tokens?
+
+GRPO from a model's own weights (no SFT) on a task whose data and reward are plain files (`bench/learn_tasks/`):
+- `arithmetic`: generated word problems (2-3 operands; +, -, x; seeded), an unlimited training stream and a fixed
+  held-out set of 500, the answer after `####`;
+- `gsm8k`: the GSM8K test split (`../shared/data/gsm8k/test.jsonl`) re-split 1000 train / 319 held out: a learning
+  demonstration on real problems, not a GSM8K score.
+Each mode (`sync`: exact on-policy; `async`: the next batch generated while this one trains) runs the trainer
+(`ds-rlhf train-ppo`) with real EOS (generation stops at the model's end-of-turn token; no `ignore_eos`) and a
+greedy held-out evaluation at step 0 and every `--eval-every` steps: exact-match (`eval/pass@1` of
+`rewards.py:eval_reward`) and format compliance (`eval/reward/.../format`), against training seconds (the steps'
+wall time, evaluation excluded) and generated tokens. Writes `learn_<task>.json` and `learn_<task>.png` (exact-match
+against seconds and against steps, both modes) into `--out`.
+
+    python3 bench/learn.py --model /models/smollm2 --task arithmetic --steps 150 --eval-every 15 --out $OUT
+    python3 bench/learn.py --model SmolLM2-135M-Instruct.Q4_1.gguf ...     # a GGUF is converted once (cached)
+    python3 bench/learn.py --tiny --out /tmp/learn                         # CPU: the tiny model, end to end
+    ds-rlhf bench learn --model ... [same options]
+
+Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the `####` format).
+Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 2e-6, no KL; the placement is two
+sidecar vLLM engines on a GPU and the in-process engine on a CPU. `--cfg key=value` passes any trainer setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from learn_tasks.tasks import write_arithmetic, write_gsm8k
+
+from ds_rlhf.engines.tiny_models import build_tiny_model
+from ds_rlhf.telemetry.logger import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "bench" / "learn_tasks"
+SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+EXACT = "eval/pass@1"
+FORMAT = "eval/reward/eval_reward/format"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default="", help="HF model directory, Hub id or .gguf file (required unless --tiny)")
+    ap.add_argument("--task", choices=("arithmetic", "gsm8k"), default="arithmetic")
+    ap.add_argument("--modes", default="sync,async", help="comma list of sync, async")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--minutes", type=float, default=0, help="stop each mode's run after this long (0 = no limit)")
+    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--eval-size", type=int, default=0, help="held-out prompts evaluated (0 = the task's whole set)")
+    ap.add_argument("--prompts-per-step", type=int, default=32)
+    ap.add_argument("--n-samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens (the stores drop longer ones)")
+    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
+    ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
+    ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
+    ap.add_argument("--out", type=Path, default=Path("bench_learn"))
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.model = "tiny"
+        args.steps, args.eval_every, args.eval_size = min(args.steps, 2), 1, args.eval_size or 16
+        args.prompts_per_step, args.n_samples, args.max_new_tokens = 4, 4, min(args.max_new_tokens, 16)
+        args.max_prompt_len = min(args.max_prompt_len, 256)
+    elif not args.model:
+        ap.error("--model is required (or --tiny)")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(args.modes) <= {"sync", "async"} or not args.modes:
+        ap.error(f"--modes: comma list of sync, async; got {','.join(args.modes)!r}")
+    return args
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def ds_rlhf(*argv: str, log: Path | None = None, minutes: float = 0) -> None:
+    """One `ds-rlhf` command in a child process (this Python), its output to `log` (or through). With `minutes`, a
+    command still running then gets SIGTERM (the trainer finishes its step, saves and exits 128 + 15): not a
+    failure."""
+    cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", *argv]
+    with open(log, "w") if log else open(os.devnull, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink if log else None, stderr=subprocess.STDOUT if log else None)
+        try:
+            code = proc.wait(timeout=minutes * 60 or None)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait()
+            if code == 128 + signal.SIGTERM:
+                print(f"learn: stopped after the {minutes:g}-minute limit", flush=True)
+                return
+    if code:
+        tail = log.read_text()[-3000:] if log else ""
+        raise SystemExit(f"learn: `ds-rlhf {' '.join(argv[:1])}` failed (exit {code})\n{tail}")
+
+
+def task_files(args, work: Path) -> dict[str, Path]:
+    if args.task == "arithmetic":
+        n_train = args.steps * args.prompts_per_step + 64  # an unlimited stream: never a prompt twice
+        return write_arithmetic(work / "task", n_train, 500)
+    if not args.gsm8k.is_file():
+        raise SystemExit(f"learn: GSM8K file not found: {args.gsm8k} (pass --gsm8k PATH/test.jsonl)")
+    return write_gsm8k(args.gsm8k, work / "task")
+
+
+def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: int) -> dict[str, Path]:
+    stores = {}
+    for key, src in files.items():
+        out = work / f"store_{key}"
+        if not (out / "manifest.json").is_file():
+            ds_rlhf("prep-prompts", "--tokenizer", model, "--input", str(src), "--output", str(out), "--quiet",
+                    "--max_prompt_len", str(max_prompt_len), log=work / f"prep_{key}.log")
+        stores[key] = out
+    return stores
+
+
+def resolve_model(args, work: Path) -> str:
+    """A directory the tokenizer and trainer load: the tiny model, or `--model` (a .gguf is converted once)."""
+    if args.model == "tiny":
+        return str(build_tiny_model())
+    if args.model.endswith(".gguf"):
+        out = work / "model"
+        if not (out / "config.json").is_file():
+            ds_rlhf("convert-gguf", args.model, str(out), "--dtype", "bf16", log=work / "convert.log")
+        return str(out)
+    return args.model
+
+
+def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool) -> list[str]:
+    placement = ["--rollout.placement", "sidecar", "--rollout.sidecar_engines", "2"] if gpu else []
+    cfg = ["--model.path", model, "--data.train", str(stores["train"]), "--data.eval", str(stores["heldout"]),
+           "--run.output_dir", str(run_dir), "--run.overwrite", "true", "--run.steps", str(args.steps),
+           "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",
+           "--run.save_every", "0", "--run.export_hf", "false", "--run.progress", "false",
+           "--run.tensorboard", "false", "--run.sample_log_every", str(args.eval_every),
+           "--rl.algo", "grpo", "--rl.kl_coef", "0", "--rl.reward_fn", f"{TASKS / 'rewards.py'}:train_reward",
+           "--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward", "--rl.eval_max_prompts", str(args.eval_size),
+           "--rl.prompts_per_step", str(args.prompts_per_step), "--rollout.n_samples", str(args.n_samples),
+           "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.temperature", "1.0",
+           "--data.max_prompt_len", str(args.max_prompt_len), "--optim.lr", str(args.lr),
+           "--rollout.async_generation", str(mode == "async").lower(), *placement]
+    for item in args.cfg:
+        key, _, value = item.partition("=")
+        cfg += [f"--{key.removeprefix('--')}", value]
+    return cfg
+
+
+def curve(history: list[dict]) -> dict:
+    """The evaluation points against steps, training seconds and generated tokens, and per-step lengths."""
+    seconds = tokens = 0.0
+    points, lengths = [], []
+    for h in history:
+        if h.get("step", 0) > 0:
+            seconds += h.get("time/wall", 0.0)
+            tokens += h.get("response/len_mean", 0.0) * h.get("rollout/samples", 0.0)
+            lengths.append({k: h.get(f"response/{k}") for k in ("len_mean", "len_max", "truncated_frac")}
+                           | {"step": h["step"]})
+        if EXACT in h:
+            points.append({"step": h.get("step", 0), "seconds": round(seconds, 2), "generated_tokens": int(tokens),
+                           "exact_match": h[EXACT], "format": h.get(FORMAT),
+                           "response_len_mean": h.get("eval/response_len_mean"),
+                           "truncated_frac": h.get("eval/truncated_frac")})
+    steps = [h for h in history if h.get("step", 0) > 0]
+    summary = {"steps": len(steps), "train_seconds": round(seconds, 1), "generated_tokens": int(tokens)}
+    if steps:
+        summary["step_seconds_median"] = statistics.median(h["time/wall"] for h in steps)
+        summary["completions_per_s_median"] = statistics.median(h["throughput/completions_per_s"] for h in steps)
+    if points:
+        summary |= {"exact_match_start": points[0]["exact_match"], "exact_match_end": points[-1]["exact_match"],
+                    "exact_match_best": max(p["exact_match"] for p in points)}
+    return {"points": points, "lengths": lengths, "summary": summary}
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, run in result["modes"].items():
+        pts = run["points"]
+        by_time.plot([p["seconds"] for p in pts], [100 * p["exact_match"] for p in pts], "o-", label=mode)
+        by_step.plot([p["step"] for p in pts], [100 * p["exact_match"] for p in pts], "o-", label=mode)
+    by_time.set_xlabel("training seconds (evaluation excluded)")
+    by_step.set_xlabel("step")
+    for ax in (by_time, by_step):
+        ax.set_ylabel("held-out exact match, greedy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']} ({result['device']})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / f"work_{args.task}"
+    work.mkdir(exist_ok=True)
+    gpu = has_gpu()
+    model = resolve_model(args, work)
+    stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len)
+    result = {"task": args.task, "model": args.model, "model_name": Path(args.model).name, "device":
+              _device_name(gpu), "date": time.strftime("%Y-%m-%d"), "settings": {
+                  k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)},
+              "modes": {}}
+    for mode in args.modes:
+        run_dir = work / f"run_{mode}"
+        print(f"learn: {args.task}, {mode}: {args.steps} steps, eval every {args.eval_every} ...", flush=True)
+        t0 = time.perf_counter()
+        ds_rlhf("train-ppo", *trainer_args(args, model, stores, run_dir, mode, gpu), log=work / f"train_{mode}.log",
+                minutes=args.minutes)
+        result["modes"][mode] = curve(read_metrics(run_dir))
+        result["modes"][mode]["summary"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"learn: {mode}: {json.dumps(result['modes'][mode]['summary'])}", flush=True)
+    out_json = args.out / f"learn_{args.task}.json"
+    out_json.write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"learn_{args.task}.png")
+    print(f"learn: wrote {out_json} and {out_json.with_suffix('.png')}")
+    return 0
+
+
+def _device_name(gpu: bool) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The learning benchmark (`bench/learn.py`, `ds-rlhf bench learn`): its task files and rewards, and a tiny run end
+to end on CPU that writes the JSON and the PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_rlhf.testing.multiproc import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "bench" / "learn_tasks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"learn_tasks_{name}", TASKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tasks, rewards = _load("tasks"), _load("rewards")
+
+
+def _answer(question: str) -> int:
+    """An independent solver of the generated problems' phrasing, sentence by sentence."""
+    total = None
+    for sentence in question.split(". "):
+        if m := re.search(r"has (\d+) boxes with (\d+) ", sentence):
+            total = int(m[1]) * int(m[2])
+        elif m := re.search(r"^\w+ has (\d+) ", sentence):
+            total = int(m[1])
+        elif m := re.search(r"(?:buys|gives \w+) (\d+) more", sentence):
+            total += int(m[1])
+        elif m := re.search(r"(?:gives away|loses) (\d+)", sentence):
+            total -= int(m[1])
+        elif m := re.search(r"becomes (\d+) times", sentence):
+            total *= int(m[1])
+    return total
+
+
+def test_arithmetic_rows_are_fixed_correct_and_disjoint():
+    heldout = tasks.heldout_rows(500)
+    assert heldout == tasks.heldout_rows(500) and len({r["prompt"] for r in heldout}) == 500
+    train = tasks.training_rows(3000, heldout)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in heldout}
+    ops = {"+": 0, "-": 0, "x": 0}
+    for row in heldout + train[:500]:
+        question = row["prompt"].split("\n")[0]
+        assert int(row["label"]) == _answer(question) >= 0, question
+        assert row["prompt"].endswith(tasks.INSTRUCTION)
+        ops["+"] += "more" in question
+        ops["-"] += "gives away" in question or "loses" in question
+        ops["x"] += "times as large" in question or "boxes" in question
+    assert min(ops.values()) > 100, ops
+
+
+def test_gsm8k_split_is_the_test_file_re_split(shared_data, tmp_path):
+    files = tasks.write_gsm8k(shared_data / "gsm8k" / "test.jsonl", tmp_path)
+    train, held = ([json.loads(x) for x in files[k].read_text().splitlines()] for k in ("train", "heldout"))
+    assert (len(train), len(held)) == (1000, 319)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    source = [json.loads(x) for x in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    answers = {s["question"]: s["answer"].rsplit("####", 1)[1].strip().replace(",", "") for s in source}
+    assert all(answers[r["prompt"].split(f"\n{tasks.INSTRUCTION}")[0]] == r["label"] for r in train + held)
+
+
+@pytest.mark.parametrize("response, truth, right, fmt, train", [
+    ("3 + 4 = 7. #### 7", "7", 1.0, 1.0, 1.0),
+    ("#### 1,200", "1200", 1.0, 1.0, 1.0),
+    ("#### 8", "7", 0.0, 1.0, 0.1),
+    ("The answer is 7.", "7", 0.0, 0.0, 0.0),
+    ("#### 5 then #### 7", "7", 1.0, 1.0, 1.0),  # the last one counts
+])
+def test_rewards(response, truth, right, fmt, train):
+    assert rewards.correct(None, response, truth) == right and rewards.formatted(None, response) == fmt
+    assert rewards.train_reward(None, response, truth) == train
+    assert rewards.eval_reward(None, response, truth) == {"score": right, "format": fmt}
+
+
+@pytest.mark.slow
+def test_tiny_learning_run_writes_json_and_png(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "learn_arithmetic.json").read_text())
+    assert set(result["modes"]) == {"sync", "async"}
+    for run in result["modes"].values():
+        points = run["points"]
+        assert [p["step"] for p in points] == [0, 1, 2]
+        assert points[0]["seconds"] == 0 < points[1]["seconds"] < points[2]["seconds"]
+        assert 0 < points[1]["generated_tokens"] < points[2]["generated_tokens"]
+        assert all(0 <= p["exact_match"] <= 1 and 0 <= p["format"] <= 1 for p in points)
+        assert [x["step"] for x in run["lengths"]] == [1, 2] and run["summary"]["steps"] == 2
+    assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "exact_match_end" in out.stdout  # the table of the summaries
