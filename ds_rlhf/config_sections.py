@@ -27,7 +27,7 @@ def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # HF directory; "tiny" / "tiny:small" build the offline tiny model
+    path: str = "tiny"  # HF directory or Hub id (org/name[@rev]); "tiny" / "tiny:small" build the offline tiny model
     tokenizer: str = ""  # defaults to `path`
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
     attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
@@ -247,7 +247,7 @@ class RLConfig:
     reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
     reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker; longer = a bad reward
     reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start
-    reward_model: str = ""  # HF dir of a sequence-classification reward model
+    reward_model: str = ""  # HF dir or Hub id of a sequence-classification reward model
     on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
     critic_path: str = ""  # default: reward_model if set, else the actor
     critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor

@@ -1,7 +1,9 @@
 """Read the input formats people already have, row by row, without hiding bad rows.
 
-Sources: JSONL (optionally gzipped), a JSON array file, Parquet, and a `datasets.save_to_disk` directory (a
-Dataset or a DatasetDict + split). A directory that is not a saved dataset is expanded to the data files inside.
+Sources: JSONL (optionally gzipped), a JSON array file, Parquet, a `datasets.save_to_disk` directory (a Dataset or
+a DatasetDict + split), and a Hugging Face Hub dataset by name (`org/name[:config]`, one split, loaded with
+`datasets.load_dataset`: from the datasets cache when offline, see `load_hub_dataset`). A directory that is not a
+saved dataset is expanded to the data files inside.
 Every row carries where it came from (file and line/row number), and a row that cannot be parsed is yielded as an
 error row instead of being skipped, so the caller counts and reports it.
 
@@ -14,11 +16,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -48,7 +52,65 @@ class SourceRow:
     error: RowError | None = None
 
 
+# A Hub dataset name: `org/name`, optionally `:config` (the dataset's configuration, e.g. openai/gsm8k:main).
+HUB_DATASET = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?::(?P<config>[\w.-]+))?$")
+HUB_DEFAULT_SPLIT = "train"
+
+
+class HubDataset(type(Path())):
+    """One split of a Hub dataset, loaded (`load_hub_dataset`). A path only in name: the readers name it like a
+    file (`org/name:config`); its rows come from `.dataset`."""
+
+    dataset: Any
+    split: str
+
+
+def is_hub_dataset_name(item) -> bool:
+    """Whether an --input value is a Hub dataset name: `org/name[:config]`, not a path (no leading `/`, `.` or
+    `~`, no data-file suffix) and nothing of that name on disk."""
+    if not isinstance(item, str):
+        return False
+    return (not item.startswith(("/", ".", "~")) and not item.lower().endswith(DATA_SUFFIXES)
+            and HUB_DATASET.match(item) is not None and not Path(item).exists())
+
+
+def _downloads_off() -> bool:
+    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def load_hub_dataset(name: str, split: str | None = None) -> HubDataset:
+    """`datasets.load_dataset(repo, config, split=split or "train")` as a source. The datasets cache is read first;
+    it downloads only when downloads are allowed. A dataset not cached while offline, or one that cannot be loaded,
+    is a one-line DataPrepError naming it and what to do."""
+    from datasets import config as datasets_config
+    from datasets import load_dataset
+
+    match = HUB_DATASET.match(name)
+    if match is None:
+        raise DataPrepError(f"input {name!r} is not a Hub dataset name (org/name or org/name:config)")
+    repo, config, split = match["repo"], match["config"], split or HUB_DEFAULT_SPLIT
+    try:
+        ds = load_dataset(repo, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+        offline = _downloads_off() or bool(getattr(datasets_config, "HF_HUB_OFFLINE", False))
+        if offline and isinstance(exc, (ConnectionError, FileNotFoundError)):
+            args = ", ".join(repr(a) for a in (repo, config) if a)
+            raise DataPrepError(
+                f"input {name!r} is not a local file, and the Hub dataset {repo} (split {split!r}) is not in the "
+                f"datasets cache {datasets_config.HF_DATASETS_CACHE} while downloads are off (HF_HUB_OFFLINE / "
+                f"HF_DATASETS_OFFLINE): load it once on a machine with network and the same HF_HOME (python -c "
+                f"\"import datasets; datasets.load_dataset({args}, split='{split}')\"), or pass a local file") from None
+        raise DataPrepError(f"input {name!r}: cannot load the Hub dataset {repo} (split {split!r}): "
+                            f"{_one_line(exc)}") from None
+    source = HubDataset(name)
+    source.dataset, source.split = ds, split
+    return source
+
+
 def detect_format(path: Path) -> str:
+    if isinstance(path, HubDataset):
+        return "hub_dataset"
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return "hf_dir"
@@ -69,6 +131,9 @@ def expand_inputs(inputs) -> list[Path]:
         inputs = [inputs]
     out: list[Path] = []
     for item in inputs:
+        if isinstance(item, HubDataset):
+            out.append(item)
+            continue
         p = Path(item)
         if not p.exists():
             raise DataPrepError(f"input {p} does not exist")
@@ -120,6 +185,8 @@ def _decode_line(raw: bytes) -> str:
 
 def count_rows(path: Path, fmt: str, split: str | None = None) -> int | None:
     """Row count for the progress bar when it is cheap to get; None otherwise (gzipped or JSON files)."""
+    if isinstance(path, HubDataset):
+        return len(path.dataset)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -165,8 +232,10 @@ def iter_rows(path: Path, source_idx: int = 0, split: str | None = None) -> Iter
         yield from _iter_json_array(path, source_idx)
     elif fmt == "parquet":
         yield from _iter_parquet(path, source_idx)
+    elif fmt == "hub_dataset":
+        yield from _iter_dataset(path, source_idx, lambda: path.dataset)
     else:
-        yield from _iter_hf(path, source_idx, split)
+        yield from _iter_dataset(path, source_idx, lambda: _load_hf(path, split))
 
 
 def _iter_jsonl(path: Path, source_idx: int) -> Iterator[SourceRow]:
@@ -233,10 +302,11 @@ def _iter_parquet(path: Path, source_idx: int) -> Iterator[SourceRow]:
         raise unreadable(path, exc, f" at row {i}" if i else "") from exc
 
 
-def _iter_hf(path: Path, source_idx: int, split: str | None) -> Iterator[SourceRow]:
+def _iter_dataset(path: Path, source_idx: int, load) -> Iterator[SourceRow]:
+    """Rows of a `datasets.Dataset` (`load()`: a saved dataset dir's split, or a loaded Hub dataset)."""
     i = 0
     try:
-        ds = _load_hf(path, split).with_format(None)  # plain python rows whatever format was saved
+        ds = load().with_format(None)  # plain python rows whatever format was saved
         for batch in ds.iter(batch_size=1024):
             keys = list(batch)
             for values in zip(*(batch[k] for k in keys)):
@@ -265,7 +335,11 @@ def _sha256_file(path: Path) -> tuple[str, int]:
 
 
 def source_info(path: Path, fmt: str) -> dict:
-    """Path, format, size and sha256 of a source; a dataset dir hashes (relative name, file hash) in name order."""
+    """Path, format, size and sha256 of a source; a dataset dir hashes (relative name, file hash) in name order; a
+    Hub dataset records its name, split, row count and the datasets fingerprint of its cached data."""
+    if isinstance(path, HubDataset):
+        return {"path": str(path), "format": fmt, "split": path.split, "rows": len(path.dataset),
+                "fingerprint": path.dataset._fingerprint}
     if path.is_dir():
         digest, total = hashlib.sha256(), 0
         for f in sorted(f for f in path.rglob("*") if f.is_file()):

@@ -1,20 +1,25 @@
 """Public data-prep entry points (functions and their CLIs): RL prompts, GSM8K, SFT, preference pairs.
 
-Every function takes the input file(s)/dir(s), the output store directory and a tokenizer (object or local path),
-and returns a `PrepResult` (os.PathLike, with `.manifest` and `.summary()`). Bad input is never a silent
-success: writing 0 rows raises `DataPrepError` (naming the inputs and why their rows were dropped) unless
-``allow_empty=True``, and so does an input that cannot be read. The `data_prep/*.py` scripts are thin
-wrappers over `cli(...)` here, so the scripts and the Python API cannot drift apart.
+Every function takes the input file(s)/dir(s) or Hugging Face Hub dataset names, the output store directory and
+a tokenizer (an object, a local directory or a Hub id, resolved by `ds_rlhf.engines.model_source`), and returns a
+`PrepResult` (os.PathLike, with `.manifest` and `.summary()`). Bad input is never a silent success: writing 0 rows
+raises `DataPrepError` (naming the inputs and why their rows were dropped) unless ``allow_empty=True``, and so does
+an input that cannot be read (a Hub name not in the cache while offline among them). The `data_prep/*.py` scripts
+are thin wrappers over `cli(...)` here, so the scripts and the Python API cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 
+from ds_rlhf.config import ConfigError
+from ds_rlhf.engines.model_source import resolve_model_source
+
 from .convert import Encoder, PreferenceConverter, PromptConverter, SFTConverter
-from .formats import DataPrepError, RowError, gsm8k_answer
+from .formats import DataPrepError, RowError, gsm8k_answer, is_hub_dataset_name, load_hub_dataset
 from .prep_core import PrepResult, run_prep
 
 __all__ = ["prep_prompts", "prep_gsm8k", "prep_sft", "prep_preferences", "PrepResult", "DataPrepError", "cli"]
@@ -31,6 +36,25 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def local_tokenizer(tokenizer):
+    """A tokenizer object as it is; a spec (local directory, Hub id `org/name[@revision]`, `tiny`) as the local
+    directory it resolves to. A Hub id is read from the HF cache, downloaded only when online (HF_HUB_OFFLINE unset),
+    and only its tokenizer files; one not cached while offline is a one-line `DataPrepError`."""
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    try:
+        return resolve_model_source(str(tokenizer), "--tokenizer", "tokenizer")
+    except ConfigError as exc:
+        raise DataPrepError(str(exc)) from None
+
+
+def local_inputs(inputs, split: str | None = None) -> list:
+    """The inputs with each Hub dataset name (`org/name[:config]` that is not on disk) loaded as its `split`
+    (default train; `formats.load_hub_dataset`); files and directories as they are."""
+    items = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    return [load_hub_dataset(item, split) if is_hub_dataset_name(item) else item for item in items]
 
 
 def _common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty) -> dict:
@@ -56,7 +80,8 @@ def prep_prompts(inputs, output, tokenizer, *, input_key="auto", label_key="auto
                                input_template=input_template, extra_keys=extra_keys, require_label=require_label,
                                max_prompt_len=max_prompt_len, overlong=overlong)
 
-    return run_prep("prompts", inputs, output, tokenizer, make, created_by="prep_prompts", options=options,
+    return run_prep("prompts", local_inputs(inputs, split), output, local_tokenizer(tokenizer), make,
+                    created_by="prep_prompts", options=options,
                     max_lengths={"max_prompt_len": max_prompt_len},
                     **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
@@ -101,7 +126,8 @@ def prep_gsm8k(inputs, output, tokenizer, *, kind="prompts", instruction=GSM8K_I
         return _GSM8KRows(inner, instruction, kind)
 
     limits = {"max_len": max_len} if kind == "sft" else {"max_prompt_len": max_prompt_len}
-    return run_prep(kind, inputs, output, tokenizer, make, created_by="prep_gsm8k", options=options,
+    return run_prep(kind, local_inputs(inputs, split), output, local_tokenizer(tokenizer), make,
+                    created_by="prep_gsm8k", options=options,
                     max_lengths=limits,
                     **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
@@ -118,7 +144,8 @@ def prep_sft(inputs, output, tokenizer, *, messages_key="auto", prompt_key="auto
         return SFTConverter(enc, messages_key=messages_key, prompt_key=prompt_key, response_key=response_key,
                             apply_chat_template=apply_chat_template, max_len=max_len, overlong=overlong)
 
-    return run_prep("sft", inputs, output, tokenizer, make, created_by="prep_sft", options=options,
+    return run_prep("sft", local_inputs(inputs, split), output, local_tokenizer(tokenizer), make,
+                    created_by="prep_sft", options=options,
                     max_lengths={"max_len": max_len},
                     **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
@@ -135,7 +162,8 @@ def prep_preferences(inputs, output, tokenizer, *, chosen_key="chosen", rejected
         return PreferenceConverter(enc, chosen_key=chosen_key, rejected_key=rejected_key, prompt_key=prompt_key,
                                    max_len=max_len, overlong=overlong)
 
-    return run_prep("preference", inputs, output, tokenizer, make, created_by="prep_preferences", options=options,
+    return run_prep("preference", local_inputs(inputs, split), output, local_tokenizer(tokenizer), make,
+                    created_by="prep_preferences", options=options,
                     max_lengths={"max_len": max_len},
                     **_common(on_error, overlong, split, overwrite, progress, block_rows, allow_empty))
 
@@ -145,12 +173,17 @@ def _parser(prog: str, doc: str, example: str) -> argparse.ArgumentParser:
     doc = inspect.cleandoc(doc) + "\n\nWrites a store dir: manifest.json, data-*.arrow, lengths.npy, dropped.jsonl."
     p = argparse.ArgumentParser(prog=prog, description=doc, epilog=f"example:\n  {example}",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory (its chat template "
-                                                      "is applied now, and its fingerprint goes in the manifest)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer: a local Hugging Face directory or a Hub id "
+                                                      "(org/name[@revision], from the HF cache; downloaded only "
+                                                      "when online). Its chat template is applied now, and its "
+                                                      "fingerprint goes in the manifest")
     p.add_argument("--input", required=True, nargs="+", help="JSONL (.jsonl/.jsonl.gz), JSON array, Parquet, a "
-                                                             "datasets.save_to_disk dir, or a dir of such files")
+                                                             "datasets.save_to_disk dir, a dir of such files, or a "
+                                                             "Hub dataset name org/name[:config] (datasets."
+                                                             "load_dataset; from its cache when offline)")
     p.add_argument("--output", required=True, help="store directory to create (manifest.json + Arrow files)")
-    p.add_argument("--split", default=None, help="split to read from a saved DatasetDict")
+    p.add_argument("--split", default=None, help="split to read from a saved DatasetDict or a Hub dataset "
+                                                 "(default for a Hub dataset: train)")
     p.add_argument("--on-error", "--on_error", dest="on_error", choices=("skip", "fail"), default="skip",
                    help="bad rows (malformed JSON, missing fields, empty prompts, ...): skip = count, report with "
                         "line numbers and go on; fail = stop at the first one (default: skip)")

@@ -1,8 +1,10 @@
 """Checks of a run's inputs that need the filesystem, made before any process group, model or vLLM engine starts.
 
 The schema (`ds_rlhf.config`) already refused bad keys, bad choices, out-of-range numbers and conflicting options.
-What is left needs to look at files: the prompt store and its manifest (and the held-out eval store when RL
-evaluation is on), the reward function file, the reward model and resume directories, the DeepSpeed config, and the
+What is left needs to look at files: the model, tokenizer, reward model and critic sources (a local directory, or a
+Hugging Face Hub id resolved to its cached snapshot, downloaded only when online: `engines/model_source.py`), the
+prompt store and its manifest (and the held-out eval store when RL evaluation is on), the reward function file,
+the resume directory, the DeepSpeed config, and the
 low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` the run's memory plan (from the
 models' config.json files only) must fit the cap (`tools/memory_cap.py`). Each
 problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.engines.model_source import resolve_model_source
 
 
 def _manifest(store_dir: str, key: str) -> dict:
@@ -88,9 +91,7 @@ def check_reward(cfg: Config) -> None:
     rl = cfg.rl
     if not rl.reward_fn and not rl.reward_model:
         raise ConfigError("no reward: set --rl.reward_fn (gsm8k | format | math_shaped | file.py:func) or "
-                          "--rl.reward_model <HF dir of a reward model>")
-    if rl.reward_model and not rl.reward_model.startswith("tiny") and not Path(rl.reward_model).is_dir():
-        raise ConfigError(f"rl.reward_model={rl.reward_model!r}: no such directory")
+                          "--rl.reward_model <reward model dir or Hub id>")
     if rl.reward_fn:
         _check_reward_spec("rl.reward_fn", rl.reward_fn, rl.reward_weights)
     if rl.eval_reward_fn and rl_eval_on(cfg):
@@ -139,6 +140,30 @@ def check_ds_config(cfg: Config) -> None:
         print(f"[ds_config] {path}: keys DeepSpeed does not read (ignored): {', '.join(unknown)}", flush=True)
 
 
+def _is_tiny(spec: str) -> bool:
+    return spec == "tiny" or spec.startswith("tiny:")
+
+
+def model_dir(cfg: Config) -> str | None:
+    """The local directory of `model.path` (a Hub id resolved to its snapshot); None for `tiny` models, which
+    set-up builds."""
+    return None if _is_tiny(cfg.model.path) else resolve_model_source(cfg.model.path, "model.path")
+
+
+def check_model_sources(cfg: Config, kind: str = "rl") -> None:
+    """`model.path`, `model.tokenizer` and, in RL runs, `rl.reward_model` and `rl.critic_path` resolve to local
+    directories now (a Hub id not in the cache while offline, a path that is not a model directory: one line), so
+    set-up and every role later get the same directories without surprises."""
+    model_dir(cfg)
+    if cfg.model.tokenizer:
+        resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer")
+    if kind != "rl":
+        return
+    for key, spec in (("rl.reward_model", cfg.rl.reward_model), ("rl.critic_path", cfg.rl.critic_path)):
+        if spec and not _is_tiny(spec):
+            resolve_model_source(spec, key)
+
+
 def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
     """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
@@ -161,9 +186,10 @@ def check_kernels(cfg: Config) -> None:
         return
     from ds_rlhf.engines import kernels
 
-    config = Path(cfg.model.path) / "config.json"
+    local = model_dir(cfg)
+    config = Path(local or cfg.model.path) / "config.json"
     model_type = None  # a model not built yet ("tiny"): the device and the install are still checked
-    if config.is_file():
+    if local and config.is_file():
         try:
             model_type = json.loads(config.read_text()).get("model_type")
         except (OSError, ValueError) as exc:
@@ -178,6 +204,7 @@ def check_rl_run(cfg: Config) -> None:
     """Everything an RL run needs, checked before set-up."""
     if cfg.run.steps < 1:
         raise ConfigError(f"run.steps={cfg.run.steps}: an RL run needs at least one step")
+    check_model_sources(cfg, "rl")
     check_prompt_store(cfg)
     check_rl_eval(cfg)
     check_reward(cfg)
@@ -189,6 +216,7 @@ def check_rl_run(cfg: Config) -> None:
 
 def check_supervised_run(cfg: Config, kind: str) -> None:
     """Everything an SFT (`kind` "sft") or reward-model ("preference") run needs, checked before set-up."""
+    check_model_sources(cfg, kind)
     check_store(cfg.data.train, "data.train", kind)
     if cfg.data.eval:
         check_store(cfg.data.eval, "data.eval", kind)

@@ -217,7 +217,7 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
 
     if functions is not None:
         return RewardStage(ctx, fn=functions)
-    path = resolve_model_path(ctx.cfg.rl.reward_model)
+    path = resolve_model_path(ctx.cfg.rl.reward_model, "rl.reward_model")
     ds_config = ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
                               frozen=True)
     if ctx.cfg.model.share_base:
@@ -282,7 +282,8 @@ def _critic_source(ctx: RunContext) -> tuple[str, str]:
     init = rl.critic_init
     if init == "auto":
         init = "reward" if (rl.critic_path or rl.reward_model) and path != ctx.model_path else "actor"
-    return resolve_model_path(path), init
+    key = "rl.critic_path" if rl.critic_path else "rl.reward_model" if rl.reward_model else "model.path"
+    return resolve_model_path(path, key), init
 
 
 def export(ctx: RunContext, parts: RLParts) -> None:

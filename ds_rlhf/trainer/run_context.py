@@ -17,21 +17,30 @@ import torch
 
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
+from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.trainer.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def resolve_model_path(spec: str) -> str:
-    """A local HF directory, or `tiny` / `tiny:<preset>` for the offline tiny model (built on first use)."""
-    if spec == "tiny" or spec.startswith("tiny:"):
-        from ds_rlhf.engines.tiny_models import build_tiny_model
+def resolve_model_path(spec: str, key: str = "model.path") -> str:
+    """The local directory of a model spec: a local HF directory, a Hub id (`org/name[@revision]`, from the HF
+    cache; downloaded only when online), or `tiny` / `tiny:<preset>` (`engines/model_source.py`). `key` names the
+    setting in the one-line `ConfigError` a bad spec raises."""
+    return resolve_model_source(spec, key)
 
-        return str(build_tiny_model(spec=spec.partition(":")[2] or "tiny"))
-    if not Path(spec).is_dir():
-        raise FileNotFoundError(f"model path '{spec}' is not a local directory (ds_rlhf never downloads "
-                                "weights at run time; pass a directory with config.json and weights)")
-    return spec
+
+def load_run_tokenizer(cfg: Config, model_path: str):
+    """The run's tokenizer: `model.tokenizer` (a local directory or a Hub id) or the resolved model directory;
+    the pad token falls back to the EOS token."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer") if cfg.model.tokenizer \
+        else model_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def find_ds_config(path: str) -> Path:
@@ -109,8 +118,6 @@ class RunContext:
 
 
 def setup_run(cfg: Config, kind: str) -> RunContext:
-    from transformers import AutoTokenizer
-
     from ds_rlhf.engines.ds_config import pick_precision
 
     dist = init_distributed(cfg)
@@ -119,9 +126,7 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
     lock = claim_run_dir(cfg, dist, kind)
     try:
         model_path = resolve_model_path(cfg.model.path)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_run_tokenizer(cfg, model_path)
         precision = pick_precision(cfg.model.dtype)
     except BaseException:
         if lock is not None:
@@ -132,7 +137,8 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
     if dist.is_main:
         cfg.save(run_dir / "config.json")
         ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
-                  f"precision {precision} | model {model_path}")
+                  f"precision {precision} | model {model_path}"
+                  + (f" ({cfg.model.path})" if model_path != cfg.model.path else ""))
         ctx.print(f"[{kind}] resolved config:\n{json.dumps(cfg.to_dict(), indent=1, sort_keys=True)}")
     return ctx
 
