@@ -65,7 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
+    ap.add_argument("--merge", type=Path, nargs="+", help="join the modes of these learn_<task>.json files (runs of "
+                    "one mode each, e.g. on a machine that allows one run per call) into --out's JSON and PNG; no run")
     args = ap.parse_args(argv)
+    if args.merge:
+        return args
     if args.tiny:
         args.model = "tiny"
         args.steps, args.eval_every, args.eval_size = min(args.steps, 2), 1, args.eval_size or 16
@@ -191,23 +195,41 @@ def plot(result: dict, png: Path) -> None:
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, run in result["modes"].items():
         pts = run["points"]
-        by_time.plot([p["seconds"] for p in pts], [100 * p["exact_match"] for p in pts], "o-", label=mode)
-        by_step.plot([p["step"] for p in pts], [100 * p["exact_match"] for p in pts], "o-", label=mode)
+        exact, fmt = [100 * p["exact_match"] for p in pts], [100 * (p["format"] or 0) for p in pts]
+        for ax, x in ((by_time, [p["seconds"] for p in pts]), (by_step, [p["step"] for p in pts])):
+            line, = ax.plot(x, exact, "o-", label=f"{mode}: exact match")
+            ax.plot(x, fmt, "--", color=line.get_color(), alpha=0.6, label=f"{mode}: format")
     by_time.set_xlabel("training seconds (evaluation excluded)")
     by_step.set_xlabel("step")
     for ax in (by_time, by_step):
-        ax.set_ylabel("held-out exact match, greedy (%)")
+        ax.set_ylabel("held-out, greedy (%)")
+        ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle(f"GRPO on {result['model_name']}: {result['task']} ({result['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
 
+def merge(files: list[Path], out: Path) -> Path:
+    result = None
+    for f in files:
+        data = json.loads(f.read_text())
+        result = result or {**data, "modes": {}}
+        result["modes"].update(data["modes"])
+    out_json = out / f"learn_{result['task']}.json"
+    out_json.write_text(json.dumps(result, indent=1))
+    plot(result, out_json.with_suffix(".png"))
+    return out_json
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        print(f"learn: wrote {merge(args.merge, args.out)}")
+        return 0
     work = args.out / f"work_{args.task}"
     work.mkdir(exist_ok=True)
     gpu = has_gpu()
