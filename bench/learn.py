@@ -187,7 +187,12 @@ def curve(history: list[dict]) -> dict:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib
+    """The PNG; where matplotlib is missing (a bare GPU image) say so: `--merge` draws it later from the JSON."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"learn: matplotlib is not installed: no {png.name} (run --merge on the JSON where it is)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
