@@ -32,8 +32,8 @@ def hf_greedy(model, prompts: list[list[int]], eos: int, new_tokens: int) -> lis
     out = []
     for prompt in prompts:
         ids = model.generate(input_ids=torch.tensor([prompt]),
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-                             use_cache=True)
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos, use_cache=True)
         out.append(ids[0, len(prompt):].tolist())
     return out
 
