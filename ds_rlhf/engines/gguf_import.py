@@ -71,8 +71,9 @@ def gguf_metadata(src: Path) -> dict:
     gguf = require_gguf_package()
     try:
         reader = gguf.GGUFReader(str(src))
-    except (ValueError, OSError) as exc:
-        raise GGUFImportError(f"{src}: cannot read it as GGUF ({exc})") from None
+    except Exception as exc:  # the reader's errors for a damaged file vary (ValueError, IndexError, ...)
+        raise GGUFImportError(f"{src}: cannot read it as GGUF ({type(exc).__name__}: {exc}); is the file complete?"
+                              ) from None
 
     def field(key):
         entry = reader.fields.get(key)
