@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                             "DeepSpeed builds, I/O, NCCL"),
     "memory": ("ds_rlhf.tools.memory_cli:main", "per-role memory plan of a config, before loading any weight"),
     "report": ("ds_rlhf.tools.report:main", "PNG plots and an HTML summary of a run directory"),
+    "convert-gguf": ("ds_rlhf.entrypoints.convert:main", "a GGUF model file (llama.cpp, quantized) -> Hugging Face "
+                                                         "safetensors directory with fixed-up special tokens"),
     "export": ("ds_rlhf.entrypoints.export:main", "a DeepSpeed checkpoint (any ZeRO stage, LoRA merged or as an "
                                                   "adapter) -> Hugging Face directory"),
     "autotune": ("ds_rlhf.tools.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
