@@ -26,12 +26,16 @@ Conventions every backend follows (tests check them):
   response-only log-prob head ..."). Backends without that cost (HF generate) treat both alike. RL runs default to
   "batch" (`rollout.seeding`; before 2026-12-02 they seeded every request, so the same run seed now samples
   differently).
-- Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS; the stop token is included in
-  `response_ids` and `finish_reason` is "stop", otherwise "length".
+- Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS (every id of its generation
+  config's `eos_token_id`): the first stop token is the last token of `response_ids` (nothing after it), carries
+  its log-prob like any other token, and `finish_reason` is "stop"; a response that reached `max_new_tokens`
+  without one has `finish_reason` "length". RL rollouts and evaluation pass `rollout/stops.py:stop_token_ids`
+  (the tokenizer's EOS, the generation config's EOS ids and the chat template's end-of-turn token).
 """
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +59,10 @@ class SamplingSpec:
     seeding: str = "request"  # "request": a seed per request; "batch": one seed for the whole call (see above)
 
     def __post_init__(self):
+        stops = tuple(self.stop_token_ids)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in stops):
+            raise ValueError(f"SamplingSpec.stop_token_ids must be token ids, got {stops!r}")
+        self.stop_token_ids = tuple(int(t) for t in stops)
         if self.seeding not in SEEDINGS:
             raise ValueError(f"SamplingSpec.seeding must be one of {SEEDINGS}, got {self.seeding!r}")
 

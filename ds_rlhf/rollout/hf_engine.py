@@ -43,10 +43,11 @@ class HFRolloutEngine(RolloutEngine):
         torch_dtype = "auto" if dtype == "auto" else _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype).to(self.device).eval()
         self.model.requires_grad_(False)
-        cfg = self.model.config
-        eos = self.model.generation_config.eos_token_id or cfg.eos_token_id
+        gen, cfg = self.model.generation_config, self.model.config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else cfg.eos_token_id  # id 0 is an id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        pad = self.model.generation_config.pad_token_id or cfg.pad_token_id
+        pad = gen.pad_token_id if gen.pad_token_id is not None else cfg.pad_token_id
+        # only fills the left padding, which the attention mask (from lengths) hides: any id does, EOS included
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.seed, self.batch_size, self.max_model_len = seed, batch_size, max_model_len
         self._params = dict(self.model.named_parameters())

@@ -10,7 +10,9 @@ from ds_rlhf.distributed import agree_max
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask) for token-id sequences."""
+    """Right-padded (input_ids, attention_mask) for token-id sequences. The mask comes from the lengths, never
+    from comparing ids with `pad_id` (a sequence's final EOS stays attended where pad equals EOS): RM training
+    pairs and reward-model scoring of rollouts read their score at the last attended token."""
     width = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)

@@ -49,6 +49,8 @@ import torch
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rewards.scoring import score_samples
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.stops import run_stop_token_ids
+from ds_rlhf.rollout.stops import stop_token_ids as tokenizer_stop_ids
 from ds_rlhf.trainer.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
 
 PAD_KEY = "eval_pad"  # rows added by load_eval_rows so every rank has as many: generated, never counted
@@ -167,12 +169,13 @@ def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
     Rows are prompt-store rows (`input_ids`, `prompt_text`, `ground_truth`, `data_source`); rows with `eval_pad`
     are generated but not counted. `reward_fn`: a RewardSet, a reward function of any supported calling style, or
     a spec string such as "gsm8k" (as `score_samples` takes them). `stop_token_ids` defaults to the tokenizer's
-    EOS, as in training. A bad reward is scored 0 and counted in `eval/bad` (`on_bad_reward="fail"` raises
-    instead). The engine is woken first (a no-op when awake) and put to sleep after only with `sleep_after`.
-    Collective over ranks (see above).
+    EOS and its chat template's end-of-turn token (`rollout.stops.stop_token_ids` without a model directory;
+    `RunEvaluation` passes the run's training stop ids). A bad reward is scored 0 and counted in `eval/bad`
+    (`on_bad_reward="fail"` raises instead). The engine is woken first (a no-op when awake) and put to sleep after
+    only with `sleep_after`. Collective over ranks (see above).
     """
     t0 = time.perf_counter()
-    stops = (tokenizer.eos_token_id,) if stop_token_ids is None else tuple(stop_token_ids)
+    stops = tokenizer_stop_ids(tokenizer) if stop_token_ids is None else tuple(stop_token_ids)
     spec = eval_spec(greedy=greedy, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
                      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops)
     ks = sorted(k for k in set(k_values) | {1} if 1 <= k <= spec.n)
@@ -318,7 +321,8 @@ class RunEvaluation:
     (`eval_reward_fn`) and its `rl.eval_*` settings; `run(engine)` evaluates whatever weights the engine holds.
 
     The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
-    weights. `close()` stops an eval reward's workers (a reward shared with training is closed by training).
+    weights; responses stop at the training rollouts' stop ids (`rollout.stops.run_stop_token_ids`). `close()`
+    stops an eval reward's workers (a reward shared with training is closed by training).
     """
 
     def __init__(self, ctx, training_fn: RewardSet | Callable | None):
@@ -333,7 +337,8 @@ class RunEvaluation:
                             max_new_tokens=rl.eval_max_new_tokens or cfg.rollout.max_new_tokens,
                             temperature=rl.eval_temperature, top_p=rl.eval_top_p,
                             seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003,
-                            k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero")
+                            k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero",
+                            stop_token_ids=run_stop_token_ids(ctx))
 
     def run(self, engine: RolloutEngine) -> dict[str, float]:
         """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step)."""

@@ -20,6 +20,7 @@ import torch
 from ds_rlhf.algos.kl import kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.rollout.base import SamplingSpec
+from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.telemetry import PhaseTimer
 from ds_rlhf.trainer.rl_build import RLParts
 from ds_rlhf.trainer.rl_update import UpdateResult, forward_logprobs, forward_values, ppo_update, single_update
@@ -34,7 +35,7 @@ def sampling_spec(ctx: RunContext, step: int, round_: int = 0) -> SamplingSpec:
     seed = (ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
             + round_ * 1_000_000_007)
     return SamplingSpec(n=r.n_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                        top_k=r.top_k, stop_token_ids=(ctx.tokenizer.eos_token_id,), seed=seed, seeding=r.seeding)
+                        top_k=r.top_k, stop_token_ids=run_stop_token_ids(ctx), seed=seed, seeding=r.seeding)
 
 
 def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_coef: float,

@@ -108,6 +108,10 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
                    weights_version: int = 0, mask_truncated: bool = False) -> Trajectory:
     """Pad `RolloutSample`s (prompt_ids, response_ids, logprobs, prompt_index) into a Trajectory.
 
+    `attention_mask` and `action_mask` come from each sample's prompt and response lengths, never from comparing
+    ids with `pad_id`, which only fills the right padding: a response's final stop token (EOS, end-of-turn) is
+    attended, trained on and in the mismatch metrics even where the tokenizer's pad id equals it.
+
     `mask_truncated` (DAPO's overlong filtering, `rl.overlong_mask`): a response that hit the generation budget
     (`finish_reason == "length"`) gets an all-zero `action_mask` row, so it carries no loss weight (nor counts
     in token-mean's denominator); its score still enters its group's baseline (`with_advantages`)."""
