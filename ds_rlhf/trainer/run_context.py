@@ -17,9 +17,8 @@ import torch
 
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
+from ds_rlhf.engines.ds_config import find_ds_config
 from ds_rlhf.trainer.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve_model_path(spec: str) -> str:
@@ -32,14 +31,6 @@ def resolve_model_path(spec: str) -> str:
         raise FileNotFoundError(f"model path '{spec}' is not a local directory (ds_rlhf never downloads "
                                 "weights at run time; pass a directory with config.json and weights)")
     return spec
-
-
-def find_ds_config(path: str) -> Path:
-    """The ds_config as given, or relative to the checkout (so `ds_configs/zero2.json` works from anywhere)."""
-    for candidate in (Path(path), REPO_ROOT / path):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"DeepSpeed config not found: {path}")
 
 
 def seed_everything(seed: int) -> None:
