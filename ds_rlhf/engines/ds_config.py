@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +30,34 @@ _DS_BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size
                        "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000}
 
 
+def packaged_ds_configs() -> Path:
+    """The directory of the configs shipped with the package (``ds_rlhf/ds_configs``; the checkout's top-level
+    ``ds_configs`` is a link to it)."""
+    return Path(str(resources.files("ds_rlhf") / "ds_configs"))
+
+
+def find_ds_config(path: str | os.PathLike) -> Path:
+    """The DeepSpeed config file ``path`` names: the path as given (relative to the current directory), else the
+    packaged config of that name, so ``ds_configs/zero2.json``, ``zero2.json`` and ``zero2`` work from any directory
+    and from an installed wheel. A missing suffix means ``.json``."""
+    given = Path(path)
+    candidates = [given] if given.suffix else [given, given.with_suffix(".json")]
+    if not given.is_absolute() and (len(given.parts) == 1 or given.parts[0] == "ds_configs"):
+        packaged = packaged_ds_configs()
+        candidates += [packaged.joinpath(*c.parts[1:] if c.parts[0] == "ds_configs" else c.parts) for c in candidates]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem for p in packaged_ds_configs().glob("*.json"))
+    raise FileNotFoundError(f"DeepSpeed config not found: {path} (not a file here, nor a packaged config: "
+                            f"{', '.join(names)})")
+
+
 def load_ds_config(path_or_dict: str | os.PathLike | dict) -> dict:
-    """A deep copy of a config dict, or the parsed JSON file (a bare name is looked up in ``ds_configs/``)."""
+    """A deep copy of a config dict, or the parsed JSON file (found by `find_ds_config`)."""
     if isinstance(path_or_dict, dict):
         return copy.deepcopy(path_or_dict)
-    path = Path(path_or_dict)
-    if not path.exists() and not path.suffix:
-        path = path.with_suffix(".json")
-    if not path.exists():
-        candidate = Path(__file__).resolve().parents[2] / "ds_configs" / path.name
-        if candidate.exists():
-            path = candidate
-    if not path.exists():
-        raise FileNotFoundError(f"DeepSpeed config not found: {path_or_dict}")
-    return json.loads(path.read_text())
+    return json.loads(find_ds_config(path_or_dict).read_text())
 
 
 def pick_precision(requested: str = "auto") -> str:

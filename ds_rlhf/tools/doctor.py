@@ -19,6 +19,9 @@ import os
 import sys
 import time
 
+import torch
+
+from ds_rlhf.engines.attention import VARLEN_NAME, available_impls, choice_path, measured_choice, select_attn_impl
 from ds_rlhf.tools import checks as sw
 from ds_rlhf.tools import system_checks as hw
 from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
@@ -33,6 +36,7 @@ def run_checks(data_dir: str | os.PathLike = ".") -> list[Check]:
     gpus = int(gpu.facts.get("count", 0))
     link = _safe(lambda: hw.check_interconnect(gpus), "interconnect")
     out += [link, _safe(lambda: sw.check_vllm(gpus), "vLLM"), _safe(lambda: sw.check_flash_attn(gpus), "flash-attn"),
+            _safe(lambda: check_attention(gpus), "attention"),
             _safe(lambda: sw.check_liger(gpus), "liger-kernel"),
             _safe(lambda: sw.check_jit_toolchain(gpus), "DeepSpeed JIT build"), sw.check_arch_list(gpus),
             _safe(lambda: hw.check_data_dir(data_dir), "data dir I/O"), hw.check_shm(gpus),
@@ -46,6 +50,38 @@ def _safe(probe, name: str) -> Check:
         return probe()
     except Exception as exc:  # noqa: BLE001
         return Check(name, WARN, f"probe failed: {type(exc).__name__}: {exc}", "report this as a doctor bug")
+
+
+def check_attention(gpus: int) -> Check:
+    """Which attention kernel `model.attn_impl auto` gives each path on this machine, and why: the RL models see
+    padded rows unless `data.rl_packing` (rl_build.rl_attention), SFT / RM resolve without that hint
+    (models._hf_kwargs). Both go through engines/attention.py:select_attn_impl, called here as they call it, at the
+    precision `auto` picks (bf16 on a GPU that has it, else fp16; fp32 on CPU)."""
+    device = "cuda" if gpus and torch.cuda.is_available() else "cpu"
+    dtype = torch.float32
+    if device == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    padded = select_attn_impl("auto", device, dtype, padded=True)
+    packed = select_attn_impl("auto", device, dtype, padded=False)
+    usable = available_impls(device, dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    why = []
+    if (measured := measured_choice(device, dtype)) in usable:
+        why.append(f"{measured} recorded as fastest here by bench/attention.py --save-choice ({choice_path()})")
+    else:
+        if "flash_attention_2" in usable:
+            why.append("flash-attn installed: first choice")
+        elif device == "cuda":
+            why.append("flash-attn not installed (optional; auto would pick it first)")
+        if VARLEN_NAME in usable:
+            why.append(f"auto skips {VARLEN_NAME} for padded rows (measured slower than sdpa there)")
+        else:
+            why.append(f"{VARLEN_NAME} needs CUDA with fp16/bf16")
+    found = (f"model.attn_impl auto on {device} ({dtype_name}): RL padded rows (default) -> {padded}; RL packed "
+             f"rows (data.rl_packing), SFT and RM -> {packed}; " + "; ".join(why))
+    facts = {"device": device, "dtype": dtype_name, "rl_padded": padded, "rl_packed": packed, "sft_rm": packed,
+             "usable": usable}
+    return Check("attention", OK, found, facts=facts)
 
 
 def by_name(results: list[Check]) -> dict[str, Check]:
@@ -74,7 +110,7 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if backend == "vllm" or (backend == "auto" and gpus):
         what = f"rollout.backend={backend}" + (" on a GPU machine" if backend == "auto" else "")
         if not vllm.get("installed"):
-            results = _need(results, "vLLM", what, "install vLLM (requirements/cuda.txt), or --rollout.backend hf")
+            results = _need(results, "vLLM", what, "install vLLM (requirements/cuda.lock), or --rollout.backend hf")
         elif c["vLLM"].verdict != OK:
             results = _need(results, "vLLM", what)
     dtype = cfg.model.dtype
@@ -85,7 +121,7 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
         results = _need(results, "GPUs", "model.dtype=bf16 but a GPU lacks bf16", "use --model.dtype fp16")
     if cfg.model.attn_impl == "flash_attention_2" and not c["flash-attn"].facts.get("installed"):
         results = _need(results, "flash-attn", "model.attn_impl=flash_attention_2",
-                        "pip install -r requirements/cuda-optional.txt, or --model.attn_impl auto")
+                        f"{sw.FLASH_ATTN_INSTALL}, or --model.attn_impl auto")
     if cfg.model.kernels == "liger":
         if not c["liger-kernel"].facts.get("installed"):
             results = _need(results, "liger-kernel", "model.kernels=liger",

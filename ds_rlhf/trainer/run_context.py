@@ -17,10 +17,9 @@ import torch
 
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
+from ds_rlhf.engines.ds_config import find_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.trainer.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve_model_path(spec: str, key: str = "model.path") -> str:
@@ -41,14 +40,6 @@ def load_run_tokenizer(cfg: Config, model_path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def find_ds_config(path: str) -> Path:
-    """The ds_config as given, or relative to the checkout (so `ds_configs/zero2.json` works from anywhere)."""
-    for candidate in (Path(path), REPO_ROOT / path):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"DeepSpeed config not found: {path}")
 
 
 def seed_everything(seed: int) -> None:
