@@ -8,7 +8,7 @@ Accepted specs (`--model.path`, `--model.tokenizer`, `--rl.reward_model`, `--rl.
   downloads are allowed (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset); offline, the cached snapshot is used, and a
   model that is not cached is one `ConfigError` naming the id and how to fetch it beforehand;
 - `tiny` / `tiny:<preset>`: the offline tiny model of `engines/tiny_models.py`, built on first use;
-- a `.gguf` file: handed to `_gguf_model_dir` (see there).
+- a `.gguf` file: converted once into the cache (`_gguf_model_dir`) and read from there.
 
 A spec that looks like a path (starts with `/`, `.` or `~`, or exists) is always taken as one. Hub resolutions are
 remembered per process, so every role of a run (and every later call) gets the same snapshot directory.
@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 
 from ds_rlhf.config import ConfigError
-from ds_rlhf.engines.tiny_models import PRESETS, build_tiny_model
+from ds_rlhf.engines.gguf_import import cached_conversion
+from ds_rlhf.engines.tiny_models import PRESETS, build_tiny_model, default_cache_dir
 
 # huggingface_hub's repo id rules (validate_repo_id): `org/name`, letters, digits, `-`, `_`, `.`; an optional
 # `@revision` (branch, tag or commit; branch names may hold `/`).
@@ -151,6 +152,6 @@ def _hub_snapshot(spec: str, repo_id: str, revision: str | None, key: str, what:
 
 # -- GGUF ---------------------------------------------------------------------------------------------------------
 def _gguf_model_dir(path: Path, key: str) -> str:
-    """A `.gguf` file as a model directory. Not read directly: the file is to be converted first."""
-    raise ModelSourceError(f"{key}={str(path)!r} is a GGUF file: convert it with `ds-rlhf convert-gguf` and pass the "
-                      "directory it writes")
+    """A `.gguf` file as a model directory: converted once (bf16) into `$DS_RLHF_CACHE/gguf/`, keyed by the file's
+    sha256, by `engines/gguf_import.py` (which fixes the special tokens up from the chat template), and reused."""
+    return str(cached_conversion(path, default_cache_dir() / "gguf", "bf16"))

@@ -87,10 +87,11 @@ def test_local_paths_that_are_not_model_directories_are_refused_in_one_line(tmp_
         with pytest.raises(ModelSourceError, match=reason) as info:
             resolve_model_source(spec, "rl.critic_path")
         assert str(info.value).startswith(f"rl.critic_path={spec!r}") and "\n" not in str(info.value)
-    gguf = tmp_path / "model.Q4_K_M.gguf"
-    gguf.write_bytes(b"GGUF")
-    with pytest.raises(ModelSourceError, match="is a GGUF file: convert it with `ds-rlhf convert-gguf`"):
-        resolve_model_source(str(gguf))
+    not_gguf = tmp_path / "model.Q4_K_M.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04")
+    with pytest.raises(ConfigError, match=r"model.Q4_K_M.gguf is not a GGUF file \(it starts with") as info:
+        resolve_model_source(str(not_gguf))
+    assert "\n" not in str(info.value)
 
 
 def test_tiny_specs_still_build_the_tiny_model(tiny_model_path):

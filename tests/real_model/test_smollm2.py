@@ -17,6 +17,7 @@ from grpo_worker import hf_greedy
 from ds_rlhf.config import parse_config
 from ds_rlhf.data import open_store
 from ds_rlhf.engines.gguf_import import REPORT_NAME, fix_special_tokens
+from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.testing.multiproc import clean_env
@@ -49,6 +50,11 @@ def test_converted_directory_has_chatml_special_tokens(smollm2_path, smollm2_tok
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
                                    tokenize=False)
     assert "<|im_start|>assistant\nyo<|im_end|>" in text
+
+
+def test_a_gguf_model_path_resolves_to_its_cached_conversion(smollm2_gguf, smollm2_path):
+    """`--model.path FILE.gguf` (and every other model setting) reads the file's one cached conversion."""
+    assert resolve_model_source(str(smollm2_gguf), "model.path") == str(smollm2_path)
 
 
 def test_fix_up_corrects_an_eos_read_as_im_start(smollm2_path):
