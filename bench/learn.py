@@ -36,7 +36,7 @@ from pathlib import Path
 
 from learn_tasks.tasks import write_arithmetic, write_gsm8k
 
-from ds_rlhf.engines.tiny_models import build_tiny_model
+from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.telemetry.logger import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,18 +127,6 @@ def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: 
                     "--max_prompt_len", str(max_prompt_len), log=work / f"prep_{key}.log")
         stores[key] = out
     return stores
-
-
-def resolve_model(args, work: Path) -> str:
-    """A directory the tokenizer and trainer load: the tiny model, or `--model` (a .gguf is converted once)."""
-    if args.model == "tiny":
-        return str(build_tiny_model())
-    if args.model.endswith(".gguf"):
-        out = work / "model"
-        if not (out / "config.json").is_file():
-            ds_rlhf("convert-gguf", args.model, str(out), "--dtype", "bf16", log=work / "convert.log")
-        return str(out)
-    return args.model
 
 
 def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool) -> list[str]:
@@ -238,7 +226,7 @@ def main(argv=None) -> int:
     work = args.out / f"work_{args.task}"
     work.mkdir(exist_ok=True)
     gpu = has_gpu()
-    model = resolve_model(args, work)
+    model = resolve_model_source(args.model)  # tiny, a directory, a Hub id, or a .gguf converted once (cached)
     stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len)
     result = {"task": args.task, "model": args.model, "model_name": Path(args.model).name, "device":
               _device_name(gpu), "date": time.strftime("%Y-%m-%d"), "settings": {
