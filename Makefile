@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` (install + the main job on the tiny default) and `make test`.
-.PHONY: setup demo test test-all test-fast lint
+.PHONY: setup demo test test-all test-fast lint lock-cpu lock-cuda
 
 setup:
 	@bash scripts/setup.sh
@@ -20,3 +20,11 @@ test-fast: setup
 
 lint: setup
 	@.venv/bin/ruff check .
+
+# Regenerate the full locks from their top-level files (requirements.txt, requirements/cuda.txt); metadata only for
+# CUDA (no GPU needed; PYTHON=path for a Python 3.12 not on PATH). tests/foundation/test_requirements.py checks both.
+lock-cpu:
+	@bash scripts/lock_cpu.sh
+
+lock-cuda:
+	@bash scripts/lock_cuda.sh

@@ -1,0 +1,106 @@
+"""The project as a built wheel (`pip install .` / `pip install ds_rlhf-*.whl`), away from the checkout.
+
+The wheel is built from a copy of the package sources (the checkout stays clean), installed with --no-deps into a
+fresh venv that borrows this venv's pinned set through a .pth line, and run from a temporary directory: the
+packaged data files (ds_configs) must come from the wheel, not from the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from ds_rlhf.engines.ds_config import find_ds_config, load_ds_config, packaged_ds_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGED = {"zero2.json", "zero3.json", "zero3_offload.json", "zero3_pp.json", "onebit_adam.json",
+            "low_memory_24g.json", "low_memory_24g.yaml", "dapo.yaml"}
+
+
+def test_ds_config_lookup_from_another_directory(tmp_path, monkeypatch):
+    """`ds_configs/zero2.json`, `zero2.json` and `zero2` name the packaged config from any directory; a file of
+    that path in the current directory wins; a missing one is an error naming the packaged configs."""
+    monkeypatch.chdir(tmp_path)
+    packaged = packaged_ds_configs() / "zero2.json"
+    for spec in ("ds_configs/zero2.json", "zero2.json", "zero2", "ds_configs/zero2"):
+        assert find_ds_config(spec) == packaged, spec
+    assert load_ds_config("ds_configs/zero3.json")["zero_optimization"]["stage"] == 3
+    (tmp_path / "ds_configs").mkdir()
+    own = tmp_path / "ds_configs" / "zero2.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert find_ds_config("ds_configs/zero2.json") == Path("ds_configs/zero2.json")
+    assert load_ds_config("ds_configs/zero2.json")["zero_optimization"]["stage"] == 1
+    with pytest.raises(FileNotFoundError, match=r"zero4\.json .*packaged config: .*zero2, zero3"):
+        find_ds_config("zero4.json")
+    with pytest.raises(FileNotFoundError):
+        find_ds_config(str(tmp_path / "elsewhere" / "zero2.json"))  # an explicit path is not redirected
+
+
+def test_checkout_ds_configs_is_the_package_dir():
+    assert (ROOT / "ds_configs").resolve() == packaged_ds_configs().resolve()
+    assert {p.name for p in packaged_ds_configs().iterdir() if p.is_file()} == PACKAGED
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copytree(ROOT / "ds_rlhf", src / "ds_rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          tmp_path / "dist", src], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("ds_rlhf-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
+    """Built wheel -> fresh venv (--no-deps, this venv's pinned set through a .pth): `ds-rlhf train-ppo --help` and a
+    2-step GRPO run with the default ds_config (ds_configs/zero2.json, the packaged file) from a temporary dir."""
+    from ds_rlhf.data.synthetic import write_addition_datasets
+
+    wheel = _build_wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    (site / "pinned_set.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    out = subprocess.run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "-q",
+                          "--no-deps", wheel], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+
+    def run(*cmd, timeout=120):
+        return subprocess.run([str(c) for c in cmd], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    where = run(venv / "bin" / "python", "-c", "import ds_rlhf; print(ds_rlhf.__file__)")
+    assert where.returncode == 0 and Path(where.stdout.strip()).is_relative_to(site), where.stdout + where.stderr
+    helped = run(venv / "bin" / "ds-rlhf", "train-ppo", "--help")
+    assert helped.returncode == 0 and "Train a policy with RL (PPO, GRPO" in helped.stdout, helped.stderr[-2000:]
+
+    stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=32, n_sft=8, n_pref=8,
+                                     max_operand=20)
+    trained = run(venv / "bin" / "ds-rlhf", "train-ppo", "--model.path", "tiny", "--data.train", stores["prompts"],
+                  "--rl.algo", "grpo", "--rollout.backend", "hf", "--run.output_dir", "run", "--run.steps", "2",
+                  "--rl.reward_fn", "math_shaped", "--rl.prompts_per_step", "4", "--rollout.n_samples", "2",
+                  "--rollout.max_new_tokens", "8", "--run.progress", "false", "--run.tensorboard", "false",
+                  "--run.export_hf", "false", timeout=600)
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-4000:]
+    config = json.loads((work / "run" / "config.json").read_text())
+    assert config["ds_config"] == "ds_configs/zero2.json"
+    resolved = json.loads((work / "run" / "ds_config.actor.json").read_text())
+    assert resolved["zero_optimization"]["stage"] == 2
+    assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) >= 2
