@@ -369,6 +369,8 @@ class RunConfig:
     progress: bool = True
     log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
     metrics_port: int = opt(0, ge=0, le=65535)  # serve live Prometheus metrics on this port (0 = off)
+    # "" = $DS_RLHF_METRICS_ADDR, else 127.0.0.1 (this host only); 0.0.0.0 = every interface (other hosts scrape)
+    metrics_host: str = ""  # bind address of the metrics endpoint ("": 127.0.0.1 unless $DS_RLHF_METRICS_ADDR)
     profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
     health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
