@@ -34,7 +34,7 @@ from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines, rewrite_lines
 SAMPLES_FILE = "samples.jsonl"
 ROW_KEYS = ("prompt", "response", "reward", "reward_components", "ground_truth", "advantage", "weights_version")
 GROUP_KEY, PROMPT_INDEX_KEY = "group", "prompt_index"
-TABLE_COLUMNS = ("step", GROUP_KEY, *ROW_KEYS)
+TABLE_COLUMNS = ("step", *ROW_KEYS, GROUP_KEY)
 
 
 def _plain(value):
