@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from ds_rlhf.data.writer import write_store
 from ds_rlhf.engines.ds_config import pick_precision, resolve_ds_config
 from ds_rlhf.engines.models import load_causal_lm
 from ds_rlhf.rollout.vllm_adapter import vllm_version
+from ds_rlhf.testing.multiproc import clean_env
 from ds_rlhf.trainer.rl_trainer import check_rollout_precision
 from tests.trainer.stores import prompt_store
 
@@ -46,7 +46,7 @@ def float_keys() -> list[str]:
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+                          timeout=timeout, cwd=ROOT, env=clean_env(**(env or {})))
     return proc, time.monotonic() - start
 
 
