@@ -3,11 +3,12 @@
 An error the user can fix by changing an input (`USER_ERRORS`: `config.UserInputError` and its subclasses such as
 `ConfigError`, and the data, run-directory and reward errors) ends the command with one `error: ...` line and exit
 status 1; any other exception is a bug and shows its traceback. `--debug` (or DS_RLHF_DEBUG=1) shows the traceback of
-user errors too.
+user errors too. A full disk, a read-only or unwritable path (an OSError naming its file) is one line as well.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -27,6 +28,28 @@ A mistake in the settings or inputs is one `error: ...` line; --debug (or DS_RLH
 DEBUG_FLAG, DEBUG_ENV = "--debug", "DS_RLHF_DEBUG"
 # Errors a user causes and fixes by changing one input; each message names that input.
 USER_ERRORS = (UserInputError, DataPrepError, StoreFormatError, StoreMismatchError, BadRewardError, RunDirError)
+# OSErrors of the machine rather than the code (a full disk or quota, a read-only or unwritable path, a file where a
+# directory should be): one line naming the path, and what to do
+PATH_ERRNOS = {errno.ENOSPC: "free space there or write elsewhere (e.g. --run.output_dir)",
+               errno.EDQUOT: "free space there or write elsewhere (e.g. --run.output_dir)",
+               errno.EROFS: "write elsewhere (e.g. --run.output_dir)",
+               errno.EACCES: "fix its permissions or write elsewhere (e.g. --run.output_dir)",
+               errno.EPERM: "fix its permissions or write elsewhere (e.g. --run.output_dir)",
+               errno.ENOTDIR: "a file is in the way of a directory there"}
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def path_error_line(exc: BaseException, output_dir: str | None = None) -> str | None:
+    """One line for an OSError of the machine (see PATH_ERRNOS) naming its path, else None. A full disk met by a
+    write (such errors carry no path) names the run's output directory, where the run writes."""
+    if not isinstance(exc, OSError) or exc.errno not in PATH_ERRNOS:
+        return None
+    if exc.filename:
+        return f"{exc.filename}: {exc.strerror}; {PATH_ERRNOS[exc.errno]}"
+    if exc.errno in FULL and output_dir:
+        return f"{exc.strerror or os.strerror(exc.errno)} (the run writes under run.output_dir={output_dir}); " \
+               f"{PATH_ERRNOS[exc.errno]}"
+    return None
 
 
 def debug_requested(argv: list[str]) -> bool:
@@ -43,6 +66,7 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         return None
     debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
+    cfg = None
     try:
         cfg = parse_config(argv, defaults)
         result = run(cfg)
@@ -50,6 +74,11 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         if debug:
             raise
         sys.exit(f"error: {exc}")
+    except OSError as exc:
+        line = path_error_line(exc, cfg.run.output_dir if cfg is not None else None)
+        if debug or line is None:
+            raise
+        sys.exit(f"error: {line}")
     _shutdown_process_group()
     return result
 

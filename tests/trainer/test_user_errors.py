@@ -4,6 +4,7 @@ a real bug still shows its traceback; --debug / DS_RLHF_DEBUG=1 shows the traceb
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import shutil
 import subprocess
@@ -153,6 +154,35 @@ def test_debug_flag_or_env_shows_the_traceback_of_a_user_error(monkeypatch):
     monkeypatch.setenv("DS_RLHF_DEBUG", "0")
     with pytest.raises(SystemExit):
         run_entry("doc", {}, _raiser(UserInputError("bad")), [])
+
+
+def test_a_full_disk_or_unwritable_path_is_one_line_naming_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("DS_RLHF_DEBUG", raising=False)
+    out = str(tmp_path / "run")
+    cases = [(OSError(errno.ENOSPC, "No space left on device", f"{out}/metrics.jsonl"),
+              f"error: {out}/metrics.jsonl: No space left on device; free space there or write elsewhere"),
+             (OSError(errno.ENOSPC, "No space left on device"),  # a write() names no file: the output dir is named
+              f"error: No space left on device (the run writes under run.output_dir={out}); free space there"),
+             (PermissionError(errno.EACCES, "Permission denied", "/ro/run"),
+              "error: /ro/run: Permission denied; fix its permissions or write elsewhere (e.g. --run.output_dir)")]
+    for exc, line in cases:
+        with pytest.raises(SystemExit) as info:
+            run_entry("doc", {}, _raiser(exc), ["--run.output_dir", out])
+        assert info.value.code.startswith(line)
+    with pytest.raises(FileNotFoundError):  # a missing file may be a bug: its traceback stays
+        run_entry("doc", {}, _raiser(FileNotFoundError(errno.ENOENT, "No such file", "x")), [])
+    with pytest.raises(OSError):  # --debug: the traceback
+        run_entry("doc", {}, _raiser(cases[0][0]), ["--debug"])
+
+
+def test_an_output_dir_behind_a_file_is_one_line_on_the_command_line(tiny_model_path, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc, _ = cli("train-ppo", "--model.path", str(tiny_model_path), "--data.train",
+                  str(prompt_store(tmp_path, tiny_model_path)), "--rl.reward_fn", "gsm8k", "--run.output_dir",
+                  str(blocker / "run"), "--rollout.backend", "hf")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {blocker}")
 
 
 def test_too_few_rows_for_a_batch_names_the_settings(tiny_model_path, tmp_path):
