@@ -1,17 +1,60 @@
-"""The command-line front of every entry point: --help, config parsing, clear one-line errors."""
+"""The command-line front of every entry point: --help, config parsing, clear one-line errors.
+
+An error the user can fix by changing an input (`USER_ERRORS`: `config.UserInputError` and its subclasses such as
+`ConfigError`, and the data, run-directory and reward errors) ends the command with one `error: ...` line and exit
+status 1; any other exception is a bug and shows its traceback. `--debug` (or DS_RLHF_DEBUG=1) shows the traceback of
+user errors too. A full disk, a read-only or unwritable path (an OSError naming its file) is one line as well.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from collections.abc import Callable
 
-from ds_rlhf.config import Config, ConfigError, apply_mapping, help_text, parse_config
+from ds_rlhf.config import Config, UserInputError, apply_mapping, help_text, parse_config
+from ds_rlhf.data.formats import DataPrepError
+from ds_rlhf.data.store import StoreFormatError, StoreMismatchError
+from ds_rlhf.rewards.scoring import BadRewardError
+from ds_rlhf.trainer.run_dir import RunDirError
 
 USAGE = """
 Settings: --config file.yaml|json, then --section.key value (or --key value when the key is unique).
 Launch with `python`, `deepspeed` (e.g. deepspeed --num_gpus 8 launch/train_ppo.py --ds_config ...) or
 `accelerate launch` (its DeepSpeed plugin settings fill in what you leave at defaults).
+A mistake in the settings or inputs is one `error: ...` line; --debug (or DS_RLHF_DEBUG=1) shows its traceback.
 """
+DEBUG_FLAG, DEBUG_ENV = "--debug", "DS_RLHF_DEBUG"
+# Errors a user causes and fixes by changing one input; each message names that input.
+USER_ERRORS = (UserInputError, DataPrepError, StoreFormatError, StoreMismatchError, BadRewardError, RunDirError)
+# OSErrors of the machine rather than the code (a full disk or quota, a read-only or unwritable path, a file where a
+# directory should be): one line naming the path, and what to do
+PATH_ERRNOS = {errno.ENOSPC: "free space there or write elsewhere (e.g. --run.output_dir)",
+               errno.EDQUOT: "free space there or write elsewhere (e.g. --run.output_dir)",
+               errno.EROFS: "write elsewhere (e.g. --run.output_dir)",
+               errno.EACCES: "fix its permissions or write elsewhere (e.g. --run.output_dir)",
+               errno.EPERM: "fix its permissions or write elsewhere (e.g. --run.output_dir)",
+               errno.ENOTDIR: "a file is in the way of a directory there"}
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def path_error_line(exc: BaseException, output_dir: str | None = None) -> str | None:
+    """One line for an OSError of the machine (see PATH_ERRNOS) naming its path, else None. A full disk met by a
+    write (such errors carry no path) names the run's output directory, where the run writes."""
+    if not isinstance(exc, OSError) or exc.errno not in PATH_ERRNOS:
+        return None
+    if exc.filename:
+        return f"{exc.filename}: {exc.strerror}; {PATH_ERRNOS[exc.errno]}"
+    if exc.errno in FULL and output_dir:
+        return f"{exc.strerror or os.strerror(exc.errno)} (the run writes under run.output_dir={output_dir}); " \
+               f"{PATH_ERRNOS[exc.errno]}"
+    return None
+
+
+def debug_requested(argv: list[str]) -> bool:
+    """Whether user errors should show their traceback: `--debug` on the command line or DS_RLHF_DEBUG set (not 0)."""
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: list[str] | None = None):
@@ -21,14 +64,21 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         apply_mapping(shown, defaults)
         print(doc.strip() + "\n" + USAGE + "\nAll settings with this entry point's defaults:\n" + help_text(shown))
         return None
-    from ds_rlhf.rewards.scoring import BadRewardError
-    from ds_rlhf.trainer.run_dir import RunDirError
-
+    debug = debug_requested(argv)
+    argv = [a for a in argv if a != DEBUG_FLAG]
+    cfg = None
     try:
         cfg = parse_config(argv, defaults)
         result = run(cfg)
-    except (ConfigError, BadRewardError, RunDirError) as exc:  # bad settings, inputs or rewards: one line, no traceback
+    except USER_ERRORS as exc:  # bad settings, inputs or rewards: one line, no traceback
+        if debug:
+            raise
         sys.exit(f"error: {exc}")
+    except OSError as exc:
+        line = path_error_line(exc, cfg.run.output_dir if cfg is not None else None)
+        if debug or line is None:
+            raise
+        sys.exit(f"error: {line}")
     _shutdown_process_group()
     return result
 

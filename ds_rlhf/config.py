@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's 
     RLConfig,
     RolloutConfig,
     RunConfig,
+    UserInputError,
     opt,
 )
 
@@ -46,12 +48,15 @@ class Config:
         return dataclasses.asdict(self)
 
     def check(self) -> None:
-        """Every field's rule (choices, bounds), then each section's cross-field rules; raises ConfigError."""
+        """Every float is finite, every field's rule (choices, bounds) holds, then each section's cross-field rules;
+        raises ConfigError."""
         for key, (section, name) in _all_keys().items():
             target = getattr(self, section) if section else self
+            value = getattr(target, name)
+            _check_finite(key, value)
             rule = _field_rules(type(target)).get(name)
             if rule:
-                _check_rule(key, getattr(target, name), rule)
+                _check_rule(key, value, rule)
         for section in SECTIONS:
             check = getattr(getattr(self, section), "check", None)
             if check is not None:
@@ -84,6 +89,13 @@ def choices_of(rule: dict) -> tuple:
     return tuple(choices or ())
 
 
+def _check_finite(key: str, value: Any) -> None:
+    """No setting is NaN or infinite: such a value passes every bound check yet breaks the run much later."""
+    items = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+        raise ConfigError(f"{key}={value!r}: must be a finite number (not inf or nan)")
+
+
 def _check_rule(key: str, value: Any, rule: dict) -> None:
     if "choices" in rule:
         allowed = choices_of(rule)
@@ -91,9 +103,11 @@ def _check_rule(key: str, value: Any, rule: dict) -> None:
             raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}")
     bounds = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
               "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+    items = value if isinstance(value, tuple) else (value,)  # a tuple's bounds hold for each of its values
+    each = "each value " if isinstance(value, tuple) else ""
     for name, (op, ok) in bounds.items():
-        if name in rule and not ok(value, rule[name]):
-            raise ConfigError(f"{key}={value!r}: must be {op} {rule[name]}")
+        if name in rule and not all(ok(v, rule[name]) for v in items):
+            raise ConfigError(f"{key}={value!r}: {each}must be {op} {rule[name]}")
 
 
 def validate(cfg: Config) -> Config:
@@ -158,7 +172,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             return float(value)
         if typ is str:  # a YAML true/false given to a string choice reads as "true"/"false"
             return "" if value is None else (str(value).lower() if isinstance(value, bool) else str(value))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         expected = getattr(typ, "__name__", typ)
         raise ConfigError(f"bad value {value!r} for '{key}' (expected {expected}): {exc}") from None
     return value
@@ -181,17 +195,56 @@ def apply_mapping(cfg: Config, mapping: dict, prefix: str = "") -> None:
             set_value(cfg, full, value)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, where: str):
+        super().__init__(key, where)
+        self.key, self.where = key, where
+
+
+def _yaml_loader():
+    """yaml's SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise _DuplicateKey(str(key), f"lines {seen[key]} and {line}")
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """json.loads' object_pairs_hook refusing a key given twice in one object."""
+    keys = [k for k, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _DuplicateKey(key, f"{keys.count(key)} times in one object")
+    return dict(pairs)
+
+
 def load_file(path: str | Path) -> dict:
+    """A --config file (YAML or JSON) as a dict; ConfigError when it is missing, malformed, not a mapping, or gives
+    one key twice in a mapping."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()
     import yaml
 
+    is_yaml = path.suffix in (".yaml", ".yml")
     try:
-        data = (yaml.safe_load(text) or {}) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        data = (yaml.load(text, Loader=_yaml_loader()) or {}) if is_yaml else json.loads(
+            text, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as dup:
+        raise ConfigError(f"config file {path}: key '{dup.key}' is given twice ({dup.where}); keep one") from None
     except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+        kind = "YAML" if is_yaml else "JSON"
         raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")

@@ -13,7 +13,13 @@ if TYPE_CHECKING:
     from ds_rlhf.config import Config
 
 
-class ConfigError(ValueError):
+class UserInputError(ValueError):
+    """A mistake in what the user gave (a setting, a file, a directory, a model) that changing that input fixes.
+    Raise it where the wrong input is known, naming the input and what to change: the command line (`cli.py`) prints
+    its message as one `error: ...` line without a traceback (`--debug` or DS_RLHF_DEBUG=1 shows the traceback)."""
+
+
+class ConfigError(UserInputError):
     """A config key or value the schema does not accept."""
 
 
@@ -29,7 +35,7 @@ def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float
 class ModelConfig:
     path: str = "tiny"  # HF directory or Hub id (org/name[@rev]); "tiny" / "tiny:small" build the offline tiny model
     tokenizer: str = ""  # defaults to `path`
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on GPUs that support it, fp32 on CPU)
+    dtype: str = opt("auto", choices=("auto", "fp32", "bf16", "fp16"))  # auto: bf16 on GPUs with bf16, fp32 on CPU
     attn_impl: str = "auto"  # auto | sdpa | eager | flash_attention_2 | varlen
     kernels: str = opt("auto", choices=("auto", "liger", "none"))  # fused RMSNorm/SwiGLU/rotary; auto: liger on CUDA
     gradient_checkpointing: bool = False
@@ -95,7 +101,7 @@ class OptimConfig:
     lr: float = opt(1e-6, gt=0)
     critic_lr: float = opt(5e-6, gt=0)
     weight_decay: float = opt(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = opt((0.9, 0.95), ge=0, lt=1)  # Adam's (beta1, beta2), each in [0, 1)
     eps: float = opt(1e-8, gt=0)
     warmup_steps: int = opt(0, ge=0)
     grad_clip: float = opt(1.0, ge=0)  # 0 = no clipping
@@ -354,7 +360,7 @@ class RunConfig:
     resume: str = ""  # "" | latest | path to a checkpoint directory
     overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)
     resume_fallback: bool = False  # if the newest checkpoint fails verification, resume from the newest valid one
-    seed: int = 0
+    seed: int = opt(0, ge=0, le=2**32 - 1)  # numpy's (and vLLM's engine) seed range: 0 .. 2**32 - 1
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "ds_rlhf"
@@ -363,6 +369,8 @@ class RunConfig:
     progress: bool = True
     log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
     metrics_port: int = opt(0, ge=0, le=65535)  # serve live Prometheus metrics on this port (0 = off)
+    # "" = $DS_RLHF_METRICS_ADDR, else 127.0.0.1 (this host only); 0.0.0.0 = every interface (other hosts scrape)
+    metrics_host: str = ""  # bind address of the metrics endpoint ("": 127.0.0.1 unless $DS_RLHF_METRICS_ADDR)
     profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
     health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)

@@ -23,6 +23,8 @@ import threading
 
 import numpy as np
 
+from ds_rlhf.config import UserInputError
+
 from .packing import length_grouped_order
 from .store import Store, check_store, open_store
 
@@ -130,8 +132,9 @@ class StoreLoader:
         per_rank = n // world_size if drop_last else -(-n // world_size)
         self.batches_per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{self.store.path}: {n} rows give no batch of {batch_size} per rank with world size "
-                             f"{world_size} (drop_last={drop_last}); lower batch_size or add data")
+            raise UserInputError(f"{self.store.path}: {n} rows give no batch of {batch_size} per rank with world "
+                                 f"size {world_size} (drop_last={drop_last}); lower the batch size "
+                                 "(rl.prompts_per_step for RL, optim.batch_size for SFT/RM) or add data")
         log.info("StoreLoader %s: %d rows, %d batches of %d per epoch on rank %d/%d, reader %s%s", self.store.path,
                  n, self.batches_per_epoch, batch_size, rank, world_size, self.reader_kind,
                  f" ({self.reader_note})" if self.reader_note else "")

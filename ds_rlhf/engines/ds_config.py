@@ -3,7 +3,8 @@
 Raw DeepSpeed rejects ``"auto"``; Hugging Face's Trainer/accelerate fill those values from the command line before
 handing the config over. We do the same, with one rule for everything: ``"auto"`` (or a missing key) takes the CLI
 value; an explicit value in the file wins over the CLI (logged as a warning) unless the combination is one DeepSpeed
-would reject, in which case we raise a ``ValueError`` naming the key. After resolution no ``"auto"`` may remain.
+would reject, in which case we raise a ``ConfigError`` (a ValueError) naming the key. After resolution no
+``"auto"`` may remain.
 
 The resolved dict is what gets passed to ``deepspeed.initialize``, logged, and saved beside every checkpoint, so a
 run can be reproduced from the checkpoint alone.
@@ -19,6 +20,8 @@ import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from ds_rlhf.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +78,12 @@ def pick_precision(requested: str = "auto") -> str:
             return "fp32"
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if requested not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS} or 'auto', got {requested!r}")
+        raise ConfigError(f"model.dtype={requested!r}: choose one of auto, {', '.join(PRECISIONS)}")
     if requested == "fp16" and not on_gpu:
-        raise ValueError("precision fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support (use fp32/bf16)")
+        raise ConfigError("model.dtype=fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 support; use "
+                          "--model.dtype fp32 (or bf16, or auto)")
     if requested == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
-        raise ValueError("precision bf16 requested but this GPU does not support bf16 (use fp16)")
+        raise ConfigError("model.dtype=bf16: this GPU does not support bf16; use --model.dtype fp16 (or auto)")
     return requested
 
 
@@ -133,7 +137,7 @@ def check_top_level_keys(raw: dict, where: str) -> list[str]:
     for key in unknown:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
         if close:
-            raise ValueError(f"{where}: unknown DeepSpeed key {key!r} (did you mean {close[0]!r}?); DeepSpeed would "
+            raise ConfigError(f"{where}: unknown DeepSpeed key {key!r} (did you mean {close[0]!r}?); DeepSpeed would "
                              "ignore it silently")
     return unknown
 
@@ -146,21 +150,22 @@ def _resolve_batch(cfg: dict, micro_batch_size: int, grad_accum: int, world_size
     if cfg.get("train_batch_size", AUTO) == AUTO:
         cfg["train_batch_size"] = expected
     elif cfg["train_batch_size"] != expected:
-        raise ValueError(f"ds_config key 'train_batch_size'={cfg['train_batch_size']} != train_micro_batch_size_per_gpu"
-                         f" ({mbs}) * gradient_accumulation_steps ({gas}) * world_size ({world_size}) = {expected};"
-                         " DeepSpeed rejects this. Set it to 'auto' or fix the batch settings.")
+        raise ConfigError(f"ds_config key 'train_batch_size'={cfg['train_batch_size']} != "
+                          f"train_micro_batch_size_per_gpu ({mbs}) * gradient_accumulation_steps ({gas}) * "
+                          f"world_size ({world_size}) = {expected}; DeepSpeed rejects this. Set it to 'auto' or fix "
+                          "the batch settings.")
 
 
 def _resolve_precision(cfg: dict, precision: str) -> None:
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     for key, want in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
         section = cfg.setdefault(key, {})
         if not isinstance(section, dict):
-            raise ValueError(f"ds_config key '{key}' must be an object like {{\"enabled\": true}}")
+            raise ConfigError(f"ds_config key '{key}' must be an object like {{\"enabled\": true}}")
         _fill(section, "enabled", want, f"{key}.enabled")
     if cfg["bf16"]["enabled"] and cfg["fp16"]["enabled"]:
-        raise ValueError("ds_config keys 'bf16.enabled' and 'fp16.enabled' are both true; DeepSpeed rejects this")
+        raise ConfigError("ds_config keys 'bf16.enabled' and 'fp16.enabled' are both true; DeepSpeed rejects this")
 
 
 def _resolve_optimizer(cfg: dict, lr, weight_decay, betas, eps, warmup_steps, total_steps) -> None:
@@ -172,7 +177,7 @@ def _resolve_optimizer(cfg: dict, lr, weight_decay, betas, eps, warmup_steps, to
         if opt.get("type") == "OneBitAdam" and params.get("freeze_step", AUTO) == AUTO:
             # Tang et al. warm up for ~15-25% of training; we take 15%, and never less than the LR warm-up.
             if total_steps is None:
-                raise ValueError("ds_config key 'optimizer.params.freeze_step' is 'auto' but total_steps was not "
+                raise ConfigError("ds_config key 'optimizer.params.freeze_step' is 'auto' but total_steps was not "
                                  "given; pass total_steps or set freeze_step explicitly")
             params["freeze_step"] = max(int(warmup_steps), math.ceil(0.15 * total_steps), 1)
     sched = cfg.get("scheduler")
@@ -188,7 +193,7 @@ def _resolve_optimizer(cfg: dict, lr, weight_decay, betas, eps, warmup_steps, to
         for key, value in values.items():
             if params.get(key) == AUTO:
                 if value is None:
-                    raise ValueError(f"ds_config key 'scheduler.params.{key}' is 'auto' but the CLI value is missing")
+                    raise ConfigError(f"ds_config key 'scheduler.params.{key}' is 'auto' but the CLI value is missing")
                 params[key] = value
 
 
@@ -196,7 +201,7 @@ def _offload_section(zero: dict, key: str, offload: bool | None, allowed: bool) 
     """``offload_optimizer``/``offload_param``: device "auto" (or no section) follows ``offload`` where allowed."""
     section = zero.get(key)
     if section is not None and section != AUTO and not isinstance(section, dict):
-        raise ValueError(f"ds_config key 'zero_optimization.{key}' must be an object like {{\"device\": \"cpu\"}}")
+        raise ConfigError(f"ds_config key 'zero_optimization.{key}' must be an object like {{\"device\": \"cpu\"}}")
     device = section.get("device", AUTO) if isinstance(section, dict) else AUTO
     if device == AUTO:
         want = "cpu" if (offload and allowed) else "none"
@@ -220,16 +225,16 @@ def _resolve_zero(cfg: dict, zero_stage, offload, hidden_size, world_size) -> No
     _fill(zero, "stage", zero_stage, "zero_optimization.stage")
     stage = zero["stage"]
     if stage == AUTO or stage is None:
-        raise ValueError("ds_config key 'zero_optimization.stage' is 'auto' and no zero_stage was given")
+        raise ConfigError("ds_config key 'zero_optimization.stage' is 'auto' and no zero_stage was given")
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ds_config key 'zero_optimization.stage' must be 0-3, got {stage!r}")
+        raise ConfigError(f"ds_config key 'zero_optimization.stage' must be 0-3, got {stage!r}")
     if offload and stage == 0:
-        raise ValueError("offload=True needs ZeRO stage >= 1 (ds_config key 'zero_optimization.stage' is 0); "
+        raise ConfigError("offload=True needs ZeRO stage >= 1 (ds_config key 'zero_optimization.stage' is 0); "
                          "DeepSpeed only offloads ZeRO-partitioned state")
     _offload_section(zero, "offload_optimizer", offload, allowed=stage >= 1)
     _offload_section(zero, "offload_param", offload, allowed=stage == 3)
     if zero.get("offload_param", {}).get("device", "none") != "none" and stage != 3:
-        raise ValueError("ds_config key 'zero_optimization.offload_param' needs ZeRO stage 3 (parameters are only "
+        raise ConfigError("ds_config key 'zero_optimization.offload_param' needs ZeRO stage 3 (parameters are only "
                          f"partitioned at stage 3), but stage is {stage}")
     sizes = dict(_DS_BUCKET_DEFAULTS)
     if hidden_size:  # the same heuristics as transformers' HfTrainerDeepSpeedConfig
@@ -250,7 +255,7 @@ def check_optimizer_compat(cfg: dict) -> None:
     opt = cfg.get("optimizer") or {}
     stage = cfg.get("zero_optimization", {}).get("stage", 0)
     if opt.get("type") == "OneBitAdam" and stage != 0:
-        raise ValueError(
+        raise ConfigError(
             f"optimizer OneBitAdam needs ZeRO stage 0 (ds_config key 'zero_optimization.stage' is {stage}). "
             "1-bit Adam replaces the gradient all-reduce with an error-compensated compressed all-reduce of the "
             "full momentum, which every rank must hold; ZeRO-1/2/3 partition the optimizer states (and stage 2/3 "
@@ -271,7 +276,7 @@ def resolve_ds_config(cfg: dict, *, micro_batch_size: int, grad_accum: int, worl
                       grad_clip: float, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
                       warmup_steps: int = 0, total_steps: int | None = None, zero_stage: int | None = None,
                       offload: bool | None = None, hidden_size: int | None = None) -> dict:
-    """Return a copy of ``cfg`` with every ``"auto"`` filled; raise ``ValueError`` naming the key on conflicts.
+    """Return a copy of ``cfg`` with every ``"auto"`` filled; raise ``ConfigError`` naming the key on conflicts.
 
     ``hidden_size`` (optional) sizes the ZeRO buckets as Hugging Face does; without it DeepSpeed's defaults are used.
     Explicit file values that differ from the run's settings are kept and listed in ``OVERRIDES``.
@@ -287,10 +292,10 @@ def resolve_ds_config(cfg: dict, *, micro_batch_size: int, grad_accum: int, worl
     _resolve_zero(cfg, zero_stage, offload, hidden_size, world_size)
     check_optimizer_compat(cfg)
     if (cfg.get("optimizer") or {}).get("type") == "OneBitAdam" and offload:
-        raise ValueError("optimizer OneBitAdam cannot be combined with offload=True (offload needs ZeRO >= 1)")
+        raise ConfigError("optimizer OneBitAdam cannot be combined with offload=True (offload needs ZeRO >= 1)")
     left = find_auto(cfg)
     if left:
-        raise ValueError(f"ds_config still has 'auto' values after resolution: {', '.join(left)}")
+        raise ConfigError(f"ds_config still has 'auto' values after resolution: {', '.join(left)}")
     log_resolved_config(cfg)
     return cfg
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_rlhf.config import UserInputError
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.attention import select_attn_impl
 from ds_rlhf.engines.kernels import apply_kernels
@@ -103,6 +104,20 @@ def _enable_gc(model) -> None:
     model.config.use_cache = False
 
 
+def pretrained(auto_cls, path: str | os.PathLike, **kwargs):
+    """`auto_cls.from_pretrained(path, **kwargs)`; a model directory whose files cannot be read (a missing or
+    truncated weight file, a corrupt config.json) is a UserInputError naming the directory and the cause."""
+    from safetensors import SafetensorError
+
+    try:
+        return auto_cls.from_pretrained(path, **kwargs)
+    except (OSError, SafetensorError, json.JSONDecodeError) as exc:
+        cause = " ".join(str(exc).split())
+        raise UserInputError(f"cannot load the model at {path} ({type(exc).__name__}: {cause[:400]}): check that it "
+                             "is a complete Hugging Face model directory (config.json and whole weight files), e.g. "
+                             "copy or export it again") from exc
+
+
 def load_causal_lm(path: str | os.PathLike, *, dtype: str | torch.dtype, attn_impl: str = "auto",
                    gradient_checkpointing: bool = False, lora: dict | None = None,
                    compute_dtype: str | torch.dtype | None = None, quantize: str | None = None,
@@ -112,7 +127,7 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: str | torch.dtype, attn_im
     ``kernels`` is `model.kernels` (engines/kernels.py)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, **_hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora))
+    model = pretrained(AutoModelForCausalLM, path, **_hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora))
     apply_kernels(model, kernels)
     # Training/scoring forwards need no KV cache, and with one transformers ignores packed position_ids (it only
     # builds the block-diagonal mask when past_key_values is None). generate() uses generation_config.use_cache.
@@ -156,12 +171,12 @@ class CriticModel(nn.Module):
 
         kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype, quantize, lora)
         if init_from == "reward":
-            seqcls = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+            seqcls = pretrained(AutoModelForSequenceClassification, path, num_labels=1, **kwargs)
             backbone, score = _seqcls_parts(seqcls)
             head = nn.Linear(score.in_features, 1, bias=score.bias is not None).to(score.weight.dtype)
             head.load_state_dict(score.state_dict())
         elif init_from == "actor":
-            backbone, head = AutoModel.from_pretrained(path, **kwargs), None
+            backbone, head = pretrained(AutoModel, path, **kwargs), None
         else:
             raise ValueError(f"init_from must be 'reward' or 'actor', got {init_from!r}")
         apply_kernels(backbone, kernels)
@@ -225,7 +240,7 @@ class RewardModel(nn.Module):
         from transformers import AutoModelForSequenceClassification
 
         kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
-        seqcls = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+        seqcls = pretrained(AutoModelForSequenceClassification, path, num_labels=1, **kwargs)
         apply_kernels(seqcls, kernels)
         return cls(seqcls)
 

@@ -1,6 +1,9 @@
 """Live metrics for Prometheus: an HTTP endpoint on rank 0 (`run.metrics_port` > 0) fed with each step's metrics.
 
-    --run.metrics_port 9410   ->   http://<host>:9410/metrics   (bind address: $DS_RLHF_METRICS_ADDR, default 0.0.0.0)
+    --run.metrics_port 9410   ->   http://127.0.0.1:9410/metrics
+
+The endpoint binds 127.0.0.1 (this host only) unless asked otherwise: `--run.metrics_host 0.0.0.0` (every
+interface, for a Prometheus server on another host) or $DS_RLHF_METRICS_ADDR when `run.metrics_host` is empty.
 
 Every name starts with `ds_rlhf_`, and the GPU series use dcgm-exporter's label `gpu` (the NVML index), so this
 endpoint runs beside dcgm-exporter (whose default port is 9400: give this one another) without a clash, and a
@@ -19,7 +22,8 @@ dashboard can join the two on `gpu`:
     ds_rlhf_reward_mean                        `reward/mean`
     ds_rlhf_kl_mean                            `kl/mean` (with a reference model)
     ds_rlhf_health_warnings_active             health warnings active at the last step (`health/warnings`)
-    ds_rlhf_health_warnings_total{kind}        warnings raised so far, by kind (step_time, throughput, gpu_util)
+    ds_rlhf_health_warnings_total{kind}        warnings raised so far, by kind (step_time, throughput, gpu_util,
+                                               no_signal)
     ds_rlhf_metric{key}                        every other numeric metric of the last record, by its key
     ds_rlhf_gpu_utilization_percent{gpu}       NVML, read at scrape time (every GPU of rank 0's node)
     ds_rlhf_gpu_memory_used_bytes{gpu}         NVML, at scrape time
@@ -40,6 +44,7 @@ import threading
 
 PREFIX = "ds_rlhf_"
 ADDR_ENV = "DS_RLHF_METRICS_ADDR"
+DEFAULT_ADDR = "127.0.0.1"
 # metrics key -> (gauge name without the prefix, help)
 GAUGES = {
     "time/wall": ("step_seconds", "Wall time of the last step (time/wall)"),
@@ -102,10 +107,11 @@ class GpuCollector:
 
 class PrometheusExporter:
     """`update(step, metrics)` after each step; `close()` stops the HTTP server. `active` is False when the
-    endpoint could not start (the reason was printed)."""
+    endpoint could not start (the reason was printed). `addr`: the bind address (default $DS_RLHF_METRICS_ADDR,
+    else 127.0.0.1)."""
 
     def __init__(self, port: int, *, addr: str | None = None, total_steps: int = 0, nvml=None):
-        self.port, self.addr = int(port), addr or os.environ.get(ADDR_ENV, "0.0.0.0")
+        self.port, self.addr = int(port), addr or os.environ.get(ADDR_ENV) or DEFAULT_ADDR
         self.active = False
         self._server = self._thread = None
         self._lock = threading.Lock()
@@ -175,4 +181,4 @@ class PrometheusExporter:
         self.active = False
 
 
-__all__ = ["GAUGES", "GpuCollector", "PREFIX", "PrometheusExporter"]
+__all__ = ["DEFAULT_ADDR", "GAUGES", "GpuCollector", "PREFIX", "PrometheusExporter"]

@@ -15,6 +15,10 @@ A row is a dict with these keys (the caller builds them; more keys are kept in t
     ground_truth       str | None
     advantage          float  the sample's advantage (e.g. its first response token's, or the sequence's)
     weights_version    int    trainer steps applied to the weights that generated it
+
+and may carry `prompt_index` (int: the prompt's position in the step's batch, i.e. its group of samples); the
+logger then adds `group` = "<step>/<prompt_index>", one id per prompt and step, so the samples of one group can be
+collected and compared (e.g. their rewards, which decide the group-relative advantages).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines, rewrite_lines
 
 SAMPLES_FILE = "samples.jsonl"
 ROW_KEYS = ("prompt", "response", "reward", "reward_components", "ground_truth", "advantage", "weights_version")
-TABLE_COLUMNS = ("step", *ROW_KEYS)
+GROUP_KEY, PROMPT_INDEX_KEY = "group", "prompt_index"
+TABLE_COLUMNS = ("step", *ROW_KEYS, GROUP_KEY)
 
 
 def _plain(value):
@@ -93,7 +98,10 @@ class SampleLogger:
             missing = [key for key in ROW_KEYS if key not in row]
             if missing:
                 raise ValueError(f"sample row lacks {missing} (a row needs {list(ROW_KEYS)})")
-            records.append({"step": step, **{str(k): _plain(v) for k, v in row.items()}})
+            record = {"step": step, **{str(k): _plain(v) for k, v in row.items()}}
+            if isinstance(record.get(PROMPT_INDEX_KEY), int):
+                record[GROUP_KEY] = f"{step}/{record[PROMPT_INDEX_KEY]}"
+            records.append(record)
         self._file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self._file.flush()
         if self._tb is not None:

@@ -5,7 +5,10 @@ The newest record is compared with the running median of the `window` records be
 
 - step time (`time/wall`, else `time/step`) more than `step_time_ratio` (1.2) x the median;
 - throughput (`throughput/tokens_per_s`) below `throughput_ratio` (0.8) x the median;
-- GPU utilisation (`sys/gpu_util_pct` or `gpu/util`) below `gpu_util_min` (70 %).
+- GPU utilisation (`sys/gpu_util_pct` or `gpu/util`) below `gpu_util_min` (70 %);
+- no learning signal: in each of the last `no_signal_steps` (3) RL steps every prompt's samples got the same reward
+  (`reward/frac_zero_std` = 1, else `reward/std` = 0), so every group-relative advantage is zero and the weights
+  do not move; the likely cause is the reward function (it never fires, the answer format or the reward key).
 
 Each warning names its likely cause from the phase timers: the phase group that grew the most against its own
 median (for a slowdown) or the largest non-training share of the step (for an idle GPU): rollout-bound,
@@ -36,11 +39,15 @@ CAUSES = {
     "data": "waiting on data: time outside every phase (the prompt loader, storage reads, host work)",
 }
 GPU_UTIL_KEYS = ("sys/gpu_util_pct", "gpu/util", "gpu/util_pct")
+ZERO_STD_KEY = "reward/frac_zero_std"  # share of prompt groups whose samples' rewards are all equal (RL)
+NO_SIGNAL_CAUSE = ("no learning signal: the weights do not change; likely the reward function never fires (check "
+                   "rl.reward_fn), the responses miss the answer format it parses (see samples.jsonl: "
+                   "--run.sample_log_every), or it reads the wrong key (ground_truth in the prompt store)")
 
 
 @dataclass(frozen=True)
 class HealthWarning:
-    kind: str  # step_time | throughput | gpu_util
+    kind: str  # step_time | throughput | gpu_util | no_signal
     step: int
     value: float
     baseline: float  # the running median (or the threshold, for gpu_util)
@@ -103,9 +110,10 @@ def idle_cause(record: dict) -> str:
 
 
 def health_warnings(history: list[dict], *, window: int = 20, min_history: int = 5, step_time_ratio: float = 1.2,
-                    throughput_ratio: float = 0.8, gpu_util_min: float = 70.0) -> list[HealthWarning]:
-    """Warnings for the newest record of `history` (empty with fewer than `min_history` earlier records, so the
-    first, slower steps (compilation, warm-up) set no baseline)."""
+                    throughput_ratio: float = 0.8, gpu_util_min: float = 70.0,
+                    no_signal_steps: int = 3) -> list[HealthWarning]:
+    """Warnings for the newest record of `history` (the timing ones empty with fewer than `min_history` earlier
+    records, so the first, slower steps (compilation, warm-up) set no baseline)."""
     if not history:
         return []
     last, before = history[-1], history[-1 - window:-1] if window else history[:-1]
@@ -114,7 +122,28 @@ def health_warnings(history: list[dict], *, window: int = 20, min_history: int =
     if len(before) >= min_history:
         out += _slow_step(last, before, step, step_time_ratio) + _low_throughput(last, before, step, throughput_ratio)
     out += _idle_gpu(last, step, gpu_util_min)
+    out += _no_signal(history[-no_signal_steps:] if no_signal_steps > 0 else [], step, no_signal_steps)
     return out
+
+
+def zero_spread(record: dict) -> bool | None:
+    """Whether every prompt group of the record's step had one reward for all its samples (None: no reward
+    metrics, e.g. an SFT step): `reward/frac_zero_std` >= 1, else a batch-wide `reward/std` of 0."""
+    frac = _num(record, ZERO_STD_KEY)
+    if frac is not None:
+        return frac >= 1.0
+    std = _num(record, "reward/std")
+    return None if std is None else std == 0.0
+
+
+def _no_signal(last: list[dict], step: int, steps: int) -> list[HealthWarning]:
+    if steps <= 0 or len(last) < steps or not all(zero_spread(r) for r in last):
+        return []
+    mean, std = _num(last[-1], "reward/mean"), _num(last[-1], "reward/std")
+    same = f"; every reward {mean:.4g}" if std == 0.0 and mean is not None else ""
+    text = (f"step {step}: {steps} steps in a row where each prompt's samples all got the same reward "
+            f"({ZERO_STD_KEY} = 1{same}): {NO_SIGNAL_CAUSE}")
+    return [HealthWarning("no_signal", step, 1.0, 1.0, "", text)]
 
 
 def _slow_step(last: dict, before: list[dict], step: int, ratio: float) -> list[HealthWarning]:

@@ -135,7 +135,8 @@ class RunMonitor:
             from ds_rlhf.telemetry.prometheus import PrometheusExporter
 
             self.exporter = self._guard("metrics endpoint",
-                                        lambda: PrometheusExporter(port, total_steps=self.total_steps))
+                                        lambda: PrometheusExporter(port, addr=self.cfg.run.metrics_host or None,
+                                                                   total_steps=self.total_steps))
             if self.exporter is not None and self.exporter.active:
                 self.print(f"[{self.kind}] live metrics on port {port} ({self.exporter.url})")
 

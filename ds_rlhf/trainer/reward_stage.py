@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_rlhf.algos.shaping import overlong_penalty
+from ds_rlhf.algos.shaping import group_spread, overlong_penalty
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.trainer.batching import pad_right
@@ -25,6 +25,22 @@ def score_stats(scores: list[float]) -> dict:
     t = torch.tensor(scores, dtype=torch.float64) if scores else torch.zeros(1, dtype=torch.float64)
     return {"reward/mean": float(t.mean()), "reward/std": float(t.std()) if len(t) > 1 else 0.0,
             "reward/max": float(t.max()), "reward/min": float(t.min())}
+
+
+ZERO_SPREAD_TOL = 1e-6  # as dynamic sampling's informative_groups: a spread at most this is no spread
+
+
+def zero_std_stats(samples, scores: list[float]) -> dict:
+    """`reward/frac_zero_std`: the share of prompt groups (two or more kept samples) whose raw rewards are all
+    equal, so their group-relative advantages are zero; empty when no prompt has two samples."""
+    if not samples:
+        return {}
+    ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    spread, count = group_spread(torch.tensor(scores, dtype=torch.float64), ids, int(ids.max()) + 1)
+    grouped = count >= 2
+    if not bool(grouped.any()):
+        return {}
+    return {"reward/frac_zero_std": float((spread[grouped] <= ZERO_SPREAD_TOL).double().mean())}
 
 
 _SUMMED = ("reward/bad", "reward/dropped")
@@ -85,7 +101,7 @@ class RewardStage:
         exact = self._exact_match(samples, texts, rows)
         kept = [s for s, k in zip(samples, keep) if k]
         kept_scores = [v for v, k in zip(scores, keep) if k]
-        metrics = {**score_stats(kept_scores), "reward/bad": float(len(bad)),
+        metrics = {**score_stats(kept_scores), **zero_std_stats(kept, kept_scores), "reward/bad": float(len(bad)),
                    "reward/bad_total": float(self.bad_total), "reward/dropped": float(len(samples) - len(kept))}
         if self.model is None and isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1:
             metrics.update(report.means())  # reward/<function> for each of several functions

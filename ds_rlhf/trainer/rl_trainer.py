@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import torch
 
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController
-from ds_rlhf.config import Config
+from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
 from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
@@ -49,6 +50,15 @@ class TimedDraws:
             return next(self.it)
 
 
+def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
+    """vLLM on CPU syncs weights only in float32: refuse another precision before any model is built (vLLM would
+    refuse it only after the actor is loaded and the engine has started)."""
+    if ctx.dist.device.type == "cpu" and ctx.precision != "fp32" and resolve_backend(cfg.rollout.backend) == "vllm":
+        raise ConfigError(f"model.dtype={cfg.model.dtype} ({ctx.precision}) with the vLLM rollout on CPU: vLLM's CPU "
+                          "backend takes weight syncs only in float32; use --model.dtype fp32 (or auto), or "
+                          "--rollout.backend hf")
+
+
 class RLTrainer:
     def __init__(self, cfg: Config, rollout=None):
         self.cfg = cfg
@@ -63,6 +73,8 @@ class RLTrainer:
 
     def _build(self, rollout) -> None:
         cfg = self.cfg
+        if rollout is None:
+            check_rollout_precision(cfg, self.ctx)
         self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0

@@ -100,3 +100,18 @@ def test_no_gpu_means_no_gpu_series():
     finally:
         exporter.close()
     assert got[PREFIX + "reward_mean"] == 0.5 and not any("gpu_" in k for k in got)
+
+
+def test_the_endpoint_binds_loopback_unless_asked(monkeypatch):
+    monkeypatch.delenv("DS_RLHF_METRICS_ADDR", raising=False)
+    exporter = PrometheusExporter(free_port(), nvml=False)
+    try:
+        assert exporter.active and exporter._server.server_address[0] == "127.0.0.1"
+    finally:
+        exporter.close()
+    monkeypatch.setenv("DS_RLHF_METRICS_ADDR", "0.0.0.0")
+    exporter = PrometheusExporter(free_port(), nvml=False)
+    try:
+        assert exporter._server.server_address[0] == "0.0.0.0"
+    finally:
+        exporter.close()

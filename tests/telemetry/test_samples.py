@@ -102,7 +102,7 @@ def test_tensorboard_gets_a_text_table(tmp_path):
 def test_markdown_table_shape():
     records = [{"step": 1, **{k: v for k, v in make_rows(1)[0].items() if k != "advantage"}, "advantage": 0.25}]
     lines = markdown_table(1, records, max_chars=5).splitlines()
-    assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 9
+    assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 10  # step, the 7 row keys and group
     assert "What ... (9 more chars)" in lines[2]
 
 
@@ -144,3 +144,14 @@ def test_truncate_samples_on_resume(tmp_path):
     assert truncate_samples(tmp_path, 3) == 4
     assert [r["step"] for r in read_samples(tmp_path)] == [1, 1, 2, 2, 3, 3]
     assert not list(tmp_path.glob(".samples.jsonl.tmp"))
+
+
+def test_rows_with_a_prompt_index_get_their_group(tmp_path):
+    logger = SampleLogger(tmp_path, rank=0, every=1, k=4)
+    rows = [{**row, "prompt_index": i // 2, "sample_index": i % 2} for i, row in enumerate(make_rows(3, 4))]
+    logger.maybe_log(3, rows)
+    logger.maybe_log(4, make_rows(4, 1))  # rows without a prompt_index get no group
+    logger.close()
+    records = read_samples(tmp_path)
+    assert [(r["prompt_index"], r["group"]) for r in records[:4]] == [(0, "3/0"), (0, "3/0"), (1, "3/1"), (1, "3/1")]
+    assert "group" not in records[4]

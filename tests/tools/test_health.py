@@ -62,3 +62,45 @@ def test_without_phase_timers_the_warning_says_so():
     history = [{"step": i, "time/wall": 1.0} for i in range(1, 11)] + [{"step": 11, "time/wall": 2.0}]
     (warning,) = health_warnings(history)
     assert warning.cause == "" and "no phase timers" in warning.message
+
+
+def rl_rec(step, frac_zero_std=None, std=0.5, mean=0.25):
+    out = {**rec(step), "reward/mean": mean, "reward/std": std}
+    if frac_zero_std is not None:
+        out["reward/frac_zero_std"] = frac_zero_std
+    return out
+
+
+def no_signal(history):
+    return [w for w in health_warnings(history) if w.kind == "no_signal"]
+
+
+def test_three_steps_without_reward_spread_warn_of_no_learning_signal():
+    flat = [rl_rec(1, 0.5)] + [rl_rec(s, 1.0, std=0.0, mean=0.0) for s in (2, 3, 4)]
+    assert no_signal(flat[:3]) == []  # two steps: not yet
+    (warning,) = no_signal(flat)
+    assert warning.step == 4 and "3 steps in a row" in warning.message and "every reward 0" in warning.message
+    assert "reward function never fires" in warning.message and "rl.reward_fn" in warning.message
+    # every group flat but groups differ from each other (reward/std > 0): still no signal
+    assert no_signal([rl_rec(s, 1.0, std=0.4) for s in (1, 2, 3)])[0].step == 3
+    # one group with a spread in the window: signal
+    assert no_signal([rl_rec(1, 1.0), rl_rec(2, 0.75), rl_rec(3, 1.0)]) == []
+
+
+def test_no_signal_falls_back_to_a_zero_reward_std_and_skips_records_without_rewards():
+    assert no_signal([rl_rec(s, std=0.0) for s in (1, 2, 3)])[0].kind == "no_signal"
+    assert no_signal([rl_rec(s, std=0.1) for s in (1, 2, 3)]) == []
+    assert no_signal(steady(5)) == []  # SFT/RM records: no reward metrics
+    assert len([w for w in replay([rl_rec(s, 1.0) for s in range(1, 6)]) if w.kind == "no_signal"]) == 3
+
+
+def test_frac_zero_std_is_the_share_of_prompt_groups_without_reward_spread():
+    from types import SimpleNamespace
+
+    from ds_rlhf.trainer.reward_stage import zero_std_stats
+
+    samples = [SimpleNamespace(prompt_index=p) for p in (0, 0, 1, 1, 2, 2, 3)]
+    scores = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]  # groups 0 and 2 flat, 1 spread, 3 has one sample (not counted)
+    assert zero_std_stats(samples, scores) == {"reward/frac_zero_std": pytest.approx(2 / 3)}
+    assert zero_std_stats(samples[-1:], scores[-1:]) == {}  # no prompt with two samples (e.g. n_samples 1)
+    assert zero_std_stats([], []) == {}

@@ -131,3 +131,13 @@ def test_report_status_reads_status_json(tmp_path):
         monitor.finish(exc, step=3)
     said = run_status(tmp_path, [{"step": 3}], {"run": {"steps": 10}}, [2])
     assert said.startswith("failed at step 3 (out of memory): RuntimeError: CUDA out of memory") and "step 2" in said
+
+
+def test_metrics_endpoint_binds_run_metrics_host(tmp_path, monkeypatch):
+    monkeypatch.delenv("DS_RLHF_METRICS_ADDR", raising=False)
+    for extra, bound in (((), "127.0.0.1"), (("--run.metrics_host", "0.0.0.0"), "0.0.0.0")):
+        monitor = _monitor(tmp_path, "--run.metrics_port", str(free_port()), *extra)
+        try:
+            assert monitor.exporter.active and monitor.exporter._server.server_address[0] == bound
+        finally:
+            monitor.finish(None, step=0)
