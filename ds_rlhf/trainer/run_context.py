@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ds_rlhf.config import Config
+from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import DistInfo, init_distributed
 from ds_rlhf.engines.ds_config import find_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
@@ -36,7 +36,14 @@ def load_run_tokenizer(cfg: Config, model_path: str):
 
     source = resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer") if cfg.model.tokenizer \
         else model_path
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # a corrupt tokenizer.json is a JSONDecodeError
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}={getattr(cfg.model, key.split('.')[1])!r}: the tokenizer in {source} cannot be "
+                          f"loaded ({type(exc).__name__}: {detail}); check its tokenizer.json / tokenizer_config.json"
+                          ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
