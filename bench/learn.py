@@ -18,7 +18,7 @@ against seconds and against steps, both modes) into `--out`.
     ds-rlhf bench learn --model ... [same options]
 
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the `####` format).
-Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 2e-6, no KL; the placement is two
+Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL; the placement is two
 sidecar vLLM engines on a GPU and the in-process engine on a CPU. `--cfg key=value` passes any trainer setting.
 """
 
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens (the stores drop longer ones)")
-    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
