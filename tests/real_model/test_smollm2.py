@@ -178,6 +178,7 @@ def _supervised(task, argv):
     return SupervisedTrainer(parse_config(argv), task).train()
 
 
+@pytest.mark.slow
 def test_sft_one_step(smollm2_path, gsm8k_rows, tmp_path, dist_single):
     from ds_rlhf.trainer.sft import SFTTask
 
@@ -195,6 +196,7 @@ def test_sft_one_step(smollm2_path, gsm8k_rows, tmp_path, dist_single):
     assert len(losses) == 1 and 0.1 < losses[0] < 3.0
 
 
+@pytest.mark.slow
 def test_rm_one_step(smollm2_path, hh_rows, tmp_path, dist_single):
     from ds_rlhf.trainer.rm import RewardModelTask
 
