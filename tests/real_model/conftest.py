@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from real_model_kit import GSM8K_INSTRUCTION
 
 from ds_rlhf.engines.gguf_import import cached_conversion
 from ds_rlhf.engines.tiny_models import default_cache_dir
@@ -117,6 +118,6 @@ def smollm2_gsm8k_store(smollm2_path, gsm8k_rows, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("smollm2_stores") / "gsm8k_prompts"
     assert ds_rlhf(["prep-gsm8k", "--tokenizer", str(smollm2_path), "--input", str(gsm8k_rows), "--output", str(out),
-                    "--max_prompt_len", "320", "--quiet"]) == 0
+                    "--max_prompt_len", "320", "--instruction", GSM8K_INSTRUCTION, "--quiet"]) == 0
     assert json.loads((out / "manifest.json").read_text())["row_counts"]["read"] == GSM8K_ROWS
     return out

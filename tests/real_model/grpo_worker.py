@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-import torch
+from real_model_kit import hf_greedy
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.distributed import ensure_distributed
@@ -23,19 +23,6 @@ from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout import SamplingSpec
 from ds_rlhf.trainer import rl_step
 from ds_rlhf.trainer.rl_trainer import RLTrainer
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts: list[list[int]], eos: int, new_tokens: int) -> list[list[int]]:
-    """Greedy response ids per prompt (transformers generate), up to and including the first `eos`."""
-    model.eval()
-    out = []
-    for prompt in prompts:
-        ids = model.generate(input_ids=torch.tensor([prompt]),
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=eos, use_cache=True)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
 
 
 def main() -> None:
