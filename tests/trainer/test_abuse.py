@@ -1,0 +1,120 @@
+"""Abuse of the run's inputs and outputs: a checkpoint handed over by someone else must not run code, and nothing the
+user owns is deleted (run directories, `ds-rlhf export` targets, prep outputs).
+
+Checkpoints here are real: a tiny SFT run at ZeRO-2 (its optimizer partitions hold DeepSpeed's own pickled types).
+A payload is an object whose unpickling runs `exec`, which would create a marker file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_rlhf.config import parse_config
+from ds_rlhf.engines.engine_io import DEEPSPEED_TYPES, load_torch_file
+from ds_rlhf.entrypoints.main import main as ds_rlhf
+from ds_rlhf.trainer.checkpoint_files import MARKER, hash_file
+
+ROOT = Path(__file__).resolve().parents[2]
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+MODEL = "mp_rank_00_model_states.pt"
+
+
+class Payload:
+    """Unpickling this runs `exec`, which writes `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def _sft_args(model, store, out, *extra):
+    return ["--model.path", str(model), "--data.train", str(store), "--data.eval_fraction", "0",
+            "--run.output_dir", str(out), "--run.steps", "2", "--run.save_every", "2", "--optim.batch_size", "8",
+            "--optim.micro_batch_size", "8", "--run.progress", "false", "--run.tensorboard", "false",
+            "--run.export_hf", "false", "--zero_stage", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def sft_store(tiny_model_path, tmp_path_factory):
+    from ds_rlhf.data.synthetic import write_addition_datasets
+
+    out = tmp_path_factory.mktemp("abuse_data")
+    return write_addition_datasets(out, tiny_model_path, n_prompts=16, n_sft=64, n_pref=16, seed=0,
+                                   max_operand=20)["sft"]
+
+
+@pytest.fixture(scope="module")
+def zero2_checkpoint(tiny_model_path, sft_store, tmp_path_factory, dist_single):
+    """A run directory with one complete ZeRO-2 checkpoint (step 2) of a 2-step SFT run."""
+    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.trainer.supervised import SupervisedTrainer
+
+    run = tmp_path_factory.mktemp("abuse_run") / "run"
+    SupervisedTrainer(parse_config(_sft_args(tiny_model_path, sft_store, run)), SFTTask()).train()
+    step = run / "checkpoints" / "step_00000002"
+    assert (step / MARKER).is_file() and (step / "sft" / "state" / OPTIM).is_file()
+    return run
+
+
+def _tampered_copy(run: Path, dest: Path, file_name: str, marker: Path) -> Path:
+    """A copy of `run` whose checkpoint file `file_name` carries a Payload, with the COMPLETE manifest recomputed
+    as the trainer writes it (so the sha256 check passes); returns the step directory."""
+    shutil.copytree(run, dest)
+    step = dest / "checkpoints" / "step_00000002"
+    target = step / "sft" / "state" / file_name
+    state = torch.load(target, map_location="cpu", weights_only=False)  # our own fresh file
+    state["payload"] = Payload(marker)
+    torch.save(state, target)
+    manifest = json.loads((step / MARKER).read_text())
+    rel = target.relative_to(step).as_posix()
+    size, digest = hash_file(target)
+    manifest["files"][rel] = {"size": size, "sha256": digest}
+    (step / MARKER).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return step
+
+
+def _one_line_naming(text: str, path: Path) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    refusals = [line for line in lines if "holds the pickled global" in line]
+    assert len(refusals) == 1, text[-3000:]
+    assert str(path) in refusals[0] and "exec" in refusals[0], refusals[0]
+    assert "Traceback" not in text, text[-3000:]
+    return refusals[0]
+
+
+def test_1_clean_deepspeed_files_load_weights_only(zero2_checkpoint):
+    """The allow-list covers what DeepSpeed writes: every file of a real ZeRO-2 checkpoint loads weights-only."""
+    state_dir = zero2_checkpoint / "checkpoints" / "step_00000002" / "sft" / "state"
+    optim = load_torch_file(state_dir / OPTIM)
+    assert type(optim["optimizer_state_dict"]["zero_stage"]).__module__ + ".ZeroStageEnum" in DEEPSPEED_TYPES
+    assert "module" in load_torch_file(state_dir / MODEL)
+
+
+@pytest.mark.parametrize("file_name", [OPTIM, MODEL])
+def test_1_pickle_payload_is_refused_on_export(zero2_checkpoint, tmp_path, capsys, file_name):
+    marker = tmp_path / "marker"
+    step = _tampered_copy(zero2_checkpoint, tmp_path / "run", file_name, marker)
+    assert ds_rlhf(["export", str(step), str(tmp_path / "out")]) == 2
+    _one_line_naming(capsys.readouterr().err, step / "sft" / "state" / file_name)
+    assert not marker.exists(), "the payload ran"
+    assert not (tmp_path / "out").exists()
+
+
+def test_1_pickle_payload_is_refused_on_resume(zero2_checkpoint, tiny_model_path, sft_store, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    step = _tampered_copy(zero2_checkpoint, tmp_path / "handed", OPTIM, marker)
+    argv = ["train-sft", *_sft_args(tiny_model_path, sft_store, tmp_path / "resumed", "--run.steps", "4",
+                                    "--run.resume", str(step))]
+    with pytest.raises(SystemExit) as info:
+        ds_rlhf(argv)
+    assert info.value.code not in (0, None)
+    _one_line_naming(str(info.value.code), step / "sft" / "state" / OPTIM)
+    assert not marker.exists(), "the payload ran"
+
