@@ -118,3 +118,98 @@ def test_1_pickle_payload_is_refused_on_resume(zero2_checkpoint, tiny_model_path
     _one_line_naming(str(info.value.code), step / "sft" / "state" / OPTIM)
     assert not marker.exists(), "the payload ran"
 
+
+
+# ---- 3: nothing of the user's is deleted: run directories, export targets, prep outputs -------------------------
+def _cfg(model, out, *extra):
+    return parse_config(["--model.path", str(model), "--run.output_dir", str(out), "--run.tensorboard", "false",
+                         "--run.progress", "false", *extra])
+
+
+def _earlier_run_with_an_export(run: Path) -> Path:
+    """What an earlier run left: export/actor (a model file and the user's notes in it), no checkpoint."""
+    actor = run / "export" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model.safetensors").write_bytes(b"weights")
+    (actor / "NOTES.md").write_text("the user's notes")
+    return actor
+
+
+def test_3_fresh_run_over_an_earlier_export_is_refused(tiny_model_path, dist_single, tmp_path):
+    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.trainer.run_dir import RunDirError
+
+    actor = _earlier_run_with_an_export(tmp_path / "run")
+    with pytest.raises(RunDirError) as info:
+        setup_run(_cfg(tiny_model_path, tmp_path / "run"), "rl")
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path / "run" / "export") in message and "--run.overwrite" in message
+    assert (actor / "NOTES.md").read_text() == "the user's notes"
+    assert not (tmp_path / "run" / "config.json").exists()  # nothing written
+
+
+def test_3_overwrite_moves_an_earlier_export_aside(tiny_model_path, dist_single, tmp_path, capsys):
+    from ds_rlhf.trainer.run_context import setup_run
+
+    run = tmp_path / "run"
+    _earlier_run_with_an_export(run)
+    ctx = setup_run(_cfg(tiny_model_path, run, "--run.overwrite", "true"), "rl")
+    ctx.close()
+    assert not (run / "export").exists()  # the new run's export goes there
+    [aside] = run.glob("export.before-*")
+    assert (aside / "actor" / "NOTES.md").read_text() == "the user's notes"
+    assert f"moved the earlier run's {run / 'export'} aside to {aside.name}" in capsys.readouterr().out
+
+
+def test_3_fresh_run_into_a_directory_of_other_files(tiny_model_path, dist_single, tmp_path):
+    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.trainer.run_dir import RunDirError
+
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "train.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="holds files a run does not write") as info:
+        setup_run(_cfg(tiny_model_path, run), "rl")
+    assert "data, notes.txt" in str(info.value) and "\n" not in str(info.value)
+    # --run.overwrite runs there and deletes only what a run wrote: the earlier checkpoints, not other files
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003" / MARKER).write_text("3")
+    (run / "checkpoints" / "README").write_text("mine too")
+    ctx = setup_run(_cfg(tiny_model_path, run, "--run.overwrite", "true"), "rl")
+    ctx.close()
+    assert (run / "notes.txt").read_text() == "mine" and (run / "data" / "train.jsonl").is_file()
+    assert not (run / "checkpoints" / "step_00000003").exists()
+    assert (run / "checkpoints" / "README").read_text() == "mine too"
+
+
+def test_3_empty_output_dir_is_refused(tiny_model_path, dist_single, tmp_path, monkeypatch):
+    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.trainer.run_dir import RunDirError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text('{"mine": true}')
+    with pytest.raises(RunDirError, match=r"--run.output_dir is empty"):
+        setup_run(_cfg(tiny_model_path, ""), "rl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert json.loads((tmp_path / "config.json").read_text()) == {"mine": True}
+
+
+def test_3_export_onto_an_existing_file_or_directory_needs_overwrite(zero2_checkpoint, tmp_path, capsys):
+    step = zero2_checkpoint / "checkpoints" / "step_00000002"
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"the user's file")
+    assert ds_rlhf(["export", str(step), str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"ds-rlhf export: {target} is an existing file: pass another OUT_DIR, or --overwrite to replace it"
+    assert target.read_bytes() == b"the user's file"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "NOTES.md").write_text("mine")
+    assert ds_rlhf(["export", str(step), str(folder)]) == 2
+    assert "is a non-empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.bin"] and (folder / "NOTES.md").is_file()
+    assert ds_rlhf(["export", str(step), str(folder), "--overwrite"]) == 0
+    assert (folder / "model.safetensors").is_file() and not (folder / "NOTES.md").exists()
+    (tmp_path / "empty").mkdir()
+    assert ds_rlhf(["export", str(step), str(tmp_path / "empty")]) == 0  # an empty directory is fine
