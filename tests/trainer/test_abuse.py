@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ds_rlhf.config import parse_config
+from ds_rlhf.data import open_store, prep_core
+from ds_rlhf.data.formats import DataPrepError
+from ds_rlhf.data.prep import prep_sft
+from ds_rlhf.data.synthetic import write_addition_datasets
 from ds_rlhf.engines.engine_io import DEEPSPEED_TYPES, load_torch_file
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.trainer.checkpoint_files import MARKER, hash_file
+from ds_rlhf.trainer.run_context import setup_run
+from ds_rlhf.trainer.run_dir import RunDirError
+from ds_rlhf.trainer.sft import SFTTask
+from ds_rlhf.trainer.supervised import SupervisedTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -43,8 +53,6 @@ def _sft_args(model, store, out, *extra):
 
 @pytest.fixture(scope="module")
 def sft_store(tiny_model_path, tmp_path_factory):
-    from ds_rlhf.data.synthetic import write_addition_datasets
-
     out = tmp_path_factory.mktemp("abuse_data")
     return write_addition_datasets(out, tiny_model_path, n_prompts=16, n_sft=64, n_pref=16, seed=0,
                                    max_operand=20)["sft"]
@@ -53,9 +61,6 @@ def sft_store(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero2_checkpoint(tiny_model_path, sft_store, tmp_path_factory, dist_single):
     """A run directory with one complete ZeRO-2 checkpoint (step 2) of a 2-step SFT run."""
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
-
     run = tmp_path_factory.mktemp("abuse_run") / "run"
     SupervisedTrainer(parse_config(_sft_args(tiny_model_path, sft_store, run)), SFTTask()).train()
     step = run / "checkpoints" / "step_00000002"
@@ -136,9 +141,6 @@ def _earlier_run_with_an_export(run: Path) -> Path:
 
 
 def test_3_fresh_run_over_an_earlier_export_is_refused(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
-    from ds_rlhf.trainer.run_dir import RunDirError
-
     actor = _earlier_run_with_an_export(tmp_path / "run")
     with pytest.raises(RunDirError) as info:
         setup_run(_cfg(tiny_model_path, tmp_path / "run"), "rl")
@@ -149,8 +151,6 @@ def test_3_fresh_run_over_an_earlier_export_is_refused(tiny_model_path, dist_sin
 
 
 def test_3_overwrite_moves_an_earlier_export_aside(tiny_model_path, dist_single, tmp_path, capsys):
-    from ds_rlhf.trainer.run_context import setup_run
-
     run = tmp_path / "run"
     _earlier_run_with_an_export(run)
     ctx = setup_run(_cfg(tiny_model_path, run, "--run.overwrite", "true"), "rl")
@@ -162,9 +162,6 @@ def test_3_overwrite_moves_an_earlier_export_aside(tiny_model_path, dist_single,
 
 
 def test_3_fresh_run_into_a_directory_of_other_files(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
-    from ds_rlhf.trainer.run_dir import RunDirError
-
     run = tmp_path / "run"
     (run / "data").mkdir(parents=True)
     (run / "data" / "train.jsonl").write_text("{}\n")
@@ -184,9 +181,6 @@ def test_3_fresh_run_into_a_directory_of_other_files(tiny_model_path, dist_singl
 
 
 def test_3_empty_output_dir_is_refused(tiny_model_path, dist_single, tmp_path, monkeypatch):
-    from ds_rlhf.trainer.run_context import setup_run
-    from ds_rlhf.trainer.run_dir import RunDirError
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config.json").write_text('{"mine": true}')
     with pytest.raises(RunDirError, match=r"--run.output_dir is empty"):
@@ -213,3 +207,53 @@ def test_3_export_onto_an_existing_file_or_directory_needs_overwrite(zero2_check
     assert (folder / "model.safetensors").is_file() and not (folder / "NOTES.md").exists()
     (tmp_path / "empty").mkdir()
     assert ds_rlhf(["export", str(step), str(tmp_path / "empty")]) == 0  # an empty directory is fine
+
+
+HOLD_PREP_LOCK = """
+import sys, time
+from pathlib import Path
+from ds_rlhf.data.prep_core import lock_output
+with lock_output(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def _sft_jsonl(path: Path, n: int, tag: str) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"{tag} {i}?", "response": f"{tag} answer {i}"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def test_3_second_prep_into_the_same_output_is_refused(tiny_tokenizer, tmp_path, monkeypatch):
+    """Two preps into one output: the one that comes second is refused, in another process or in this one, and the
+    first one's rows are all in the store."""
+    out = tmp_path / "stores" / "sft"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_PREP_LOCK, str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        line = holder.stdout.readline()
+        assert "locked" in line, line + holder.stdout.read()
+        with pytest.raises(DataPrepError, match=rf"is being written by another prep \(pid {holder.pid}, host"):
+            prep_sft(_sft_jsonl(tmp_path / "b.jsonl", 5, "b"), out, tiny_tokenizer, progress=False)
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # in one process: a prep that starts while another is writing its rows
+    second = []
+    write_rows = prep_core._write_rows
+
+    def rows_then_a_second_prep(*args, **kwargs):
+        report = write_rows(*args, **kwargs)
+        try:
+            prep_sft(_sft_jsonl(tmp_path / "b.jsonl", 5, "b"), out, tiny_tokenizer, progress=False)
+        except DataPrepError as exc:
+            second.append(str(exc))
+        return report
+
+    monkeypatch.setattr(prep_core, "_write_rows", rows_then_a_second_prep)
+    result = prep_sft(_sft_jsonl(tmp_path / "a.jsonl", 40, "a"), out, tiny_tokenizer, progress=False)
+    assert len(second) == 1 and "is being written by another prep" in second[0], second
+    assert result.manifest["rows"] == 40 and len(open_store(out)) == 40
+    assert sorted(p.name for p in out.parent.iterdir()) == ["sft"]  # no lock file or temp dir left
