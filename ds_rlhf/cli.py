@@ -21,13 +21,15 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         apply_mapping(shown, defaults)
         print(doc.strip() + "\n" + USAGE + "\nAll settings with this entry point's defaults:\n" + help_text(shown))
         return None
+    from ds_rlhf.data.store import StoreFormatError, StoreMismatchError
     from ds_rlhf.rewards.scoring import BadRewardError
     from ds_rlhf.trainer.run_dir import RunDirError
 
+    user_errors = (ConfigError, BadRewardError, RunDirError, StoreFormatError, StoreMismatchError)
     try:
         cfg = parse_config(argv, defaults)
         result = run(cfg)
-    except (ConfigError, BadRewardError, RunDirError) as exc:  # bad settings, inputs or rewards: one line, no traceback
+    except user_errors as exc:  # bad settings, inputs, data stores or rewards: one line, no traceback
         sys.exit(f"error: {exc}")
     _shutdown_process_group()
     return result

@@ -326,7 +326,7 @@ def _manifest(kind: str, created_by: str, paths: list[Path], fmts: list, tok, to
         "dropped_by_reason": dict(report.dropped), "drop_report": DROPPED, "notes": dict(report.notes),
         "fields_used": getattr(convert, "fields_used", {}),
         "token_stats": _token_stats(lengths, layout["length_columns"]),
-        **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
+        **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema", "checksums")},
     }
 
 

@@ -257,3 +257,17 @@ def test_3_second_prep_into_the_same_output_is_refused(tiny_tokenizer, tmp_path,
     assert len(second) == 1 and "is being written by another prep" in second[0], second
     assert result.manifest["rows"] == 40 and len(open_store(out)) == 40
     assert sorted(p.name for p in out.parent.iterdir()) == ["sft"]  # no lock file or temp dir left
+
+
+# ---- 4: a damaged store stops a run with one line -----------------------------------------------------------------
+def test_4_training_on_a_damaged_store_stops_in_one_line(tiny_model_path, sft_store, tmp_path, dist_single):
+    store = tmp_path / "sft"
+    shutil.copytree(sft_store, store)
+    data = store / "data-00000.arrow"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 2048] = bytes(b ^ 0xFF for b in raw[len(raw) // 2: len(raw) // 2 + 2048])
+    data.write_bytes(bytes(raw))
+    with pytest.raises(SystemExit) as info:
+        ds_rlhf(["train-sft", *_sft_args(tiny_model_path, store, tmp_path / "run")])
+    assert info.value.code == f"error: store {store}: {data} has another sha256 than when it was written (the file " \
+                              "is corrupt or was modified; re-run data prep)"
