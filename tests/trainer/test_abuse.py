@@ -25,7 +25,7 @@ from ds_rlhf.engines.engine_io import DEEPSPEED_TYPES, load_torch_file
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.trainer.checkpoint_files import MARKER, hash_file
 from ds_rlhf.trainer.run_context import setup_run
-from ds_rlhf.trainer.run_dir import RunDirError
+from ds_rlhf.trainer.run_dir import RunDirError, foreign_entries
 from ds_rlhf.trainer.sft import SFTTask
 from ds_rlhf.trainer.supervised import SupervisedTrainer
 
@@ -178,6 +178,13 @@ def test_3_fresh_run_into_a_directory_of_other_files(tiny_model_path, dist_singl
     assert (run / "notes.txt").read_text() == "mine" and (run / "data" / "train.jsonl").is_file()
     assert not (run / "checkpoints" / "step_00000003").exists()
     assert (run / "checkpoints" / "README").read_text() == "mine too"
+
+
+def test_3_what_a_run_writes_is_not_foreign(zero2_checkpoint):
+    """A real run's directory holds only names `RUN_FILES` lists: the fresh-run check never calls them foreign."""
+    names = {p.name for p in zero2_checkpoint.iterdir()}
+    assert {"config.json", "metrics.jsonl", "checkpoints", "status.json"} <= names
+    assert foreign_entries(zero2_checkpoint) == []
 
 
 def test_3_empty_output_dir_is_refused(tiny_model_path, dist_single, tmp_path, monkeypatch):
