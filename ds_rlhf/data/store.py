@@ -73,7 +73,7 @@ def load_tokenizer(tokenizer):
 
 
 VERIFIED = ".verified.json"
-_verified: dict[str, list] = {}  # "<file path>" -> the stat key it was verified under (this process)
+_verified: dict[str, list] = {}  # "<file path>" -> [size, mtime_ns, ctime_ns, inode, sha256] verified (this process)
 _unverifiable_warned: set[str] = set()
 
 
@@ -93,8 +93,8 @@ def verify_store(path: Path, manifest: dict) -> None:
         return
     wanted = [f["name"] for f in manifest["files"]] + [manifest["lengths_file"]]
     if missing := [name for name in wanted if name not in sums]:
-        raise StoreFormatError(f"{path}: {MANIFEST} has no checksum for {missing[0]} (the manifest was modified; "
-                               "re-run data prep)")
+        raise StoreFormatError(f"store {path}: {MANIFEST} has no checksum for {missing[0]} (the manifest was "
+                               "modified; re-run data prep)")
     sidecar = path / VERIFIED
     try:
         cached = json.loads(sidecar.read_text())
@@ -109,14 +109,14 @@ def verify_store(path: Path, manifest: dict) -> None:
         if key[0] != want["bytes"]:
             raise StoreFormatError(f"store {path}: {fpath} is {key[0]} bytes, {want['bytes']} when written "
                                    "(truncated or modified; re-run data prep)")
-        if _verified.get(str(fpath)) == key or cached.get(name) == [*key, want["sha256"]]:
-            _verified[str(fpath)] = key
+        verified = [*key, want["sha256"]]
+        if _verified.get(str(fpath)) == verified or cached.get(name) == verified:
+            _verified[str(fpath)] = verified
             continue
         if file_checksum(fpath)["sha256"] != want["sha256"]:
             raise StoreFormatError(f"store {path}: {fpath} has another sha256 than when it was written (the file is "
                                    "corrupt or was modified; re-run data prep)")
-        _verified[str(fpath)] = key
-        fresh[name] = [*key, want["sha256"]]
+        _verified[str(fpath)] = fresh[name] = verified
     if fresh:
         try:
             tmp = sidecar.with_name(f"{VERIFIED}.{os.getpid()}.tmp")

@@ -28,7 +28,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from ds_rlhf.engines.engine_io import CheckpointRefused, excluded_frozen, load_torch_file, weights_only_loads
+from ds_rlhf.engines.engine_io import (
+    CheckpointRefused,
+    excluded_frozen,
+    load_torch_file,
+    publish_dir,
+    weights_only_loads,
+    write_export,
+)
 
 ROLES = ("actor", "sft", "rm", "critic")  # engine directories our trainers write (RL actor/critic, SFT, RM)
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -213,7 +220,6 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     from transformers import AutoTokenizer
 
     from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-    from ds_rlhf.engines.engine_io import publish_dir, write_export
     from ds_rlhf.engines.models import as_dtype, unwrap
     from ds_rlhf.trainer.run_context import resolve_model_path
 
