@@ -10,8 +10,8 @@ several trainers on one directory).
 `prepare_run_dir` refuses a fresh run (`run.resume` empty, or a checkpoint of another directory) in a directory that
 holds an earlier run's complete checkpoints or exports (the new run's checkpoints would be mixed with the old ones,
 pruned by step and resumed from by `latest`, and its export would replace the old one), or anything a run does not
-write there (`RUN_FILES`: a fresh run never writes over, or beside, files it did not make; `--run.output_dir ""`,
-the current directory, is refused outright). `--run.resume latest` continues the old run; `--run.overwrite true`
+write there (`RUN_FILES`: someone's files, or the wrong directory); `--run.output_dir ""`, the current directory, is
+refused outright. `--run.resume latest` continues the old run; `--run.overwrite true`
 starts fresh anyway and deletes only what a run wrote: the checkpoints (`step_*`, the best one, temp dirs), the
 metrics and sample logs and the TensorBoard event files. The earlier exports (`export/`, `export_adapter/`) are
 moved aside to `export.before-<time>` (they may hold files of yours, and they are the earlier run's model), and
