@@ -14,6 +14,11 @@ Nothing is lost and nothing fails silently:
   in between puts the old one back.
 * Leftovers of a killed prep (its pid is dead; same host) are cleaned up by the next prep into the same output,
   and when it was killed mid-swap (no store at the output, the old one aside) the old store is put back first.
+* One prep per output at a time: a prep holds ``.<out>.lock`` beside the output (an ``flock``, which the kernel drops
+  when the process exits however it exits; the file names the holder and is removed at the end) from its checks to
+  its swap. A second prep into the same output is refused naming the holder's pid and host, and a store that
+  appeared at the output meanwhile (a prep on another host of a filesystem without locks) is not replaced without
+  ``overwrite``.
 
 The public entry points built on it (`prep_prompts`, `prep_gsm8k`, `prep_sft`, `prep_preferences`) live in
 `ds_rlhf.data.prep`.
@@ -21,7 +26,9 @@ The public entry points built on it (`prep_prompts`, `prep_gsm8k`, `prep_sft`, `
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import logging
 import os
@@ -198,10 +205,48 @@ def _recover(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
+@contextlib.contextmanager
+def lock_output(out: Path):
+    """Hold `.<out>.lock` beside `out` for the block (removed at its end); DataPrepError naming the holder when
+    another prep has it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f".{out.name}.lock"
+    for _ in range(5):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip().replace("\n", ", ") or "starting"
+            os.close(fd)
+            raise DataPrepError(f"{out} is being written by another prep ({holder}): wait for it to finish, or pass "
+                                "another --output") from None
+        try:  # the holder before us removes the file as it lets go: our lock must be on the file at `path`
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    else:
+        raise DataPrepError(f"cannot lock {path}: other preps into {out} keep replacing it")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\nhost {_HOST}\nstarted {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(),
+                  0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # still holding the lock: a prep that opened this file now finds it gone and retries
+        os.close(fd)
+
+
+def _swap_in(tmp: Path, out: Path, overwrite: bool = True) -> None:
     """Make the finished store at `tmp` the store at `out`; a crash or error at any point leaves a complete store
     (the old one at `out` or aside, which `_recover` puts back; or the new one at `out`)."""
     old = None
+    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataPrepError(f"{out} appeared while this prep ran (another prep wrote it); pass --overwrite to "
+                            "replace it")
     if out.exists():
         old = out.parent / f".{out.name}.old-{_tag()}"
         shutil.rmtree(old, ignore_errors=True)
@@ -299,7 +344,7 @@ def _manifest(kind: str, created_by: str, paths: list[Path], fmts: list, tok, to
         "dropped_by_reason": dict(report.dropped), "drop_report": DROPPED, "notes": dict(report.notes),
         "fields_used": getattr(convert, "fields_used", {}),
         "token_stats": _token_stats(lengths, layout["length_columns"]),
-        **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
+        **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema", "checksums")},
     }
 
 
@@ -316,22 +361,23 @@ def run_prep(kind: str, inputs, output, tokenizer, make_converter, *, created_by
     paths = expand_inputs(inputs)
     fmts = [detect_format(p) for p in paths]
     out = Path(output)
-    tmp = _prepare_output(out, overwrite)
-    try:
-        enc = Encoder(tok, system_prompt=options.get("system_prompt"))
-        convert = make_converter(enc)
-        writer = StoreWriter(tmp, kind, block_rows=block_rows)
-        report = _write_rows(paths, fmts, split, convert, writer, tmp / DROPPED, on_error=on_error,
-                             created_by=created_by, progress=progress)
-        if report.written == 0 and not allow_empty:
-            raise _empty_error(paths, report)
-        layout = writer.close()
-        lengths = np.load(tmp / layout["lengths_file"])
-        manifest = _manifest(kind, created_by, paths, fmts, tok, tok_name, options, max_lengths, report, layout,
-                             lengths, convert)
-        write_manifest(tmp, manifest)
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with lock_output(out):
+        tmp = _prepare_output(out, overwrite)
+        try:
+            enc = Encoder(tok, system_prompt=options.get("system_prompt"))
+            convert = make_converter(enc)
+            writer = StoreWriter(tmp, kind, block_rows=block_rows)
+            report = _write_rows(paths, fmts, split, convert, writer, tmp / DROPPED, on_error=on_error,
+                                 created_by=created_by, progress=progress)
+            if report.written == 0 and not allow_empty:
+                raise _empty_error(paths, report)
+            layout = writer.close()
+            lengths = np.load(tmp / layout["lengths_file"])
+            manifest = _manifest(kind, created_by, paths, fmts, tok, tok_name, options, max_lengths, report, layout,
+                                 lengths, convert)
+            write_manifest(tmp, manifest)
+            _swap_in(tmp, out, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return PrepResult(out, manifest, time.time() - t0, report.examples)

@@ -1,4 +1,5 @@
-"""Write a store: rows -> Arrow IPC file(s) in blocks, recording each block's byte range, plus lengths.npy.
+"""Write a store: rows -> Arrow IPC file(s) in blocks, recording each block's byte range, plus lengths.npy, and the
+size and sha256 of each of those files (`checksums`, which `store.Store` verifies on open).
 
 Blocks are small (default: 1 MiB of tokens or 2048 rows, whichever comes first) because a block is the unit the
 loader reads: random access costs at most one block per sample, and a sequential scan merges neighbouring blocks
@@ -7,6 +8,7 @@ into large reads anyway. The writer is used by data_prep (row dicts) and by the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -108,9 +110,18 @@ class StoreWriter:
         k = len(self._token_cols)
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros((0, k), np.int32)
         np.save(self.out_dir / LENGTHS, lengths)
+        names = [f["name"] for f in self._files] + [LENGTHS]
         return {"format_version": FORMAT_VERSION, "kind": self.kind, "rows": self.rows, "files": self._files,
                 "lengths_file": LENGTHS, "length_columns": list(self._token_cols),
-                "schema": {f.name: str(f.type) for f in self.schema}}
+                "schema": {f.name: str(f.type) for f in self.schema},
+                "checksums": {name: file_checksum(self.out_dir / name) for name in names}}
+
+
+def file_checksum(path: str | os.PathLike) -> dict:
+    """{"bytes": size, "sha256": hex digest} of one file."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest}
 
 
 def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
@@ -140,7 +151,8 @@ def write_store(out_dir: str | os.PathLike, kind: str, items, *, tokenizer_name:
     manifest = {"format_version": layout["format_version"], "kind": kind, "created_by": "write_store",
                 "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "sources": [],
                 "tokenizer": {"name": tokenizer_name, "fingerprint": tokenizer_fingerprint},
-                "rows": layout["rows"], **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema")},
+                "rows": layout["rows"],
+                **{k: layout[k] for k in ("files", "lengths_file", "length_columns", "schema", "checksums")},
                 **manifest_extra}
     write_manifest(out_dir, manifest)
     return Path(out_dir)

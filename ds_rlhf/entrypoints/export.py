@@ -11,8 +11,11 @@ config, tokenizer with its chat template, the resolved ds_config; into a temp di
 failed export leaves an older OUT_DIR whole. Transformers (`AutoModelForCausalLM.from_pretrained`) and vLLM load it.
 
 A checkpoint with a COMPLETE manifest is verified (every file's size and sha256) before DeepSpeed's files are
-unpickled. LoRA runs: `--lora merge` (default) folds the adapters into the base weights; `--lora adapter` writes a
-peft adapter directory (`PeftModel.from_pretrained(base, OUT_DIR)`).
+read, and every file loads weights-only (`engine_io.weights_only_loads`, zero_to_fp32 included): one that pickles
+a global other than the DeepSpeed types checkpoints hold is refused, naming the file and the global, before it
+runs. OUT_DIR must be absent or an empty directory; `--overwrite` replaces an existing one (or a file or link).
+LoRA runs: `--lora merge` (default) folds the adapters into the base weights; `--lora adapter` writes a peft
+adapter directory (`PeftModel.from_pretrained(base, OUT_DIR)`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+from ds_rlhf.engines.engine_io import (
+    CheckpointRefused,
+    excluded_frozen,
+    load_torch_file,
+    publish_dir,
+    weights_only_loads,
+    write_export,
+)
 
 ROLES = ("actor", "sft", "rm", "critic")  # engine directories our trainers write (RL actor/critic, SFT, RM)
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -40,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Example: ds-rlhf export runs/ppo/checkpoints/step_00000100 runs/ppo/hf_step100 --lora merge")
     p.add_argument("ckpt_dir", help="checkpoints/step_XXXXXXXX of a run (or an engine dir in it, or a run dir)")
-    p.add_argument("out_dir", help="where the Hugging Face directory goes (replaced atomically if it exists)")
+    p.add_argument("out_dir", help="where the Hugging Face directory goes (absent or empty, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT_DIR (swapped in atomically once the export is written)")
     p.add_argument("--lora", choices=("merge", "adapter"), default="merge",
                    help="LoRA runs: merge the adapters into the weights (default) or write a peft adapter dir")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the run's model.tokenizer or "
@@ -117,16 +131,12 @@ def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
     and where it came from: the fp32 master weights from the ZeRO / bf16 optimizer partitions when there are any
     (any stage, any world size), else the module weights DeepSpeed saved (ZeRO stage 0 without a partitioned
     optimizer)."""
-    import torch
-
     if any(tag_dir.glob("*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from ds_rlhf.engines.engine_io import excluded_frozen
-
         noise = io.StringIO()
         try:
-            with contextlib.redirect_stdout(noise):
+            with contextlib.redirect_stdout(noise), weights_only_loads():
                 state = get_fp32_state_dict_from_zero_checkpoint(
                     str(tag_dir.parent), tag=tag_dir.name, exclude_frozen_parameters=bool(excluded_frozen(tag_dir)))
             return dict(state), "fp32 master weights (optimizer partitions)"
@@ -135,8 +145,7 @@ def checkpoint_state_dict(tag_dir: Path) -> tuple[dict, str]:
     states = tag_dir / _MODEL_STATES[0]
     if not states.is_file():
         raise ExportError(f"{tag_dir}: ZeRO-3 model states without optimizer partitions cannot be rebuilt")
-    # DeepSpeed's own file format (pickled); verified above when the checkpoint has a manifest.
-    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    module = load_torch_file(states)["module"]
     return dict(module), "module weights (model states)"
 
 
@@ -194,16 +203,27 @@ def load_weights(module, state: dict, frozen: set[str] = frozenset()) -> None:
 
 
 # ---- the command ------------------------------------------------------------------------------------------
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """OUT_DIR may be written: absent, an empty directory, or anything else with `overwrite`."""
+    if overwrite or not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        return
+    what = ("a symbolic link" if out_dir.is_symlink() else "a non-empty directory" if out_dir.is_dir()
+            else "an existing file")
+    raise ExportError(f"{out_dir} is {what}: pass another OUT_DIR, or --overwrite to replace it")
+
+
 def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str = "", model: str = "",
-                      role: str = "", dtype: str = "auto") -> Path:
+                      role: str = "", dtype: str = "auto", overwrite: bool = False) -> Path:
     """Export one checkpoint (see the module docstring); returns OUT_DIR."""
     from transformers import AutoTokenizer
 
     from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-    from ds_rlhf.engines.engine_io import excluded_frozen, publish_dir, write_export
     from ds_rlhf.engines.models import as_dtype, unwrap
     from ds_rlhf.trainer.run_context import resolve_model_path
 
+    check_out_dir(Path(out_dir), overwrite)
     tag_dir, role, step_dir = locate(Path(ckpt_dir), role)
     cfg = run_config(step_dir)
     section = _model_section(cfg, model)
@@ -221,7 +241,10 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     ds_config = json.loads(resolved.read_text()) if resolved.is_file() else None
     precision = dtype if dtype != "auto" else (config_precision(ds_config) if ds_config else "fp32")
     checked = verify(step_dir)
-    state, source = checkpoint_state_dict(tag_dir)
+    try:
+        state, source = checkpoint_state_dict(tag_dir)
+    except CheckpointRefused as exc:
+        raise ExportError(str(exc)) from None
     module = build_module(role, cfg, model_path)
     load_weights(module, state, excluded_frozen(tag_dir))
     module.to(as_dtype(precision))
@@ -241,6 +264,9 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
         write_export(module, module.state_dict(), tok, tmp, ds_config=ds_config, lora=lora)
         (tmp / "ds_rlhf_export.json").write_text(json.dumps(info, indent=1) + "\n")
 
+    check_out_dir(Path(out_dir), overwrite)  # again: the export took a while
+    if Path(out_dir).is_symlink() or (Path(out_dir).exists() and not Path(out_dir).is_dir()):
+        Path(out_dir).unlink()  # --overwrite of a file or link (not its target): the swap replaces directories
     out = publish_dir(Path(out_dir), write)
     print(f"[export] {role} of {step_dir or tag_dir} ({source}, {precision}, checkpoint {checked}) -> {out}")
     return out
@@ -256,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         export_checkpoint(args.ckpt_dir, args.out_dir, lora=args.lora, tokenizer=args.tokenizer, model=args.model,
-                          role=args.role, dtype=args.dtype)
+                          role=args.role, dtype=args.dtype, overwrite=args.overwrite)
     except ExportError as exc:
         print(f"ds-rlhf export: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy._core.multiarray import _reconstruct
+
+from ds_rlhf.engines.engine_io import load_torch_file
 
 
 def rng_state() -> dict:
@@ -42,15 +45,9 @@ def _as_tuples(value):
 
 
 def load_rng_file(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a checkpoint from before the tensor format held numpy arrays: allow just those
-        if "numpy" not in str(exc):
-            raise
-        from numpy._core.multiarray import _reconstruct
-
-        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+    """This rank's RNG file, weights only; the files of older checkpoints held numpy's state tuple, so numpy's array
+    types are allowed too (any other pickled global raises `engine_io.CheckpointRefused`)."""
+    return load_torch_file(path, extra_types=(_reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType))
 
 
 __all__ = ["load_rng_file", "rng_state", "set_rng_state"]

@@ -17,7 +17,9 @@ Nothing lost, nothing silent:
   with errno ENOSPC) naming the path and the bytes needed, with the partial directory removed and the previous
   checkpoint untouched.
 - `keep_last`: that many newest checkpoints are kept, 0 keeps all; the checkpoint just saved is never pruned.
-- Our files load with `torch.load(weights_only=True)`: RNG states are stored as tensors and plain Python values.
+- Every file loads with `torch.load(weights_only=True)` (`engines/engine_io.py:weights_only_loads`, DeepSpeed's
+  engine files included, with the few DeepSpeed types they hold allowed): a file that pickles anything else is
+  refused before it runs, naming the file and the global. RNG states are stored as tensors and plain values.
 
 The RNG state is `trainer/checkpoint_rng.py`'s; listing, hashing, structural checks and the size estimate of
 the checkpoint's files are `trainer/checkpoint_files.py`'s.
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import barrier
-from ds_rlhf.engines.engine_io import fsync_dir, replace_dir
+from ds_rlhf.engines.engine_io import CheckpointRefused, fsync_dir, load_torch_file, replace_dir
 from ds_rlhf.trainer.checkpoint_files import (
     MARKER,
     engine_bytes,
@@ -198,6 +200,8 @@ class CheckpointManager:
         for name, engine in engines.items():
             try:
                 load_checkpoint(engine, path / name, tag="state")
+            except CheckpointRefused as exc:
+                raise CheckpointLoadError(f"cannot load {name}: {exc}") from None
             except Exception as exc:
                 raise CheckpointLoadError(f"cannot load {name} from {path / name}: "
                                           f"{self._diagnose(path / name) or exc}") from exc
@@ -205,8 +209,7 @@ class CheckpointManager:
         if rng_file.exists():
             rng = self._read(rng_file, load_rng_file)
             set_rng_state(rng)
-        state = self._read(path / "trainer_state.pt",
-                           lambda p: torch.load(p, map_location="cpu", weights_only=True))
+        state = self._read(path / "trainer_state.pt", load_torch_file)
         if self.rank == 0:
             self._remove_stale_temps()
         return state
@@ -215,6 +218,8 @@ class CheckpointManager:
     def _read(path: Path, reader):
         try:
             return reader(path)
+        except CheckpointRefused as exc:
+            raise CheckpointLoadError(f"cannot load {exc}") from None
         except Exception as exc:
             problem = (structural_problem(path) if path.exists() else "missing") or "unreadable"
             first = str(exc).splitlines()[0] if str(exc) else ""

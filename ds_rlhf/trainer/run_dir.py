@@ -7,10 +7,15 @@ to the process, not to a file descriptor, so a child the trainer forks (vLLM, da
 cannot keep the directory locked after the trainer is gone; within one process the lock is re-entrant (tests build
 several trainers on one directory).
 
-`prepare_run_dir` refuses a fresh run (`run.resume` empty) in a directory that holds complete checkpoints: the new
-run's checkpoints would be mixed with the old ones (pruned by step, resumed from by `latest`) and its metrics
-appended to the old log. `--run.resume latest` continues the old run; `--run.overwrite true` deletes its
-checkpoints (the best one too), metrics, sample logs and TensorBoard events first.
+`prepare_run_dir` refuses a fresh run (`run.resume` empty, or a checkpoint of another directory) in a directory that
+holds an earlier run's complete checkpoints or exports (the new run's checkpoints would be mixed with the old ones,
+pruned by step and resumed from by `latest`, and its export would replace the old one), or anything a run does not
+write there (`RUN_FILES`: someone's files, or the wrong directory); `--run.output_dir ""`, the current directory, is
+refused outright. `--run.resume latest` continues the old run; `--run.overwrite true`
+starts fresh anyway and deletes only what a run wrote: the checkpoints (`step_*`, the best one, temp dirs), the
+metrics and sample logs and the TensorBoard event files. The earlier exports (`export/`, `export_adapter/`) are
+moved aside to `export.before-<time>` (they may hold files of yours, and they are the earlier run's model), and
+anything else stays where it is.
 
 This module imports neither torch nor DeepSpeed (a lock check must be cheap).
 """
@@ -32,6 +37,14 @@ from pathlib import Path
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 LOCK_NAME = ".lock"
+# What runs write at the top of a run directory (the trainers, the run monitor, the telemetry, `ds-rlhf report`,
+# wandb), and what a fresh run sets aside (`<name>.before-<time>`).
+RUN_FILES = frozenset({LOCK_NAME, "config.json", "metrics.jsonl", "samples.jsonl", "status.json", "environment.json",
+                       "doctor.json", "checkpoints", "tensorboard", "export", "export_adapter", "report", "wandb"})
+_RUN_PATTERNS = re.compile(r"^(ds_config\.[\w-]+\.json|(metrics|samples)\.before-[\d-]+\.jsonl|"
+                           r"(export|export_adapter)\.before-[\d-]+)$")
+EXPORTS = ("export", "export_adapter")
+_CHECKPOINT_ENTRY = re.compile(r"^(step_\d{8}|best|\.tmp_step_\d{8}|\.old_.*)$")
 
 
 class RunDirError(Exception):
@@ -130,6 +143,7 @@ def _holder_text(path: Path) -> str:
 
 def acquire_run_lock(run_dir: str | Path) -> RunLock:
     """Lock `run_dir` for this process (creating it); raise `RunDirLocked` naming the holder if another has it."""
+    check_output_dir(run_dir)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = (run_dir / LOCK_NAME).resolve()
@@ -155,15 +169,34 @@ def acquire_run_lock(run_dir: str | Path) -> RunLock:
 
 
 # ---- fresh run / resume / overwrite ------------------------------------------------------------------------------
+def check_output_dir(run_dir: str | Path) -> None:
+    """`--run.output_dir ""` would run in the current directory: refused (`RunDirError`)."""
+    if not str(run_dir).strip():
+        raise RunDirError("--run.output_dir is empty (that would be the current directory): pass the run's own "
+                          "directory, e.g. --run.output_dir runs/sft")
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names at the top of `run_dir` that no run writes (`RUN_FILES`), sorted."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_FILES and not _RUN_PATTERNS.match(p.name))
+
+
 def _move_aside(path: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+    stem, suffix = (path.name, "") if path.is_dir() else (path.stem, path.suffix)
+    target = path.with_name(f"{stem}.before-{stamp}{suffix}")
     n = 1
     while target.exists():
-        target = path.with_name(f"{path.stem}.before-{stamp}-{n}{path.suffix}")
+        target = path.with_name(f"{stem}.before-{stamp}-{n}{suffix}")
         n += 1
     os.replace(path, target)
     return target
+
+
+def _names(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def check_resume_path(resume: str) -> Path:
@@ -192,23 +225,63 @@ def prepare_run_dir(run_dir: str | Path, *, resume: str, overwrite: bool,
     if overwrite and own:
         raise RunDirError(f"--run.resume {resume} continues the run in {run_dir} and --run.overwrite true would "
                           "delete it: pass one of the two")
-    if own:  # continuing this directory's run: its checkpoints and metrics are ours
-        if not done:  # nothing to resume (CheckpointManager.resolve says so): a fresh run, as below
-            _set_aside_old_logs(run_dir, log)
+    if own and done:  # continuing this directory's run: its checkpoints and metrics are ours
         return
+    # a fresh run (with `latest` and nothing to resume too: CheckpointManager.resolve says so)
     if done and not overwrite:
         raise RunDirError(f"run directory {run_dir} holds checkpoints of an earlier run (newest: {done[-1]}); pass "
                           "--run.resume latest to continue it, or --run.overwrite true to delete them and start fresh")
+    exports = [run_dir / name for name in EXPORTS if (run_dir / name).exists()]
+    if exports and not overwrite:
+        raise RunDirError(f"run directory {run_dir} holds an earlier run's export ({_names([str(p) for p in exports])})"
+                          "; pass another --run.output_dir, or --run.overwrite true to move it aside (to "
+                          "export.before-<time>) and start fresh")
+    foreign = foreign_entries(run_dir)
+    if foreign and not overwrite:
+        raise RunDirError(f"run directory {run_dir} holds files a run does not write ({_names(foreign)}); pass an "
+                          "empty or new --run.output_dir, or --run.overwrite true to run there anyway (it only "
+                          "deletes an earlier run's checkpoints and logs, never other files)")
     if overwrite:
-        removed = [p for p in (root, run_dir / "metrics.jsonl", run_dir / "samples.jsonl", run_dir / "tensorboard")
-                   if p.exists()]
-        for p in removed:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if removed:
-            log(f"[run] --run.overwrite: removed the earlier run's {', '.join(p.name for p in removed)} "
-                f"from {run_dir}" + (f" ({len(done)} checkpoints, newest {done[-1].name})" if done else ""))
+        _overwrite(run_dir, done, exports, log)
         return
     _set_aside_old_logs(run_dir, log)
+
+
+def _overwrite(run_dir: Path, done: list[Path], exports: list[Path], log: Callable[[str], None]) -> None:
+    """Delete what an earlier run wrote (checkpoints, logs, TensorBoard events), move its exports aside."""
+    removed = []
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        ours = [p for p in root.iterdir() if _CHECKPOINT_ENTRY.match(p.name)]
+        for p in ours:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        _remove_if_empty(root)
+        if ours:
+            removed.append(root.name)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        if (run_dir / name).is_file():
+            (run_dir / name).unlink()
+            removed.append(name)
+    board = run_dir / "tensorboard"
+    if board.is_dir():
+        events = [p for p in board.rglob("events.out.tfevents.*") if p.is_file()]
+        for p in events:
+            p.unlink()
+        for d in sorted((p for p in board.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            _remove_if_empty(d)
+        _remove_if_empty(board)
+        if events:
+            removed.append(board.name)
+    if removed:
+        log(f"[run] --run.overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}"
+            + (f" ({len(done)} checkpoints, newest {done[-1].name})" if done else ""))
+    for path in exports:
+        log(f"[run] --run.overwrite: moved the earlier run's {path} aside to {_move_aside(path).name}")
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _set_aside_old_logs(run_dir: Path, log: Callable[[str], None]) -> None:
