@@ -91,7 +91,8 @@ def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) 
                     "reward_components": {name: values[i] for name, values in scored.components.items()},
                     "ground_truth": row.get("ground_truth"), "advantage": float(advantage),
                     "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
-                    "sample_index": s.sample_index, "finish_reason": s.finish_reason})
+                    "sample_index": s.sample_index, "prompt_index": s.prompt_index,
+                    "finish_reason": s.finish_reason})
     return out
 
 

@@ -36,6 +36,7 @@ HELP_TEXT = {
     "export": "merge the adapters into the weights",
     "autotune": "--keep-checkpoints",
     "bench": "bench/ is not a package",
+    "convert-gguf": "--overwrite",
 }
 
 
