@@ -161,7 +161,7 @@ def test_export_mid_run_checkpoint_generates_the_trainers_greedy_tokens(zero2_ru
     _export(mid["path"] / "sft" / "state", tmp_path / "from_tag_dir")
     _export(run, tmp_path / "latest")
     assert json.loads((tmp_path / "latest" / "ds_rlhf_export.json").read_text())["step"] == 80
-    _export(mid["path"], out)  # re-exporting over an export swaps it in whole
+    _export(mid["path"], out, "--overwrite")  # re-exporting over an export (asked for) swaps it in whole
     assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".tmp_*"))
 
 

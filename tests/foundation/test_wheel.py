@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ds_rlhf.engines.ds_config import find_ds_config, load_ds_config, packaged_ds_configs
+from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGED = {"zero2.json", "zero3.json", "zero3_offload.json", "zero3_pp.json", "onebit_adam.json",
@@ -79,7 +80,8 @@ def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # clean_env: the test session's own process group holds MASTER_PORT; the installed command forms its own
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
 
     def run(*cmd, timeout=120):
