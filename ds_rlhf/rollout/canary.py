@@ -10,14 +10,17 @@ fly, so *every trainer rank must call `check`*) and by the rollout engine (`scor
 The max abs difference is reduced (max) over ranks, so all ranks raise together instead of some hanging in the
 next collective.
 
-Default thresholds (override with `threshold=`), by the rollout engine's weight dtype:
-- float32: 1e-3. vLLM-CPU vs HF after a sync agree to ~1e-6 on the tiny model; before a sync, a few optimizer steps
-  at lr 1e-3 move them by > 1e-2.
-- bfloat16 / float16: 0.5. On the H200, bf16 vLLM vs bf16 HF on a random 0.5B model differ by 0.125 after a sync
-  and 2.90 before one (64-token probe). So in bf16 the canary catches weights not applied / mis-mapped / a policy
-  that has drifted well away, not one skipped small step. A trained model's peaked distributions are noisier in
-  bf16: SmolLM2-135M-Instruct (GRPO, bf16, H200, 2026-12-03) measured 0.31 and 0.60 after its first two syncs on
-  a 57-token probe, which stops such a run at the default; `rollout.canary_threshold` sets it (or train in fp32).
+Default thresholds (override with `threshold=`, `rollout.canary_threshold` in a run), by the rollout engine's weight
+dtype and the trainer's device:
+- float32 on CPU: 1e-3. vLLM-CPU vs HF after a sync agree to ~1e-6 on the tiny model; before a sync, a few
+  optimizer steps at lr 1e-3 move them by > 1e-2.
+- float32 on CUDA: 0.1. TF32 matmuls and vLLM's own kernels: SmolLM2-135M-Instruct on an H200 differed by 0.032
+  after its first sync (57-token probe, 2026-12-03).
+- bfloat16 / float16: 1.5. On the H200, bf16 vLLM vs bf16 HF on a random 0.5B model differ by 0.125 after a sync
+  and 2.90 before one (64-token probe); a trained model's peaked distributions are noisier: SmolLM2-135M-Instruct
+  (GRPO, 28 syncs, 57-token probe, 2026-12-03) ranged 0.24-0.96 after a sync. So in bf16 the canary catches weights
+  not applied / mis-mapped / a policy that has drifted well away, not one skipped small step; train in float32 for
+  a sharp check.
 """
 
 from __future__ import annotations
@@ -34,14 +37,17 @@ from ds_rlhf.engines.models import unwrap
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THRESHOLDS = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.5}
+DEFAULT_THRESHOLDS = {torch.float32: 1e-3, torch.bfloat16: 1.5, torch.float16: 1.5}
+FLOAT32_CUDA_THRESHOLD = 0.1
 
 
 class SyncCanaryError(RuntimeError):
     """The rollout engine's log-probs disagree with the trainer's after a sync: its weights are not the trainer's."""
 
 
-def default_threshold(dtype: torch.dtype | None) -> float:
+def default_threshold(dtype: torch.dtype | None, device_type: str = "cpu") -> float:
+    if dtype == torch.float32 and device_type == "cuda":
+        return FLOAT32_CUDA_THRESHOLD
     return DEFAULT_THRESHOLDS.get(dtype, DEFAULT_THRESHOLDS[torch.bfloat16])
 
 
@@ -104,7 +110,8 @@ class SyncCanary:
         ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
         replicas = rollout.score_replicas_later([self.probe_ids]) if rollout is not None else None
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
-        threshold = self.threshold if self.threshold is not None else default_threshold(dtype)
+        device_type = next(iter(unwrap(trainer_module).parameters())).device.type
+        threshold = self.threshold if self.threshold is not None else default_threshold(dtype, device_type)
         return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0)
 
     def measure(self, trainer_module, rollout) -> dict:
