@@ -15,6 +15,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +231,12 @@ def _unique_pairs(pairs: list) -> dict:
 
 def load_file(path: str | Path) -> dict:
     """A --config file (YAML or JSON) as a dict; ConfigError when it is missing, malformed, not a mapping, or gives
-    one key twice in a mapping."""
+    one key twice in a mapping. `ds_configs/NAME` not found here is the recipe shipped in the package, so
+    `--config ds_configs/dapo.yaml` works from any directory and from an installed wheel."""
     path = Path(path)
+    if not path.is_file() and not path.is_absolute() and path.parts[:1] == ("ds_configs",):
+        packaged = Path(str(resources.files("ds_rlhf"))) / path  # a recipe shipped in the package
+        path = packaged if packaged.is_file() else path
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()

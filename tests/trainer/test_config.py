@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ds_rlhf.config import Config, ConfigError, help_text, parse_config
+from ds_rlhf.config import Config, ConfigError, help_text, load_file, parse_config
+from ds_rlhf.engines.ds_config import packaged_ds_configs
 
 
 def test_defaults_file_and_overrides_apply_in_order(tmp_path):
@@ -83,3 +84,10 @@ def test_default_rl_settings_pass_the_check():
     check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rl.mismatch", "off"]))
     # the rollout engines return the sampled (temperature / top-p / top-k) distribution's log-probs: allowed with TIS
     check_rl_settings(parse_config(["--rollout.temperature", "0.7", "--rollout.top_p", "0.9"]))
+
+
+def test_a_packaged_recipe_loads_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_file("ds_configs/dapo.yaml") == load_file(packaged_ds_configs() / "dapo.yaml")
+    with pytest.raises(ConfigError, match="config file not found: ds_configs/nope.yaml"):
+        load_file("ds_configs/nope.yaml")
