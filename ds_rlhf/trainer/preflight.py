@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
 from ds_rlhf.engines.model_source import resolve_model_source
 
 
@@ -38,7 +39,9 @@ PREP_SCRIPTS = {"prompts": "prep_prompts.py or prep_gsm8k.py", "sft": "prep_sft.
 
 
 def check_store(store_dir: str, key: str, kind: str) -> dict:
-    """The store at `store_dir` (the value of config key `key`) exists, is of `kind` and has rows; its manifest."""
+    """The store at `store_dir` (the value of config key `key`) exists, is of `kind` and has rows; its manifest.
+    The store is opened, which verifies its checksums and that the manifest's row counts and token statistics are
+    the data's (`data/store.py`), so a modified store is refused here, in seconds."""
     if not store_dir:
         raise ConfigError(f"{key} is empty: pass --{key} <{kind} store dir> (data_prep/{PREP_SCRIPTS[kind]})")
     manifest = _manifest(store_dir, key)
@@ -47,20 +50,27 @@ def check_store(store_dir: str, key: str, kind: str) -> dict:
                           f"store (data_prep/{PREP_SCRIPTS[kind]})")
     if not manifest.get("rows"):
         raise ConfigError(f"{key}={store_dir!r} holds no rows")
+    with _opened(store_dir, key):
+        pass
     return manifest
+
+
+def _opened(store_dir: str, key: str):
+    """The store opened with the mmap reader (verified on open); a store that does not verify is one ConfigError."""
+    try:
+        return open_store(store_dir, reader="mmap")
+    except (StoreFormatError, StoreMismatchError, OSError) as exc:
+        raise ConfigError(f"{key}={store_dir!r}: {exc}") from None
 
 
 def check_prompt_store(cfg: Config, key: str = "data.train") -> None:
     """The prompt store of config key `key` (data.train, or data.eval for RL evaluation) exists, holds prompts,
-    and none is longer than data.max_prompt_len (unless data.overlong_prompts drops them)."""
+    and none is longer than data.max_prompt_len (unless data.overlong_prompts drops them). The lengths are the
+    store's lengths file, verified against its checksum on open, not the manifest's statistics."""
     store_dir = getattr(cfg.data, key.split(".", 1)[1])
-    manifest = check_store(store_dir, key, "prompts")
-    longest = manifest.get("token_stats", {}).get("input_ids", {}).get("max")
-    if longest is None:  # stores written by `write_store` carry no stats: read the lengths file
-        from ds_rlhf.data.store import open_store
-
-        with open_store(store_dir, reader="mmap") as store:
-            longest = int(store.column_lengths("input_ids").max())
+    check_store(store_dir, key, "prompts")
+    with _opened(store_dir, key) as store:
+        longest = int(store.column_lengths("input_ids").max())
     if longest > cfg.data.max_prompt_len and cfg.data.overlong_prompts == "error":
         raise ConfigError(
             f"{key}={store_dir!r} has prompts of up to {longest} tokens but data.max_prompt_len is "
@@ -164,6 +174,62 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
             resolve_model_source(spec, key)
 
 
+# config.json keys that give a model's context, as vLLM reads them (the smallest one present is the limit)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def model_context(local_dir: str) -> tuple[str, int] | None:
+    """(config key, tokens): the longest sequence the model in `local_dir` takes, from its config.json (a
+    multimodal config's `text_config`). None when config.json is absent (a peft adapter directory), names no
+    context, or sets `rope_scaling` (a stretched context: vLLM derives it from the scaling)."""
+    path = Path(local_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: unreadable model config ({exc})") from None
+    config = config.get("text_config") or config
+    if config.get("rope_scaling"):
+        return None
+    found = [(key, config[key]) for key in CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+def rollout_context(cfg: Config) -> tuple[str, int]:
+    """(what sets it, tokens): the longest sequence an RL run generates, prompt included."""
+    r, data = cfg.rollout, cfg.data
+    if r.max_model_len:
+        need = (f"rollout.max_model_len={r.max_model_len}", r.max_model_len)
+    else:
+        need = (f"data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + {r.max_new_tokens} = "
+                f"{data.max_prompt_len + r.max_new_tokens}", data.max_prompt_len + r.max_new_tokens)
+    if rl_eval_on(cfg) and data.max_prompt_len + cfg.rl.eval_max_new_tokens > need[1]:
+        total = data.max_prompt_len + cfg.rl.eval_max_new_tokens
+        need = (f"data.max_prompt_len + rl.eval_max_new_tokens = {data.max_prompt_len} + "
+                f"{cfg.rl.eval_max_new_tokens} = {total}", total)
+    return need
+
+
+def check_context(cfg: Config) -> None:
+    """The RL run's sequences (prompt + response, `rollout_context`) fit the context of the policy and of the
+    reward model and critic when given as directories or Hub ids: one line naming the keys, the sum and the
+    model's limit, instead of vLLM's refusal after the models have loaded."""
+    what, need = rollout_context(cfg)
+    roles = [("model.path", cfg.model.path)]
+    roles += [(key, spec) for key, spec in (("rl.reward_model", cfg.rl.reward_model),
+                                            ("rl.critic_path", cfg.rl.critic_path)) if spec and not _is_tiny(spec)]
+    for key, spec in roles:
+        local = resolve_model_source(spec, key)  # `tiny` is built here, as set-up would build it
+        limit = model_context(local)
+        if limit is not None and need > limit[1]:
+            raise ConfigError(f"{what} tokens exceed the context of {key}={spec!r} ({limit[0]}={limit[1]} in "
+                              f"{Path(local) / 'config.json'}): lower --data.max_prompt_len or "
+                              "--rollout.max_new_tokens (and --rollout.max_model_len, --rl.eval_max_new_tokens when "
+                              f"set) so the sum is at most {limit[1]}")
+
+
 def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
     """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
@@ -205,6 +271,7 @@ def check_rl_run(cfg: Config) -> None:
     if cfg.run.steps < 1:
         raise ConfigError(f"run.steps={cfg.run.steps}: an RL run needs at least one step")
     check_model_sources(cfg, "rl")
+    check_context(cfg)
     check_prompt_store(cfg)
     check_rl_eval(cfg)
     check_reward(cfg)

@@ -75,12 +75,14 @@ class RLTrainer:
         cfg = self.cfg
         if rollout is None:
             check_rollout_precision(cfg, self.ctx)
+        self.ckpt = CheckpointManager(self.ctx.run_dir, rank=self.ctx.dist.rank, keep_last=cfg.run.keep_last,
+                                      resume_fallback=cfg.run.resume_fallback, log=self.ctx.print)
+        # the checkpoint to resume is verified (every file's sha256) before any model or vLLM engine loads
+        resume_from = self.ckpt.resolve(cfg.run.resume)
         self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
                        else FixedKLController(rl.kl_coef))
-        self.ckpt = CheckpointManager(self.ctx.run_dir, rank=self.ctx.dist.rank, keep_last=cfg.run.keep_last,
-                                      resume_fallback=cfg.run.resume_fallback, log=self.ctx.print)
         self.evaluation = RunEvaluation(self.ctx, self.parts.reward.fn) if rl_eval_on(cfg) else None
         self.best = BestCheckpointTracker(rl.best_metric, rl.best_mode) if rl.best_metric else None
         self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
@@ -95,7 +97,6 @@ class RLTrainer:
             self.timer.observer = self.memory
         self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
         self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=0)
-        resume_from = self.ckpt.resolve(cfg.run.resume)
         if resume_from is not None:
             self._restore(resume_from)
         # Sync before the first rollout: after a resume the engine holds the weights on disk, not the restored ones,

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from ds_rlhf.config import Config
+from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
@@ -45,6 +46,17 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
+def longest_sequence(store) -> np.ndarray:
+    """Per row of `store`, its longest sequence in tokens (an SFT row's `input_ids`; the longer of a preference
+    pair's chosen and rejected sequences), from the store's lengths file."""
+    return np.max(np.stack([store.column_lengths(c) for c in store.manifest["length_columns"]], axis=1), axis=1)
+
+
+def drop_long(indices, longest: np.ndarray, max_len: int) -> list[int]:
+    """The rows of `indices` whose sequences all fit `max_len` tokens (`longest`: `longest_sequence`)."""
+    return [i for i in indices if longest[i] <= max_len]
+
+
 class SupervisedTrainer:
     def __init__(self, cfg: Config, task: SupervisedTask):
         self.cfg, self.task = cfg, task
@@ -63,15 +75,37 @@ class SupervisedTrainer:
         from ds_rlhf.tools.memory_cap import apply_trainer_cap
 
         cfg, task, ctx = self.cfg, self.task, self.ctx
+        self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last,
+                                      resume_fallback=cfg.run.resume_fallback, log=ctx.print)
+        # the checkpoint to resume is verified (every file's sha256) before the model loads
+        resume_from = self.ckpt.resolve(cfg.run.resume)
         apply_trainer_cap(cfg, ctx.dist.device, "colocated")  # run.max_gpu_memory_gb: this process's allocator cap
         store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
         train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
                                             cfg.run.seed)
+        # data.max_len: rows with a sequence longer than it are dropped (as data prep's default --drop does),
+        # counted in one line here and in the data/dropped_long metric
+        longest = longest_sequence(store)
+        kept = drop_long(train_idx, longest, cfg.data.max_len)
+        dropped = {"data.train": len(train_idx) - len(kept)}
+        if not kept:
+            raise ConfigError(f"data.max_len={cfg.data.max_len}: every training row of data.train={cfg.data.train!r}"
+                              f" is longer (the shortest has {int(longest[train_idx].min())} tokens); raise "
+                              "--data.max_len (up to the model's context) or re-run data prep with a lower --max_len")
+        train_idx = kept
         if cfg.data.eval:
             eval_store = open_store(cfg.data.eval, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
-            self.eval_rows = [eval_store.row(i) for i in range(len(eval_store))]
+            eval_idx = drop_long(range(len(eval_store)), longest_sequence(eval_store), cfg.data.max_len)
+            dropped["data.eval"] = len(eval_store) - len(eval_idx)
+            self.eval_rows = [eval_store.row(i) for i in eval_idx]
         else:
-            self.eval_rows = [store.row(i) for i in eval_idx]
+            kept = drop_long(eval_idx, longest, cfg.data.max_len)
+            dropped["eval split"] = len(eval_idx) - len(kept)
+            self.eval_rows = [store.row(i) for i in kept]
+        self.dropped_long = sum(dropped.values())
+        if self.dropped_long:
+            ctx.print(f"[{task.name}] data.max_len={cfg.data.max_len}: dropped {self.dropped_long} row(s) longer "
+                      "than it (" + ", ".join(f"{n} of {k}" for k, n in dropped.items() if n) + ")")
         self.eval_rows = self.eval_rows[ctx.dist.rank :: ctx.dist.world_size]
         batch = cfg.optim.batch_size
         self.loader = StoreLoader(store, batch_size=batch, rank=ctx.dist.rank, world_size=ctx.dist.world_size,
@@ -83,11 +117,8 @@ class SupervisedTrainer:
         ds_config = ctx.ds_config(role=task.name, micro_batch_size=max(1, cfg.optim.micro_batch_size),
                                   lr=cfg.optim.lr, total_steps=self.total_steps)
         self.engine = task.build(ctx, ds_config)
-        self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last,
-                                      resume_fallback=cfg.run.resume_fallback, log=ctx.print)
         self.step = 0
         self.timer = PhaseTimer(sync_cuda=ctx.dist.device.type == "cuda")
-        resume_from = self.ckpt.resolve(cfg.run.resume)
         if resume_from is not None:
             state = self.ckpt.load(resume_from, {task.name: self.engine})
             self.step = int(state["step"])
@@ -116,6 +147,7 @@ class SupervisedTrainer:
                     metrics[k] = metrics.get(k, 0.0) + float(v) * share
             self.engine.step()
         metrics["train/lr"] = self.engine.get_lr()[0]
+        metrics["data/dropped_long"] = float(self.dropped_long)  # rows data.max_len removed (train + eval)
         return metrics
 
     def evaluate(self) -> dict:
