@@ -3,7 +3,8 @@
 The schema (`ds_rlhf.config`) already refused bad keys, bad choices, out-of-range numbers and conflicting options.
 What is left needs to look at files: the model, tokenizer, reward model and critic sources (a local directory, or a
 Hugging Face Hub id resolved to its cached snapshot, downloaded only when online: `engines/model_source.py`), the
-prompt store and its manifest (and the held-out eval store when RL evaluation is on), the reward function file,
+prompt store (opened, which verifies its checksums and statistics; the held-out eval store too when RL evaluation
+is on), the RL sequence budget against the models' context (config.json), the reward function file,
 the resume directory, the DeepSpeed config, and the
 low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` the run's memory plan (from the
 models' config.json files only) must fit the cap (`tools/memory_cap.py`). Each
