@@ -276,5 +276,6 @@ def test_4_training_on_a_damaged_store_stops_in_one_line(tiny_model_path, sft_st
     data.write_bytes(bytes(raw))
     with pytest.raises(SystemExit) as info:
         ds_rlhf(["train-sft", *_sft_args(tiny_model_path, store, tmp_path / "run")])
-    assert info.value.code == f"error: store {store}: {data} has another sha256 than when it was written (the file " \
-                              "is corrupt or was modified; re-run data prep)"
+    # refused by preflight, before any model loads, naming the setting, the store and the damaged file
+    assert info.value.code == f"error: data.train={str(store)!r}: store {store}: {data} has another sha256 than when " \
+                              "it was written (the file is corrupt or was modified; re-run data prep)"
