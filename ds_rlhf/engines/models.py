@@ -4,7 +4,8 @@
 - critic: LM backbone + scalar value head (``CriticModel``), initialised from the reward model (backbone and its
   ``score`` head) or from the actor (backbone; fresh head). It saves in ``*ForSequenceClassification`` format, so
   an exported critic loads as a reward model and vice versa.
-- reward: ``RewardModel`` wraps ``*ForSequenceClassification`` and scores the last non-pad token.
+- reward: ``RewardModel`` wraps ``*ForSequenceClassification`` (its trained ``score`` head required) and scores the
+  last non-pad token.
 
 ``quantize="nf4" | "int8"`` (``model.quantize_base``, LoRA only) loads the actor's / critic's frozen base linear
 layers through bitsandbytes (``quantized.py``); the adapters, heads, embeddings and norms stay in floating point.
@@ -23,10 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ds_rlhf.config import UserInputError
+from ds_rlhf.config import ConfigError, UserInputError
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.attention import select_attn_impl
 from ds_rlhf.engines.kernels import apply_kernels
+from ds_rlhf.engines.rm_head import SCORE_HEAD, check_reward_model_dir, head_refusal
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -236,11 +238,21 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype="fp32", attn_impl: str = "auto",
-                        compute_dtype=None, kernels: str = "none") -> RewardModel:
+                        compute_dtype=None, kernels: str = "none", new_head: bool = False) -> RewardModel:
+        """A `*ForSequenceClassification` reward model with its trained `score` head; a directory whose weights
+        lack the head (a causal LM, e.g. an SFT export) is a ConfigError naming it, before anything is built.
+        `new_head=True` (an RM run's starting point, or a module a checkpoint is loaded into) accepts a causal LM
+        and initialises the head."""
         from transformers import AutoModelForSequenceClassification
 
+        if not new_head and Path(path).is_dir():
+            check_reward_model_dir(path)
         kwargs = _hf_kwargs(dtype, attn_impl, compute_dtype)
-        seqcls = pretrained(AutoModelForSequenceClassification, path, num_labels=1, **kwargs)
+        seqcls, info = pretrained(AutoModelForSequenceClassification, path, num_labels=1, output_loading_info=True,
+                                  **kwargs)
+        missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] == SCORE_HEAD]
+        if missing and not new_head:
+            raise ConfigError(head_refusal(path, sorted(missing)))
         apply_kernels(seqcls, kernels)
         return cls(seqcls)
 

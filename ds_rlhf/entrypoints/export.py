@@ -164,7 +164,7 @@ def build_module(role: str, cfg: dict, model_path: str):
 
     lora = lora_settings(_model_section(cfg, ""))
     if role == "rm":
-        model = RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager")
+        model = RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager", new_head=True)
         if lora:  # a LoRA RM run: adapters on the backbone, the score head trained in full
             apply_seqcls_lora(model.model, lora)
         return model

@@ -20,6 +20,7 @@ from pathlib import Path
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
 from ds_rlhf.engines.model_source import resolve_model_source
+from ds_rlhf.engines.rm_head import check_reward_model_dir
 
 
 def _manifest(store_dir: str, key: str) -> dict:
@@ -164,7 +165,8 @@ def model_dir(cfg: Config) -> str | None:
 def check_model_sources(cfg: Config, kind: str = "rl") -> None:
     """`model.path`, `model.tokenizer` and, in RL runs, `rl.reward_model` and `rl.critic_path` resolve to local
     directories now (a Hub id not in the cache while offline, a path that is not a model directory: one line), so
-    set-up and every role later get the same directories without surprises."""
+    set-up and every role later get the same directories without surprises. A reward model must hold its trained
+    score head (`engines/rm_head.py` reads the weight files' headers only)."""
     model_dir(cfg)
     if cfg.model.tokenizer:
         resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer")
@@ -172,7 +174,9 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
         return
     for key, spec in (("rl.reward_model", cfg.rl.reward_model), ("rl.critic_path", cfg.rl.critic_path)):
         if spec and not _is_tiny(spec):
-            resolve_model_source(spec, key)
+            local = resolve_model_source(spec, key)
+            if key == "rl.reward_model":  # a causal LM would score with a random head: refused now, in one line
+                check_reward_model_dir(local)
 
 
 # config.json keys that give a model's context, as vLLM reads them (the smallest one present is the limit)

@@ -41,7 +41,7 @@ class RewardModelTask:
         # fp32 master weights (a LoRA RM's frozen backbone in the compute dtype); DeepSpeed casts as the ds_config says
         lora = lora_settings(ctx.cfg.model)
         model = RewardModel.from_pretrained(ctx.model_path, attn_impl=ctx.cfg.model.attn_impl,
-                                            kernels=ctx.cfg.model.kernels,
+                                            kernels=ctx.cfg.model.kernels, new_head=True,
                                             **load_dtypes(ds_config, True, lora=lora))
         if ctx.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
