@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_rlhf.config import UserInputError
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 LOCK_NAME = ".lock"
 # What runs write at the top of a run directory (the trainers, the run monitor, the telemetry, `ds-rlhf report`,
@@ -47,7 +49,7 @@ EXPORTS = ("export", "export_adapter")
 _CHECKPOINT_ENTRY = re.compile(r"^(step_\d{8}|best|\.tmp_step_\d{8}|\.old_.*)$")
 
 
-class RunDirError(Exception):
+class RunDirError(UserInputError):
     """A run-directory or checkpoint problem the user must act on; the message says what to do."""
 
 
@@ -145,7 +147,11 @@ def acquire_run_lock(run_dir: str | Path) -> RunLock:
     """Lock `run_dir` for this process (creating it); raise `RunDirLocked` naming the holder if another has it."""
     check_output_dir(run_dir)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only file system
+        raise RunDirError(f"run.output_dir={str(run_dir)!r} cannot be created ({exc.strerror or exc}): choose a "
+                          "directory this user can write") from None
     path = (run_dir / LOCK_NAME).resolve()
     with _held_guard:
         entry = _held.get(str(path))
