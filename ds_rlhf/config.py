@@ -58,6 +58,8 @@ class Config:
             rule = _field_rules(type(target)).get(name)
             if rule:
                 _check_rule(key, value, rule)
+                if isinstance(rule.get("choices"), str):  # a registry's alias is stored as its canonical name
+                    setattr(target, name, registry_of(rule).canonical(value))
         for section in SECTIONS:
             check = getattr(getattr(self, section), "check", None)
             if check is not None:
@@ -79,15 +81,19 @@ def _field_rules(cls) -> dict[str, dict]:
     return {f.name: f.metadata["rule"] for f in dataclasses.fields(cls) if "rule" in f.metadata}
 
 
+def registry_of(rule: dict):
+    """The algorithm registry a `choices="<kind>"` rule reads (`algos.registry.ALL`), its built-in entries loaded."""
+    import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
+    from ds_rlhf.algos.registry import ALL
+
+    return ALL[rule["choices"]]
+
+
 def choices_of(rule: dict) -> tuple:
     """The allowed values of a `choices` rule: a tuple as written, or a registry's names at this moment."""
-    choices = rule.get("choices")
-    if isinstance(choices, str):
-        import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
-        from ds_rlhf.algos.registry import ALL
-
-        return ALL[choices].names()
-    return tuple(choices or ())
+    if isinstance(rule.get("choices"), str):
+        return registry_of(rule).names()
+    return tuple(rule.get("choices") or ())
 
 
 def _check_finite(key: str, value: Any) -> None:

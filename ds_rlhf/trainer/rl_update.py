@@ -100,9 +100,12 @@ def micro_values(critic, mb: Trajectory, cfg: Config) -> torch.Tensor:
     return packed.unpack(critic(input_ids=packed.input_ids, position_ids=packed.position_ids)[:, :-1])
 
 
+DR_GRPO_AGG = "seq-mean-token-sum-norm"  # the canonical name the config stores for it and its aliases
+
+
 def _agg_mode(cfg: Config) -> tuple[str, float | None]:
-    if cfg.rl.loss_agg == "const-norm":  # Dr.GRPO: divide by a constant, the generation budget
-        return "const-norm", float(cfg.rollout.max_new_tokens)
+    if cfg.rl.loss_agg == DR_GRPO_AGG:  # Dr.GRPO: divide by a constant, the generation budget
+        return DR_GRPO_AGG, float(cfg.rollout.max_new_tokens)
     return cfg.rl.loss_agg, None
 
 
@@ -140,7 +143,7 @@ def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict
     mode, const = _agg_mode(cfg)
     values = micro_values(critic, mb, cfg)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
-                               clip=cfg.rl.value_clip or None, agg=mode if mode != "const-norm" else "token-mean")
+                               clip=cfg.rl.value_clip or None, agg=mode if mode != DR_GRPO_AGG else "token-mean")
     critic.backward(loss * share, scale_wrt_gas=False)
     return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
 
