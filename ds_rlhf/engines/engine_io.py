@@ -26,6 +26,7 @@ saved it, so the checks are independent.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -448,6 +449,31 @@ def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict |
     directory (``adapter_config.json`` + ``adapter_model.safetensors`` naming its base model) instead of merged."""
     if lora not in ("merge", "adapter"):
         raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
+    with _kv_cache_on(module):
+        _write_weights(module, state, out, lora)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    if ds_config is not None:
+        save_resolved_config(ds_config, out)
+
+
+@contextlib.contextmanager
+def _kv_cache_on(module):
+    """`config.use_cache = True` in what an export writes (the trainer turns the KV cache off for its forwards;
+    generation wants it), the module's own setting put back after."""
+    parts = [part for part in (module, unwrap(module, peft=True), getattr(module, "model", None))
+             if part is not None and hasattr(getattr(part, "config", None), "use_cache")]
+    before = [part.config.use_cache for part in parts]
+    for part in parts:
+        part.config.use_cache = True
+    try:
+        yield
+    finally:
+        for part, value in zip(parts, before):
+            part.config.use_cache = value
+
+
+def _write_weights(module, state: dict, out: Path, lora: str) -> None:
     if lora == "adapter":
         if not hasattr(module, "peft_config") or isinstance(module, CriticModel | RewardModel):
             raise ValueError(f"lora='adapter' needs a LoRA causal LM; {type(module).__name__} has no adapters to "
@@ -462,7 +488,3 @@ def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict |
     else:
         base = unwrap(module, peft=True)
         base.save_pretrained(out, state_dict=merge_lora_state_dict(state, module))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-    if ds_config is not None:
-        save_resolved_config(ds_config, out)

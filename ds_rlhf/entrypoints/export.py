@@ -220,7 +220,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     from transformers import AutoTokenizer
 
     from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-    from ds_rlhf.engines.models import as_dtype, unwrap
+    from ds_rlhf.engines.models import as_dtype
     from ds_rlhf.trainer.run_context import resolve_model_path
 
     check_out_dir(Path(out_dir), overwrite)
@@ -248,9 +248,6 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     module = build_module(role, cfg, model_path)
     load_weights(module, state, excluded_frozen(tag_dir))
     module.to(as_dtype(precision))
-    for part in (module, unwrap(module, peft=True)):
-        if hasattr(part, "config"):
-            part.config.use_cache = True  # the trainer turns the KV cache off for its forwards; generation wants it
     tok = AutoTokenizer.from_pretrained(tokenizer or section.tokenizer or model_path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -263,3 +263,17 @@ def test_export_every_writes_step_directories(zero2_run, tiny_model_path, tmp_pa
     assert torch.equal(AutoModelForCausalLM.from_pretrained(out).lm_head.weight, model.lm_head.weight)
     ctx.cfg = parse_config([])
     assert export_if_due(ctx, parts, 4) is None  # 0 = off
+
+
+def test_every_export_writes_use_cache_true_and_leaves_the_trained_module_as_it_was(tiny_model_path, tmp_path):
+    """The trainer turns the KV cache off for its forwards; an export (the run's own or `ds-rlhf export`) is for
+    generation, so its config.json says use_cache: true, and the live module keeps its own setting."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_rlhf.engines.engine_io import write_export
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.config.use_cache = False
+    write_export(model, model.state_dict(), None, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False
