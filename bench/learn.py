@@ -19,7 +19,10 @@ against seconds and against steps, both modes) into `--out`.
 
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the `####` format).
 Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL; the placement is two
-sidecar vLLM engines on a GPU and the in-process engine on a CPU. `--cfg key=value` passes any trainer setting.
+sidecar vLLM engines and micro-batches of up to 49152 tokens on a GPU, the in-process engine on a CPU. Per step the
+JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations
+spent after half of the samples had finished (waiting for the longest ones). `--cfg key=value` passes any trainer
+setting.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens (the stores drop longer ones)")
     ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
+                    "phase's token budget per micro-batch (-1: 49152 on a GPU, the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
@@ -131,6 +136,8 @@ def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: 
 
 def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool) -> list[str]:
     placement = ["--rollout.placement", "sidecar", "--rollout.sidecar_engines", "2"] if gpu else []
+    budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu else 0)
+    placement += ["--data.micro_batch_tokens", str(budget)] if budget else []
     cfg = ["--model.path", model, "--data.train", str(stores["train"]), "--data.eval", str(stores["heldout"]),
            "--run.output_dir", str(run_dir), "--run.overwrite", "true", "--run.steps", str(args.steps),
            "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",
@@ -156,8 +163,9 @@ def curve(history: list[dict]) -> dict:
         if h.get("step", 0) > 0:
             seconds += h.get("time/wall", 0.0)
             tokens += h.get("response/len_mean", 0.0) * h.get("rollout/samples", 0.0)
-            lengths.append({k: h.get(f"response/{k}") for k in ("len_mean", "len_max", "truncated_frac")}
-                           | {"step": h["step"]})
+            lengths.append({k: h.get(f"response/{k}") for k in ("len_mean", "len_p50", "len_max", "truncated_frac")}
+                           | {"step": h["step"], "rollout_seconds": h.get("time/rollout"),
+                              "tail_decode_frac": h.get("rollout/tail_decode_frac")})
         if EXACT in h:
             points.append({"step": h.get("step", 0), "seconds": round(seconds, 2), "generated_tokens": int(tokens),
                            "exact_match": h[EXACT], "format": h.get(FORMAT),
@@ -168,6 +176,10 @@ def curve(history: list[dict]) -> dict:
     if steps:
         summary["step_seconds_median"] = statistics.median(h["time/wall"] for h in steps)
         summary["completions_per_s_median"] = statistics.median(h["throughput/completions_per_s"] for h in steps)
+        for key, name in (("time/rollout", "rollout_seconds_median"), ("time/train", "train_seconds_median"),
+                          ("rollout/tail_decode_frac", "tail_decode_frac_median")):
+            if all(key in h for h in steps):
+                summary[name] = statistics.median(h[key] for h in steps)
     if points:
         summary |= {"exact_match_start": points[0]["exact_match"], "exact_match_end": points[-1]["exact_match"],
                     "exact_match_best": max(p["exact_match"] for p in points)}

@@ -61,7 +61,8 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
     mask = traj.action_mask
     lens = traj.response_lens.float()
     out = {**scored.metrics, **update.metrics,
-           "response/len_mean": lens.mean(), "response/len_max": lens.max(),
+           "response/len_mean": lens.mean(), "response/len_max": lens.max(), "response/len_p50": lens.median(),
+           "rollout/tail_decode_frac": tail_decode_fraction(lens),
            "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
            "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
     if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
@@ -71,6 +72,15 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
         kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, "k1")
         out["kl/mean"] = (kl * mask).sum() / mask.sum().clamp(min=1)
     return out
+
+
+def tail_decode_fraction(lens: torch.Tensor) -> torch.Tensor:
+    """The share of a batch's decode iterations that run after half of its samples have finished: 1 - median / max
+    response length. Samples start together and decode one token per iteration, so this is the part of the rollout
+    spent waiting for the longest samples (exactly so where an iteration's cost does not depend on how many
+    sequences are still running, as with a small model's CUDA-graph decode)."""
+    longest = lens.max().clamp(min=1)
+    return 1 - lens.median() / longest
 
 
 def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) -> list[dict]:
