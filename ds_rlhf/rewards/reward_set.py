@@ -43,9 +43,13 @@ def parse_weights(weights: str | Sequence[float] | None, count: int) -> list[flo
     """`None`/`""` -> all 1.0; `"1,0.5"` or `[1, 0.5]` -> one weight per function."""
     if weights is None or weights == "":
         return [1.0] * count
-    values = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+    try:
+        values = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+    except ValueError:
+        raise ValueError(f"rl.reward_weights={weights!r} is not a comma-separated list of numbers") from None
     if len(values) != count:
-        raise ValueError(f"{len(values)} reward weight(s) for {count} reward function(s)")
+        raise ValueError(f"rl.reward_weights={weights!r} gives {len(values)} weight(s) for {count} reward "
+                         "function(s): give one weight per function")
     return values
 
 
