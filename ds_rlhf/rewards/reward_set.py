@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
 from ds_rlhf.rewards.loading import STYLES, check_spec, load_reward_fn, split_style
-from ds_rlhf.rewards.pool import RewardPool
+from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
 
 
 @dataclass
@@ -60,7 +60,8 @@ class RewardSet:
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
-                 mp_context: str = "spawn"):
+                 mp_context: str = "spawn", import_timeout: float = START_TIMEOUT_S,
+                 announce: Callable[[str], object] | None = print):
         if not specs:
             raise ValueError("a RewardSet needs at least one reward function")
         seen: dict[str, int] = {}
@@ -73,7 +74,8 @@ class RewardSet:
             for spec in self.specs:  # the cheap checks here, with the in-process errors; the import in the workers
                 if isinstance(spec.source, str) and spec.source not in BUILTIN_REWARDS:
                     check_spec(spec.source)
-            self.pool = RewardPool([(s.source, s.style) for s in self.specs], workers, timeout, mp_context)
+            self.pool = RewardPool([(s.source, s.style) for s in self.specs], workers, timeout, mp_context,
+                                   start_timeout=import_timeout, announce=announce)
             self.styles = self.pool.wait_ready()  # fail fast on a bad file; pays the start cost once, here
             self._calls = None
         else:
