@@ -16,6 +16,7 @@ from collections.abc import Callable
 from ds_rlhf.config import Config, UserInputError, apply_mapping, help_text, parse_config
 from ds_rlhf.data.formats import DataPrepError
 from ds_rlhf.data.store import StoreFormatError, StoreMismatchError
+from ds_rlhf.entrypoints.main import runtime_env_defaults
 from ds_rlhf.rewards.scoring import BadRewardError
 from ds_rlhf.trainer.run_dir import RunDirError
 
@@ -64,6 +65,7 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         apply_mapping(shown, defaults)
         print(doc.strip() + "\n" + USAGE + "\nAll settings with this entry point's defaults:\n" + help_text(shown))
         return None
+    runtime_env_defaults()  # also for launch/*.py and the ds-rlhf-train-* scripts, which skip entrypoints.main
     debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
     cfg = None

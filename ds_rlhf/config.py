@@ -235,6 +235,14 @@ def _unique_pairs(pairs: list) -> dict:
     return dict(pairs)
 
 
+def _one_line_parse_error(exc: Exception) -> str:
+    """A YAML/JSON parse error in one line: yaml's own text spans several (a context, a quoted excerpt, a caret)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
 def load_file(path: str | Path) -> dict:
     """A --config file (YAML or JSON) as a dict; ConfigError when it is missing, malformed, not a mapping, or gives
     one key twice in a mapping. `ds_configs/NAME` not found here is the recipe shipped in the package, so
@@ -256,7 +264,7 @@ def load_file(path: str | Path) -> dict:
         raise ConfigError(f"config file {path}: key '{dup.key}' is given twice ({dup.where}); keep one") from None
     except (ValueError, yaml.YAMLError) as exc:
         kind = "YAML" if is_yaml else "JSON"
-        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid {kind}: {_one_line_parse_error(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
     return data

@@ -252,6 +252,8 @@ class RLConfig:
     reward_weights: str = ""  # comma-separated weights, one per reward_fn entry (default 1 each)
     reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
     reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker; longer = a bad reward
+    # seconds a reward worker may take to import the reward file(s) (a progress line after 5 s); longer = an error
+    reward_import_timeout: float = opt(300.0, gt=0)
     reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start
     reward_model: str = ""  # HF dir or Hub id of a sequence-classification reward model
     on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop

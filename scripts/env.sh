@@ -1,5 +1,7 @@
 # Environment shared by tests, the demo and the benchmarks: offline, caches inside the checkout, CPU DeepSpeed
-# when no GPU. Sourced, not executed.
+# when no GPU. Sourced, not executed. Users need none of it: every command sets what it needs itself
+# (entrypoints/main.py runtime_env_defaults: tokenizers parallelism off, unbuffered output, bytecode caching, the CPU
+# accelerator without a GPU) and downloads from the Hub unless HF_HUB_OFFLINE=1.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export DS_RLHF_CACHE=${DS_RLHF_CACHE:-$root/.cache/ds_rlhf}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}

@@ -261,7 +261,15 @@ def _swap_in(tmp: Path, out: Path, overwrite: bool = True) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(tokenizer):
+    if isinstance(tokenizer, (str, os.PathLike)) and Path(tokenizer).is_dir() and not any(
+            (Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
+        raise DataPrepError(f"--tokenizer={str(tokenizer)!r} is a directory without tokenizer files (none of "
+                            f"{', '.join(TOKENIZER_FILES)}); pass the model directory that holds the tokenizer, or "
+                            "a Hugging Face Hub id")
     try:
         return load_tokenizer(tokenizer)
     except (OSError, ValueError) as exc:

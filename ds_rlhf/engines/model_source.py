@@ -4,9 +4,10 @@ Accepted specs (`--model.path`, `--model.tokenizer`, `--rl.reward_model`, `--rl.
 
 - a local directory (a Hugging Face model directory with config.json, or a peft adapter directory);
 - a Hugging Face Hub id, `org/name` or `org/name@revision` (a branch, tag or commit), read through
-  `huggingface_hub.snapshot_download` from the standard cache (HF_HOME / HF_HUB_CACHE). It downloads only when
-  downloads are allowed (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset); offline, the cached snapshot is used, and a
-  model that is not cached is one `ConfigError` naming the id and how to fetch it beforehand;
+  `huggingface_hub.snapshot_download` from the standard cache (HF_HOME / HF_HUB_CACHE). A cached snapshot that holds
+  what is asked for (a model's config and weights, or a tokenizer's files) is used without any network call, online
+  or not; otherwise it downloads only when downloads are allowed (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset), and
+  offline a model that is not cached is one `ConfigError` naming the id and how to fetch it beforehand;
 - `tiny` / `tiny:<preset>`: the offline tiny model of `engines/tiny_models.py`, built on first use;
 - a `.gguf` file: converted once into the cache (`_gguf_model_dir`) and read from there.
 
@@ -30,6 +31,8 @@ HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96})(?:@(?P<rev
 # What a tokenizer needs from a Hub repo; a tokenizer-only resolution downloads these, not the weights.
 TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 MODEL_MARKERS = ("config.json", "adapter_config.json")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _RESOLVED: dict[tuple, str] = {}
 
 
@@ -120,9 +123,11 @@ def _hub_snapshot(spec: str, repo_id: str, revision: str | None, key: str, what:
 
     fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
     where = f"{key}={spec!r}"
+    patterns = TOKENIZER_FILES if what == "tokenizer" else None
     try:
-        path = snapshot_download(repo_id, revision=revision, local_files_only=offline,
-                                 allow_patterns=TOKENIZER_FILES if what == "tokenizer" else None)
+        path = _cached_snapshot(repo_id, revision, patterns, what)
+        if path is None:
+            path = snapshot_download(repo_id, revision=revision, local_files_only=offline, allow_patterns=patterns)
     except GatedRepoError:
         why = (f"the Hub repo {repo_id} is gated: accept its terms on the Hub and log in (`hf auth login`) or set "
                "HF_TOKEN")
@@ -148,6 +153,25 @@ def _hub_snapshot(spec: str, repo_id: str, revision: str | None, key: str, what:
         _RESOLVED[memo] = path
         return path
     raise ModelSourceError(f"{where}: {why}")
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str] | None, what: str) -> str | None:
+    """The cached snapshot of the repo when it holds what `what` needs (a tokenizer's files; a model's config and
+    weights), found with no network call; None when there is none (or only part of it, e.g. the tokenizer files of
+    a model whose weights were never fetched)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, IncompleteSnapshotError, OSError, ValueError):
+        return None
+    if what == "tokenizer":
+        whole = any((path / name).is_file() for name in TOKENIZER_MARKERS)
+    else:
+        whole = (path / "adapter_config.json").is_file() or (
+            (path / "config.json").is_file() and any(any(path.glob(glob)) for glob in WEIGHT_FILES))
+    return str(path) if whole else None
 
 
 # -- GGUF ---------------------------------------------------------------------------------------------------------

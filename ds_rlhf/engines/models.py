@@ -87,7 +87,15 @@ def apply_lora(model: nn.Module, lora: dict, task_type: str | None):
 
     settings = {**LORA_DEFAULTS, **lora}
     settings.setdefault("task_type", task_type)
-    return get_peft_model(model, LoraConfig(**settings))
+    try:
+        return get_peft_model(model, LoraConfig(**settings))
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError: no module of the model has a target's name
+        if "target modules" not in str(exc).lower():
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, nn.Linear)})
+        raise ConfigError(f"model.lora_targets={settings['target_modules']!r}: the model has no such module; name "
+                          f"some of its linear layers ({', '.join(linear)}) or pass all-linear") from None
 
 
 def apply_seqcls_lora(seqcls: nn.Module, lora: dict) -> None:

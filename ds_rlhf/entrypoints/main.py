@@ -7,8 +7,10 @@ A new subcommand is one row of `SUBCOMMANDS` (and, for its own console script, o
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code (None means 0).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +40,25 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 PROG = "ds-rlhf"
+# /dev entries of an accelerator (NVIDIA, AMD ROCm, Intel): with none, DeepSpeed runs on the CPU
+ACCELERATOR_DEVICES = ("nvidia[0-9]*", "kfd", "dri/renderD*")
+
+
+def runtime_env_defaults(environ=os.environ, dev: Path = Path("/dev")) -> None:
+    """What every command needs from the environment, set unless the user set it (so no `source scripts/env.sh`):
+    no tokenizers thread pool forked into data loaders and reward workers, unbuffered output from this process and
+    its children (logs under launchers and schedulers arrive as written), bytecode caching on for the processes it
+    starts (reward workers, vLLM), and DeepSpeed's CPU accelerator on a machine without an accelerator device."""
+    environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    environ.setdefault("PYTHONUNBUFFERED", "1")
+    if environ is os.environ:
+        sys.dont_write_bytecode = False
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(line_buffering=True)
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not any(any(dev.glob(pattern)) for pattern in ACCELERATOR_DEVICES):
+        environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def usage() -> str:
@@ -68,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
+    runtime_env_defaults()
     if name not in SUBCOMMANDS:
         import difflib
 

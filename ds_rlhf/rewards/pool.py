@@ -15,11 +15,13 @@ import signal
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ds_rlhf.rewards.calling import Outcome, detect_style, invoke, make_call
 
-START_TIMEOUT_S = 300.0  # a worker that cannot import its reward functions in this long is an error
+START_TIMEOUT_S = 300.0  # default: a worker that cannot import its reward functions in this long is an error
+NOTE_AFTER_S = 5.0  # a worker still importing after this long: one progress line says what it waits for
 
 
 def _worker_main(conn, members) -> None:
@@ -83,12 +85,16 @@ class RewardPool:
     """
 
     def __init__(self, members: list[tuple[object, str | None]], workers: int, timeout: float,
-                 mp_context: str = "spawn"):
+                 mp_context: str = "spawn", start_timeout: float = START_TIMEOUT_S,
+                 announce: Callable[[str], object] | None = print, note_after: float = NOTE_AFTER_S):
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"reward mp_context must be spawn or forkserver (fork is unsafe here), got {mp_context}")
         if workers < 1 or not timeout > 0:
             raise ValueError(f"a reward pool needs workers >= 1 and timeout > 0, got {workers}, {timeout}")
         self.members, self.timeout = members, float(timeout)
+        # the import of the reward modules: at most `start_timeout` s, one progress line after `note_after` s
+        self.start_timeout, self.announce, self.note_after = float(start_timeout), announce, note_after
+        self._noted = False
         self._ctx = mp.get_context(mp_context)
         self._workers = [_Worker(self._ctx, members) for _ in range(workers)]
         self.replaced = 0  # workers killed (hung) or lost (died) and started again
@@ -123,8 +129,11 @@ class RewardPool:
                 w.ready for w in self._workers)):
             self._dispatch(calls, pending)
             now = time.monotonic()
+            loading = [w for w in self._workers if not w.ready]
             deadlines = [w.task[1] for w in self._workers if w.task] + [
-                w.started + START_TIMEOUT_S for w in self._workers if not w.ready]
+                w.started + self.start_timeout for w in loading]
+            if loading and not self._noted and self.announce is not None:
+                deadlines.append(min(w.started for w in loading) + self.note_after)
             ready = wait([w.conn for w in self._workers], timeout=max(0.0, min(deadlines, default=now) - now))
             for w in list(self._workers):
                 if w.conn in ready:
@@ -170,8 +179,21 @@ class RewardPool:
                 call_id = w.task[0]
                 results[call_id] = [f"timed out after {self.timeout:g}s"] * len(calls[call_id][1])
                 self._replace(w)
-            elif not w.ready and now >= w.started + START_TIMEOUT_S:
-                raise RuntimeError(f"a reward worker did not finish loading in {START_TIMEOUT_S:g}s")
+            elif not w.ready and now >= w.started + self.start_timeout:
+                raise RuntimeError(f"reward module(s) {self._modules()} did not finish importing in "
+                                   f"{self.start_timeout:g}s (rl.reward_import_timeout): make the import faster "
+                                   "(no downloads or heavy set-up at module level) or raise that setting")
+            elif not w.ready and not self._noted and self.announce is not None \
+                    and now >= w.started + self.note_after:
+                self._noted = True
+                self.announce(f"[reward] importing reward module(s) {self._modules()} ... (waiting up to "
+                              f"{self.start_timeout:g}s, rl.reward_import_timeout)")
+
+    def _modules(self) -> str:
+        """The user files the workers import (the specs' `path.py` parts), or the built-in names."""
+        names = [src.rsplit(":", 1)[0] if isinstance(src, str) else getattr(src, "__name__", type(src).__name__)
+                 for src, _ in self.members]
+        return ", ".join(dict.fromkeys(names))
 
     def _replace(self, w: _Worker) -> None:
         w.kill()

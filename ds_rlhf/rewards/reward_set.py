@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
 from ds_rlhf.rewards.loading import STYLES, check_spec, load_reward_fn, split_style
-from ds_rlhf.rewards.pool import RewardPool
+from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
 
 
 @dataclass
@@ -43,9 +43,13 @@ def parse_weights(weights: str | Sequence[float] | None, count: int) -> list[flo
     """`None`/`""` -> all 1.0; `"1,0.5"` or `[1, 0.5]` -> one weight per function."""
     if weights is None or weights == "":
         return [1.0] * count
-    values = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+    try:
+        values = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
+    except ValueError:
+        raise ValueError(f"rl.reward_weights={weights!r} is not a comma-separated list of numbers") from None
     if len(values) != count:
-        raise ValueError(f"{len(values)} reward weight(s) for {count} reward function(s)")
+        raise ValueError(f"rl.reward_weights={weights!r} gives {len(values)} weight(s) for {count} reward "
+                         "function(s): give one weight per function")
     return values
 
 
@@ -56,7 +60,8 @@ class RewardSet:
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
-                 mp_context: str = "spawn"):
+                 mp_context: str = "spawn", import_timeout: float = START_TIMEOUT_S,
+                 announce: Callable[[str], object] | None = print):
         if not specs:
             raise ValueError("a RewardSet needs at least one reward function")
         seen: dict[str, int] = {}
@@ -69,7 +74,8 @@ class RewardSet:
             for spec in self.specs:  # the cheap checks here, with the in-process errors; the import in the workers
                 if isinstance(spec.source, str) and spec.source not in BUILTIN_REWARDS:
                     check_spec(spec.source)
-            self.pool = RewardPool([(s.source, s.style) for s in self.specs], workers, timeout, mp_context)
+            self.pool = RewardPool([(s.source, s.style) for s in self.specs], workers, timeout, mp_context,
+                                   start_timeout=import_timeout, announce=announce)
             self.styles = self.pool.wait_ready()  # fail fast on a bad file; pays the start cost once, here
             self._calls = None
         else:

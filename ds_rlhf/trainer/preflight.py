@@ -88,6 +88,8 @@ def rl_eval_on(cfg: Config) -> bool:
 def check_rl_eval(cfg: Config) -> None:
     """With evaluation on: data.eval is a prompts store whose prompts fit, and there is a reward function for it."""
     if not rl_eval_on(cfg):
+        if cfg.data.eval:  # not evaluated on, but a store that is not there is a mistake all the same
+            check_store(cfg.data.eval, "data.eval", "prompts")
         return
     why = (f"run.eval_every={cfg.run.eval_every}" if cfg.run.eval_every > 0 else "run.eval_before_train=true")
     if not cfg.data.eval:

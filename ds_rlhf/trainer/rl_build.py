@@ -4,7 +4,7 @@ prompt loader and the reward stage. Nothing here runs per step (that is `rl_step
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,7 +66,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
-    functions = reward_functions(cfg) if rl.reward_fn else None
+    functions = reward_functions(cfg, announce=ctx.print) if rl.reward_fn else None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
                                   gpus_on_node=physical_gpu_count())
@@ -186,7 +186,7 @@ def _prompt_rows(ctx: RunContext, store) -> list[int] | None:
     return keep
 
 
-def reward_functions(cfg) -> RewardSet:
+def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> RewardSet:
     """The run's reward function(s), started before any model is built: a user file that fails to import, or a
     worker pool that cannot start, stops the run in seconds."""
     from ds_rlhf.config import ConfigError
@@ -201,7 +201,8 @@ def reward_functions(cfg) -> RewardSet:
         workers = 2 if user else 0
     try:
         return RewardSet.from_spec(rl.reward_fn, rl.reward_weights or None, workers=workers,
-                                   timeout=rl.reward_timeout, mp_context=rl.reward_mp_context)
+                                   timeout=rl.reward_timeout, mp_context=rl.reward_mp_context,
+                                   import_timeout=rl.reward_import_timeout, announce=announce)
     except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
         hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
                 "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")

@@ -310,7 +310,7 @@ def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[Rewar
     workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user else 0)
     try:
         return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
-                                   mp_context=rl.reward_mp_context), True
+                                   mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout), True
     except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
         raise ConfigError(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: {type(exc).__name__}: "
                           f"{exc}") from None

@@ -209,9 +209,15 @@ class RLTrainer:
             self._save()
             stop.exit(signum, announce=self.ctx.print)
         due = cfg.run.save_every and self.step % cfg.run.save_every == 0
-        if (due or new_best) and self.step < cfg.run.steps:  # the last step is saved by train()
+        saved = bool((due or new_best) and self.step < cfg.run.steps)  # the last step is saved by train()
+        if saved:
             self._save()
-        rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        exported = rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        # a signal that came during that save or export: stop now, not after the next step
+        if (saved or exported is not None) and (signum := stop.pending()):
+            if not saved:
+                self._save()
+            stop.exit(signum, announce=self.ctx.print)
         return metrics
 
     def train(self) -> list[dict]:

@@ -194,6 +194,8 @@ class SupervisedTrainer:
                         stop.exit(signum, announce=ctx.print)
                     if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
                         self._save()
+                        if signum := stop.pending():  # it came during that save: stop now, not a step later
+                            stop.exit(signum, announce=ctx.print)
                 summary["eval_after"] = self.evaluate()
                 logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
                 self._save()
