@@ -44,7 +44,7 @@ MARKERS: dict[str, re.Pattern[str]] = {
         r"\bused to\b|\bpreviously\b|\bwas fixed\b|\bnow fixed\b|\bno longer\b|\bfixed (?:in|after|since)\b|"
         r"\bbefore the fix\b|\bafter the fix(?:es)?\b|\bthe old (?:behaviou?r|code|default)\b|\buntil now\b|"
         r"\bnot (?:yet )?measured (?:yet|since)\b|\bstill to be measured\b|\bchanged after (?:these|the) runs\b|"
-        r"\bmoved out of\b|\bcode moved\b|\bnow defaults to\b|\bas before this\b",
+        r"\bmoved out of\b|\bcode moved\b|\bnow defaults to\b|\bas before this\b|\b(?:before|until) \d{4}-\d\d-\d\d\b",
         re.I),
 }
 
