@@ -1,4 +1,4 @@
-"""Low-memory benchmark (issue 16): SFT, RM, PPO and GRPO steps of an 8B Llama-3 shape under a GPU memory cap.
+"""Low-memory benchmark: SFT, RM, PPO and GRPO steps of an 8B Llama-3 shape under a GPU memory cap.
 
 Each phase runs as its own child process through the real CLI (`python -m ds_rlhf.entrypoints train-sft |
 train-rm | train-ppo`) with `--config ds_configs/low_memory_24g.yaml` (LoRA, shared base, ZeRO-3 + offload,
@@ -108,7 +108,7 @@ def parser() -> argparse.ArgumentParser:
     """The command line (its description is this module's docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=["tiny", *SHAPES], default="8b",
-                   help="model for --phases: a random-init Llama shape (8b = issue 16's), or the offline tiny model "
+                   help="model for --phases: a random-init Llama shape (8b = Llama-3 8B), or the offline tiny model "
                         "(CPU check)")
     p.add_argument("--cap-gb", type=float, default=24.0,
                    help="run.max_gpu_memory_gb for every phase, and the line the NVML peak is checked against; 0 = "

@@ -16,7 +16,7 @@ from low_memory_machine import BENCH, ROOT, GiB, child_env
 
 SCRIPT = BENCH / "low_memory_gpu.py"  # the entry point; its --build-model is the child that builds a model
 
-# Llama shapes, vocab 128256 (Llama-3 tokenizer size); "8b" is issue 16's shape.
+# Llama shapes, vocab 128256 (Llama-3 tokenizer size); "8b" is Llama-3 8B's shape.
 LLAMA = dict(num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 SHAPES = {
     "1b": dict(LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, intermediate_size=8192,

@@ -1,6 +1,6 @@
 """RL step benchmark on one GPU: GRPO with vLLM on the training GPU, through `launch/train_ppo.py`'s trainer.
 
-The default setup is the brief's TRL comparison: a Qwen2-0.5B-shaped model (vocab 151936, random init, bf16),
+The default setup matches a TRL GRPOTrainer comparison run: a Qwen2-0.5B-shaped model (vocab 151936, random init, bf16),
 32 prompts x 8 samples x 256 new tokens, 128-token prompts, no KL (beta 0), one PPO epoch. The tokenizer is the
 offline tiny one (ids < 512); the model's vocabulary is the full 151936, so sampling and the log-prob head cost
 what they cost on the real model. Rewards come from a cheap deterministic rule (`bench/bench_rewards.py`), so the
@@ -13,10 +13,9 @@ advantages are not all zero. Reports per-phase medians over the steps after warm
 
 Engine placement (the workload above is the same whatever it is): by default the 0.5B shape generates with two
 vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sidecar_engines 2`), in synchronous and
-async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, twelfth session, one
-machine: async 138.4 / 134.8 completions/s with two engines against 117.0 / 116.3 with three, synchronous 118.9
-against 113.2; eleventh session: synchronous three engines 109.9 against 80.0 with the in-process engine). The
-1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
+async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, "RL step throughput":
+on one machine, async 138.9 completions/s with two engines against 117.4 with three; synchronous 80.0 with the
+in-process engine). The 1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
 
@@ -48,10 +47,8 @@ SHAPES = {  # Qwen2 shapes, vocab 151936
 
 
 MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 24576}  # --micro-batch-tokens 0 (default), per shape
-# vLLM sidecar processes. 2026-12-02 (0.5B, async): 1 -> 82.2, 2 -> 109.3, 3 -> 108.6 completions/s, NVML 47.5 /
-# 77.6 / 91.7%; with 3 the trainer no longer waits for the rollout (training-bound). Eleventh session, one machine:
-# async 3 -> 115.4 / 114.6, 4 -> 102.8; synchronous 3 -> 109.9 against 80.0 colocated. Twelfth session, one
-# machine: async 2 -> 138.4 / 134.8 against 3 -> 117.0 / 116.3 (NVML 92-95% both); synchronous 2 -> 118.9, 3 -> 113.2
+# vLLM sidecar processes. H200, 0.5B, async, one machine: 2 -> 138.9 completions/s against 3 -> 117.4 (NVML 92-96%
+# both; docs/PERFORMANCE.md, "RL step throughput"). The best count depends on the host (autotune searches 1-3).
 SIDECAR_ENGINES = 2
 PLACEMENT = {"0.5b": "sidecar", "1.5b": "colocated"}  # --placement "" (default), per shape: see the docstring
 
@@ -104,9 +101,9 @@ _TRAINER_LOGPROBS: list = []  # the trainer's own sequence_logprobs (or a bench'
 
 
 def full_head(on: bool) -> None:
-    """Benchmark-only switch: `on` scores every position through the log-prob head (the code before the
-    response-only head), `off` puts back the call that was there before the first switch (the trainer's own, or a
-    bench's own patch of it such as train_step_gpu's --head-chunk). For before/after figures in one session."""
+    """Benchmark-only switch: `on` scores every position through the log-prob head (instead of the
+    response positions only), `off` puts back the call that was there before the first switch (the trainer's own, or a
+    bench's own patch of it such as train_step_gpu's --head-chunk). For side-by-side figures on one machine."""
     from ds_rlhf.trainer import rl_update
 
     if not _TRAINER_LOGPROBS:
@@ -287,7 +284,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         for record in _train_recording_step_ends(trainer, step_ends):
             history.append(record)
     # The run's final checkpoint (the trainer always writes one: ~7 GiB at 0.5B) is of no use to the bench, and
-    # left behind, a few runs fill the device machine's disk (the eighth run of one session was refused its save)
+    # left behind, a few runs fill the device machine's disk (a later run's save is then refused)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
@@ -346,7 +343,7 @@ def train_mfu_params(model_dir: Path) -> int:
 
 def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops: float = 790.0) -> dict:
     """Training-phase MFU: 6 N FLOPs per trained token over the measured bf16 matmul peak of the H200
-    (790 TFLOP/s, device notes), per the issue's definition."""
+    (790 TFLOP/s, device notes), prompt and response tokens counted."""
     n = train_mfu_params(model_dir)
     tokens = statistics.median(h_["throughput/tokens_per_s"] * h_["time/wall"] for h_ in steady)
     train_s = statistics.median(h_.get("time/train", 0.0) for h_ in steady)
@@ -354,7 +351,7 @@ def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops
     return {"params": n, "tokens_per_step": tokens, "train_seconds": train_s,
             "train_tflops": flops / train_s / 1e12 if train_s else None,
             "mfu": flops / train_s / (peak_tflops * 1e12) if train_s else None,
-            "note": "6*N per trained token (prompt and response), whatever the head skips: the issue's convention"}
+            "note": "6*N per trained token (prompt and response), whatever the head skips"}
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def synthetic_trajectory(cfg, n: int, prompt: int, response: int, vocab: int, de
 
 
 def _patch_head(backward: str, chunk: int, eager: bool) -> None:
-    """Benchmark-only switches, to measure the alternatives back to back in one session."""
+    """Benchmark-only switches, to measure the alternatives back to back on one machine."""
     import functools
 
     from ds_rlhf.algos import logprobs
@@ -86,7 +86,7 @@ def main() -> None:
                         "forward/backward passes, in the timed updates (the syncs add a little to the total)")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
     p.add_argument("--head-backward", choices=("auto", "fp32"), default="auto",
-                   help="fp32: the chunked log-prob head's backward GEMMs in fp32 (the code before 2026-12-01)")
+                   help="fp32: the chunked log-prob head's backward GEMMs in fp32 (slower; for comparison)")
     p.add_argument("--head-chunk", type=int, default=0, help="log-prob head chunk (tokens); 0 = the trainer's")
     p.add_argument("--head-eager", action="store_true", help="the head's per-logit work without torch.compile")
     p.add_argument("--packing", action="store_true", help="data.rl_packing: one padding-free row per micro-batch")

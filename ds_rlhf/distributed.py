@@ -13,11 +13,11 @@ CPU shared memory: on the CPU accelerator DeepSpeed's torch backend JIT-builds (
 shared-memory all-reduce, `deepspeed_shm_comm`, used only by `deepspeed.comm.inference_all_reduce` (DeepSpeed
 inference tensor parallelism, which ds_rlhf never calls; every collective here is torch.distributed over gloo).
 `ensure_distributed` therefore makes DeepSpeed skip that build on CPU, so no shm op is loaded and no buffer is
-created. When the op was built it left a buffer it never removed:
+created. A built op leaves a buffer it never removes:
 `/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`, 64 MiB per rank per run (/dev/shm is RAM, so a
-test suite or a day of CPU runs filled memory until something was OOM-killed). The unlink after the barrier below
-is kept as a guard, a no-op now: once every rank has mapped every peer's buffer the names are no longer needed, and
-the kernel frees the memory when the last mapping goes, even after `kill -9`.
+test suite or a day of CPU runs fills memory until something is OOM-killed). The unlink after the barrier below
+is a guard for a run where the op was built: once every rank has mapped every peer's buffer the names are not
+needed, and the kernel frees the memory when the last mapping goes, even after `kill -9`.
 """
 
 from __future__ import annotations

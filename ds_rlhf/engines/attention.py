@@ -8,8 +8,8 @@ off-diagonal blocks, so we register ``torch.nn.attention.varlen.varlen_attn`` (C
 ``NotImplementedError`` on CPU) under the name ``"torch_varlen"`` through transformers' ``AttentionInterface``.
 
 Selection (``select_attn_impl("auto")``): if ``bench/attention.py --save-choice`` has recorded the fastest working
-option for this device, use it; otherwise the first available of flash_attention_2 > torch_varlen > sdpa. That
-fallback order is provisional until the bench has run on the device; CPU measurements are in docs/PERFORMANCE.md.
+option for this device, use it; otherwise the first available of flash_attention_2 > torch_varlen > sdpa (padded
+rows skip torch_varlen, below). Measurements are in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations

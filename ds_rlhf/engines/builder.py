@@ -154,7 +154,7 @@ def partition_zero3(model: torch.nn.Module, ds_config: dict) -> None:
     """ZeRO-3: partition `model` one parameter at a time before `deepspeed.initialize`, which otherwise moves a
     module not built under `deepspeed.zero.Init` to the accelerator whole first (`_configure_distributed_model`),
     then partitions it: a 15 GiB transient for an 8B model even with its weights offloaded (measured on the H200,
-    docs/PERFORMANCE.md). Here each parameter is cast to the compute dtype on the host (DeepSpeed's own cast,
+    bench/low_memory_gpu.py). Here each parameter is cast to the compute dtype on the host (DeepSpeed's own cast,
     buffers left to it), visits the accelerator alone and leaves its shard on the offload device
     (`deepspeed.zero.Init(module=...)`, the call DeepSpeed itself makes after the move); buffers then go to the
     accelerator, where DeepSpeed's move would have put them. A no-op below ZeRO-3 or for a module already

@@ -13,7 +13,7 @@ log-probs, which `algos/logprobs.py` computes chunked.
 - ``auto`` (default): ``liger`` on a CUDA device when liger-kernel is installed and knows the model type, else
   ``none`` (CPU runs, the CI, machines without it).
 
-Figures: docs/PERFORMANCE.md, "Training: response-only log-prob head and fused kernels".
+Figures: docs/PERFORMANCE.md, "Training phase".
 """
 
 from __future__ import annotations

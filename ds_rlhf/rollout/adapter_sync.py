@@ -117,7 +117,7 @@ class AdapterDir:
         return final
 
     def prune(self, keep: Path) -> None:
-        """Remove every version but `keep` (the engine has read it; older ones are no longer served)."""
+        """Remove every version but `keep` (the engine has read it; older ones are not served)."""
         for path in self.root.glob("v*"):
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)

@@ -22,10 +22,8 @@ Conventions every backend follows (tests check them):
   request's noise): the same call (prompts, specs, engine options) gives the same samples whatever ran before, so
   a resumed run matches an uninterrupted one; but a prompt's samples depend on the rest of the call, every rank's
   groups included where one engine serves several ranks. vLLM's sampler loops over seeded requests one by one on
-  the host at every decode step, so "request" costs decode throughput (docs/PERFORMANCE.md, "Training:
-  response-only log-prob head ..."). Backends without that cost (HF generate) treat both alike. RL runs default to
-  "batch" (`rollout.seeding`; before 2026-12-02 they seeded every request, so the same run seed now samples
-  differently).
+  the host at every decode step, so "request" costs decode throughput (docs/PERFORMANCE.md, "Rollout options").
+  Backends without that cost (HF generate) treat both alike. RL runs default to "batch" (`rollout.seeding`).
 - Responses stop at `stop_token_ids` and, unless `ignore_eos`, at the model's EOS (every id of its generation
   config's `eos_token_id`): the first stop token is the last token of `response_ids` (nothing after it), carries
   its log-prob like any other token, and `finish_reason` is "stop"; a response that reached `max_new_tokens`

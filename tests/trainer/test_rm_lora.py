@@ -1,4 +1,4 @@
-"""The reward model with `model.lora_rank > 0` (issue 16's low-memory RM step): adapters on the backbone and the
+"""The reward model with `model.lora_rank > 0` (the low-memory RM step): adapters on the backbone and the
 score head train, the base stays as loaded, the preference rule is still learned, and the export is a plain
 sequence-classification checkpoint (adapters merged) that scores exactly as the trained model. Beside it,
 run_dir/export_adapter holds the same RM as a peft LoRA SEQ_CLS adapter of the RM run's `model.path`, which
@@ -133,7 +133,7 @@ def test_grpo_with_the_lora_rm_adapter_on_a_shared_base(lora_rm, addition_stores
 
 def test_ds_rlhf_export_of_a_lora_rm_checkpoint_is_merged(lora_rm, tmp_path):
     """`ds-rlhf export` rebuilds the RM as the trainer built it (LoRA on the backbone), so a LoRA RM checkpoint
-    exports merged and scores as the trained model (it used to fail on the adapters' keys)."""
+    exports merged and scores as the trained model (the adapters' keys load)."""
     from ds_rlhf.engines.models import RewardModel
     from ds_rlhf.entrypoints.export import export_checkpoint
 

@@ -1,7 +1,7 @@
-"""Issue 17, "nothing lost, nothing silent": the run directory and its checkpoints under misuse and failure.
+"""The run directory and its checkpoints under misuse and failure: nothing lost, nothing silent.
 
 Unit level: CheckpointManager with small fake engines (DeepSpeed's save/load interface over torch.save), setup_run
-on the tiny model's tokenizer. Each test names the defect number of the issue it guards.
+on the tiny model's tokenizer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The DeepSpeed -> rollout bridge: names vLLM's loaders expect, tied weights once, LoRA merged, ZeRO-3 gathers in
-bounded buckets (not one per parameter, not all at once), the bucket plan, the weight-group wire format and the
-vLLM version gate. Needs no vLLM."""
+"""Weight gathering for the DeepSpeed -> rollout sync (`rollout/weight_gather.py`): names vLLM's loaders
+expect, tied weights once, LoRA merged, ZeRO-3 gathers in bounded buckets (not one per parameter, not all at once),
+the bucket plan, the weight-group wire format and the vLLM version gate. Needs no vLLM."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 from rollout_helpers import build_engine
 
-from ds_rlhf.rollout import iter_weight_buckets
-from ds_rlhf.rollout import weight_gather as bridge
+from ds_rlhf.rollout import iter_weight_buckets, weight_gather
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
 from ds_rlhf.rollout.weight_group import pack_bucket, plan_from_wire, plan_to_wire, unpack_bucket
 
@@ -33,7 +32,7 @@ def _flatten(buckets) -> dict[str, torch.Tensor]:
     ("model.layers.1._checkpoint_wrapped_module.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),
 ])
 def test_hf_names(raw, expected):
-    assert bridge.hf_name(raw) == expected
+    assert weight_gather.hf_name(raw) == expected
 
 
 def test_plain_module_tied_embedding_once(hf_model):
@@ -87,13 +86,13 @@ def test_lora_adapters_are_merged(tiny_model_path):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_engine_buckets_are_bounded(tiny_model_path, dist_single, hf_model, monkeypatch, stage):
     calls = []
-    real_gather = bridge._gather
+    real_gather = weight_gather._gather
 
     def counting_gather(params):
         calls.append(sum(p.ds_numel * p.element_size() for p in params))
         return real_gather(params)
 
-    monkeypatch.setattr(bridge, "_gather", counting_gather)
+    monkeypatch.setattr(weight_gather, "_gather", counting_gather)
     engine = build_engine(tiny_model_path, stage)
     bucket_bytes = 64 << 10
     buckets = iter_weight_buckets(engine, bucket_bytes)
