@@ -17,7 +17,9 @@ against seconds and against steps, both modes) into `--out`.
     python3 bench/learn.py --tiny --out /tmp/learn                         # CPU: the tiny model, end to end
     ds-rlhf bench learn --model ... [same options]
 
-Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the `####` format).
+Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the format: one
+`#### N` ending the response); `--reward lenient` trains on `lenient_train_reward` (the last number after any
+`####`), which a policy can game. The held-out evaluation reports both exact-match rules.
 Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL; the placement is two
 sidecar vLLM engines and micro-batches of up to 49152 tokens on a GPU, the in-process engine on a CPU. Per step the
 JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations
@@ -47,6 +49,8 @@ TASKS = ROOT / "bench" / "learn_tasks"
 SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 EXACT = "eval/pass@1"
 FORMAT = "eval/reward/eval_reward/format"
+LENIENT = "eval/reward/eval_reward/lenient"
+TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens (the stores drop longer ones)")
     ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--reward", choices=tuple(TRAIN_REWARDS), default="strict", help="the training reward: strict "
+                    "(one `#### N` ending the response) or lenient (the last number after any `####`; gameable)")
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
                     "phase's token budget per micro-batch (-1: 49152 on a GPU, the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
@@ -143,7 +149,8 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
            "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",
            "--run.save_every", "0", "--run.export_hf", "false", "--run.progress", "false",
            "--run.tensorboard", "false", "--run.sample_log_every", str(args.eval_every),
-           "--rl.algo", "grpo", "--rl.kl_coef", "0", "--rl.reward_fn", f"{TASKS / 'rewards.py'}:train_reward",
+           "--rl.algo", "grpo", "--rl.kl_coef", "0",
+           "--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}",
            "--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward", "--rl.eval_max_prompts", str(args.eval_size),
            "--rl.prompts_per_step", str(args.prompts_per_step), "--rollout.n_samples", str(args.n_samples),
            "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.temperature", "1.0",
@@ -168,7 +175,8 @@ def curve(history: list[dict]) -> dict:
                               "tail_decode_frac": h.get("rollout/tail_decode_frac")})
         if EXACT in h:
             points.append({"step": h.get("step", 0), "seconds": round(seconds, 2), "generated_tokens": int(tokens),
-                           "exact_match": h[EXACT], "format": h.get(FORMAT),
+                           "exact_match": h[EXACT], "exact_match_lenient": h.get(LENIENT),
+                           "format": h.get(FORMAT),
                            "response_len_mean": h.get("eval/response_len_mean"),
                            "truncated_frac": h.get("eval/truncated_frac")})
     steps = [h for h in history if h.get("step", 0) > 0]
@@ -211,7 +219,8 @@ def plot(result: dict, png: Path) -> None:
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']} ({result['device']})")
+    reward = result["settings"].get("reward", "strict")
+    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']}, {reward} reward ({result['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

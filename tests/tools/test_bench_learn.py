@@ -71,17 +71,23 @@ def test_gsm8k_split_is_the_test_file_re_split(shared_data, tmp_path):
     assert all(answers[r["prompt"].split(f"\n{tasks.INSTRUCTION}")[0]] == r["label"] for r in train + held)
 
 
-@pytest.mark.parametrize("response, truth, right, fmt, train", [
-    ("3 + 4 = 7. #### 7", "7", 1.0, 1.0, 1.0),
-    ("#### 1,200", "1200", 1.0, 1.0, 1.0),
-    ("#### 8", "7", 0.0, 1.0, 0.1),
-    ("The answer is 7.", "7", 0.0, 0.0, 0.0),
-    ("#### 5 then #### 7", "7", 1.0, 1.0, 1.0),  # the last one counts
+@pytest.mark.parametrize("response, truth, right, fmt, train, lenient", [
+    ("3 + 4 = 7. #### 7", "7", 1.0, 1.0, 1.0, 1.0),
+    ("#### 1,200", "1200", 1.0, 1.0, 1.0, 1.0),
+    ("So she has 7 now.\n#### 7.  ", "7", 1.0, 1.0, 1.0, 1.0),
+    ("#### 8", "7", 0.0, 1.0, 0.1, 0.0),
+    ("The answer is 7.", "7", 0.0, 0.0, 0.0, 0.0),
+    # one answer, at the end: repeated `####`, several guesses or text after the answer give no answer
+    ("#### 5 then #### 7", "7", 0.0, 0.0, 0.0, 1.0),
+    ("#### 42 = 38 + 7\n#### 42 = 55\n#### 7\n############", "7", 0.0, 0.0, 0.0, 1.0),
+    ("#### 7 and then some more text", "7", 0.0, 0.0, 0.0, 1.0),
 ])
-def test_rewards(response, truth, right, fmt, train):
+def test_rewards(response, truth, right, fmt, train, lenient):
     assert rewards.correct(None, response, truth) == right and rewards.formatted(None, response) == fmt
     assert rewards.train_reward(None, response, truth) == train
-    assert rewards.eval_reward(None, response, truth) == {"score": right, "format": fmt}
+    assert rewards.eval_reward(None, response, truth) == {"score": right, "format": fmt, "lenient": lenient}
+    assert rewards.lenient_correct(None, response, truth) == lenient
+    assert rewards.lenient_train_reward(None, response, truth) == (1.0 if lenient else 0.1 * ("####" in response))
 
 
 @pytest.mark.slow
@@ -96,7 +102,7 @@ def test_tiny_learning_run_writes_json_and_png(tmp_path):
         assert [p["step"] for p in points] == [0, 1, 2]
         assert points[0]["seconds"] == 0 < points[1]["seconds"] < points[2]["seconds"]
         assert 0 < points[1]["generated_tokens"] < points[2]["generated_tokens"]
-        assert all(0 <= p["exact_match"] <= 1 and 0 <= p["format"] <= 1 for p in points)
+        assert all(0 <= p["exact_match"] <= p["exact_match_lenient"] <= 1 and 0 <= p["format"] <= 1 for p in points)
         assert [x["step"] for x in run["lengths"]] == [1, 2] and run["summary"]["steps"] == 2
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exact_match_end" in out.stdout  # the table of the summaries
