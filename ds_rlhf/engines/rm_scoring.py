@@ -106,9 +106,13 @@ def export_pad_token(tokenizer, rule: ScoreRule) -> tuple[str, int] | None:
 
 
 def reward_info(tokenizer, rule: ScoreRule) -> dict:
-    """The content of `ds_rlhf_reward.json`: the token the score is read at and how a sequence is ended there."""
+    """The content of `ds_rlhf_reward.json`: the token the score is read at, how a sequence is ended there, and the
+    `pad_token_id` a `*ForSequenceClassification` config needs to read it (`export_pad_token`; a LoRA adapter's
+    user sets it on the base model's config)."""
+    pad = export_pad_token(tokenizer, rule)
     return {"score_token": tokenizer.convert_ids_to_tokens(rule.score_id), "score_token_id": rule.score_id,
             "template_tail_ids": list(rule.tail), "strip_ids": sorted(rule.strip),
+            "pad_token_id": None if pad is None else pad[1],
             "rule": "the score is read at the last token; a scored sequence ends with exactly one score token: remove "
                     "the chat template's tail after the final score token (template_tail_ids) and any stop or pad "
                     "token after it (strip_ids), then append the score token when it is missing (a truncated "

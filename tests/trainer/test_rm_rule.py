@@ -127,7 +127,7 @@ def test_same_conversation_scores_the_same_in_rm_training_evaluation_rl_and_plai
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
     info = json.loads((tmp_path / REWARD_INFO).read_text())
     assert (info["score_token_id"], info["score_token"]) == (score_id, tok.convert_ids_to_tokens(score_id))
-    assert hf_tok.pad_token_id != score_id and hf.config.pad_token_id == hf_tok.pad_token_id
+    assert hf_tok.pad_token_id != score_id and hf.config.pad_token_id == hf_tok.pad_token_id == info["pad_token_id"]
     batch = hf_tok.pad({"input_ids": [score_text(text, hf_tok), score_text(other, hf_tok)]}, return_tensors="pt")
     assert batch["input_ids"].shape[1] > len(score_text(text, hf_tok))  # the conversation is padded
     with torch.no_grad():
