@@ -8,7 +8,9 @@ rebuilt from their source path.
 ``export_hf`` gathers every parameter (one at a time under ``deepspeed.zero.GatheredParameters``, so ZeRO-3 never
 materialises the whole model at once on the device), folds LoRA adapters in, and writes a ``save_pretrained``
 directory on rank 0 in the engine's compute dtype (bf16/fp16 — the "16-bit gather" — or fp32). A critic is written
-as ``*ForSequenceClassification`` so ``CriticModel.from_pretrained``/``RewardModel.from_pretrained`` load it.
+as ``*ForSequenceClassification`` so ``CriticModel.from_pretrained``/``RewardModel.from_pretrained`` load it. A
+reward model's export reads its score at the same token in plain transformers (``write_reward_scoring``: a pad token
+other than the score token, and ``ds_rlhf_reward.json`` naming the score token; see ``rm_scoring.py``).
 ``export_reward_adapter`` writes a LoRA reward model unmerged, as a peft LoRA SEQ_CLS adapter directory of its base
 (adapters + ``score``; peft's own ``save_pretrained`` on a meta-device view), the RM form ``model.share_base`` uses.
 The export is written into a temp directory beside ``out_dir`` and swapped in (``renameat2(RENAME_EXCHANGE)`` where
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from ds_rlhf.engines.ds_config import save_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, merge_lora_state_dict, unwrap
 from ds_rlhf.engines.onebit_adam import find_onebit
+from ds_rlhf.engines.rm_scoring import REWARD_INFO, export_pad_token, reward_info, score_rule
 from ds_rlhf.engines.roles import role_info
 
 logger = logging.getLogger(__name__)
@@ -436,6 +439,7 @@ def write_reward_adapter(module: RewardModel, state: dict, tokenizer, out: Path,
                          f"{sorted(wanted - set(weights))[:4]}, unexpected {sorted(set(weights) - wanted)[:4]}")
     view.save_pretrained(out, state_dict=weights, save_embedding_layers=False)
     if tokenizer is not None:
+        (out / REWARD_INFO).write_text(json.dumps(reward_info(tokenizer, score_rule(tokenizer)), indent=1) + "\n")
         tokenizer.save_pretrained(out)
     if ds_config is not None:
         save_resolved_config(ds_config, out)
@@ -451,10 +455,36 @@ def write_export(module, state: dict, tokenizer, out: Path, *, ds_config: dict |
         raise ValueError(f"lora must be 'merge' or 'adapter', got {lora!r}")
     with _kv_cache_on(module):
         _write_weights(module, state, out, lora)
+        if isinstance(module, RewardModel) and tokenizer is not None:
+            tokenizer = write_reward_scoring(module.model.config, tokenizer, out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     if ds_config is not None:
         save_resolved_config(ds_config, out)
+
+
+def write_reward_scoring(config, tokenizer, out: Path):
+    """Make the reward model exported at ``out`` read its score in plain transformers where ds_rlhf reads it
+    (``rm_scoring``): ``*ForSequenceClassification`` scores the rightmost token that is not
+    ``config.pad_token_id``, so the written config pads with ``rm_scoring.export_pad_token`` (the tokenizer's pad
+    unless that is the score token, as SmolLM2-Instruct's pad == ``<|im_end|>``), and the returned tokenizer (the
+    one to write beside it) pads with the same token. ``ds_rlhf_reward.json`` names the score token."""
+    rule = score_rule(tokenizer)
+    pad = export_pad_token(tokenizer, rule)
+    if pad is None:
+        logger.warning("every special token of the tokenizer is the score token %d: plain transformers takes it for "
+                       "padding and scores the token before it; pass scores at the attention mask's last position",
+                       rule.score_id)
+    else:
+        if tokenizer.pad_token_id != pad[1]:
+            tokenizer = copy.deepcopy(tokenizer)
+            tokenizer.pad_token = pad[0]
+        if config.pad_token_id != pad[1]:
+            config = copy.deepcopy(config)
+            config.pad_token_id = pad[1]
+            config.save_pretrained(out)
+    (out / REWARD_INFO).write_text(json.dumps(reward_info(tokenizer, rule), indent=1) + "\n")
+    return tokenizer
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.config import ConfigError
+from ds_rlhf.engines.chat_tokens import end_of_turn_token, template_tokens
 from ds_rlhf.engines.engine_io import publish_dir
 from ds_rlhf.engines.models import as_dtype
 
@@ -38,7 +39,6 @@ GGUF_MAGIC = b"GGUF"
 DTYPES = ("bf16", "fp16", "fp32")
 REPORT_NAME = "conversion.json"
 GGUF_PIN = "gguf==0.19.0"
-_PROBE = "DsRlhfProbeText"  # a plain word: no chat template changes it
 
 
 class GGUFImportError(ConfigError):
@@ -97,40 +97,6 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 
 # ---- special tokens ---------------------------------------------------------------------------------------------
-def _special_strings(tokenizer) -> list[str]:
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    names = {tok.content for tok in added.values() if getattr(tok, "special", False)}
-    names |= set(getattr(tokenizer, "all_special_tokens", []) or [])
-    return sorted(names, key=len, reverse=True)  # longest first: `<|im_end|>` before a token that prefixes it
-
-
-def _render(tokenizer, messages: list[dict]) -> str | None:
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:  # a template with rules this probe breaks (role order, required system turn): no opinion
-        return None
-
-
-def end_of_turn_token(tokenizer) -> str | None:
-    """The special token the chat template writes right after an assistant message's text (`<|im_end|>` for
-    ChatML, `<|eot_id|>` for Llama 3), or None when the template has none there (or no template)."""
-    text = _render(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
-    if text is None or _PROBE not in text:
-        return None
-    after = text[text.rindex(_PROBE) + len(_PROBE):].lstrip()
-    return next((name for name in _special_strings(tokenizer) if after.startswith(name)), None)
-
-
-def template_tokens(tokenizer) -> set[str]:
-    """Special tokens the chat template writes into a short system/user/assistant conversation."""
-    text = _render(tokenizer, [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
-                               {"role": "assistant", "content": _PROBE}])
-    text = text or _render(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}])
-    return {name for name in _special_strings(tokenizer) if text and name in text}
-
-
 def _ids(value) -> list[int]:
     if value is None:
         return []
@@ -140,7 +106,7 @@ def _ids(value) -> list[int]:
 def fix_special_tokens(tokenizer, model_config, generation_config) -> list[dict]:
     """Make eos / pad agree with the chat template, in place; returns the changes (field, from, to, why).
 
-    - eos: the template's end-of-turn token (`end_of_turn_token`) when the tokenizer's eos differs from it;
+    - eos: the template's end-of-turn token (`chat_tokens.end_of_turn_token`) when the tokenizer's eos differs from it;
     - `generation_config.eos_token_id` / `model_config.eos_token_id`: the end-of-turn id first, then the ids they held
       before except the replaced eos;
     - pad: the eos when the tokenizer has none, or when its pad is a token the template writes other than the

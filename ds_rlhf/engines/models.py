@@ -4,8 +4,9 @@
 - critic: LM backbone + scalar value head (``CriticModel``), initialised from the reward model (backbone and its
   ``score`` head) or from the actor (backbone; fresh head). It saves in ``*ForSequenceClassification`` format, so
   an exported critic loads as a reward model and vice versa.
-- reward: ``RewardModel`` wraps ``*ForSequenceClassification`` (its trained ``score`` head required) and scores the
-  last non-pad token.
+- reward: ``RewardModel`` wraps ``*ForSequenceClassification`` (its trained ``score`` head required; an RM run's
+  fresh head starts at zero) and scores each row's last attended token; callers end each sequence at the score
+  token first (``rm_scoring.score_ids``, through ``trainer.batching.pad_scored``).
 
 ``quantize="nf4" | "int8"`` (``model.quantize_base``, LoRA only) loads the actor's / critic's frozen base linear
 layers through bitsandbytes (``quantized.py``); the adapters, heads, embeddings and norms stay in floating point.
@@ -250,7 +251,8 @@ class RewardModel(nn.Module):
         """A `*ForSequenceClassification` reward model with its trained `score` head; a directory whose weights
         lack the head (a causal LM, e.g. an SFT export) is a ConfigError naming it, before anything is built.
         `new_head=True` (an RM run's starting point, or a module a checkpoint is loaded into) accepts a causal LM
-        and initialises the head."""
+        and starts its head at zero: the untrained RM scores every sequence 0, preferring neither side of a pair
+        (a random head already ranks pairs by whatever feature it happens to project, with a random sign)."""
         from transformers import AutoModelForSequenceClassification
 
         if not new_head and Path(path).is_dir():
@@ -261,6 +263,10 @@ class RewardModel(nn.Module):
         missing = [k for k in info.get("missing_keys", ()) if k.split(".")[0] == SCORE_HEAD]
         if missing and not new_head:
             raise ConfigError(head_refusal(path, sorted(missing)))
+        if missing:
+            with torch.no_grad():
+                for param in _seqcls_parts(seqcls)[1].parameters():
+                    param.zero_()
         apply_kernels(seqcls, kernels)
         return cls(seqcls)
 

@@ -8,19 +8,19 @@ tokenizer's `eos_token` is sometimes none of them. Rollouts and evaluation stop 
 returns, so a response ends where the model ends its turn whichever convention it follows.
 
 The end-of-turn token is found by rendering a one-turn conversation with the tokenizer's chat template and taking
-the first special (or added) token after the assistant's content; a tokenizer without a template has none.
+the first special (or added) token after the assistant's content (`engines/chat_tokens.py:end_of_turn_id`); a
+tokenizer without a template has none.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ds_rlhf.config import ConfigError
+from ds_rlhf.engines.chat_tokens import end_of_turn_id
 
-_PROBE = "ds_rlhf end of turn probe"  # the assistant's content: plain words no template rewrites
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -80,24 +80,3 @@ def _eos_list(value, where: str) -> list[int]:
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise ConfigError(f"{where}: eos_token_id must be a token id or a list of token ids, got {value!r}")
     return [int(v) for v in values]
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`, ...): the first
-    special or added token after the assistant's content in a rendered one-turn conversation. None without a chat
-    template, or when the template ends the turn with plain text only."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": _PROBE}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - jinja raises many types; the run goes on with the other stop ids
-        warnings.warn(f"the tokenizer's chat template cannot render a user/assistant conversation ({type(exc).__name__}"
-                      f": {exc}); responses stop at the EOS ids only", stacklevel=2)
-        return None
-    at = text.rfind(_PROBE)
-    if at < 0:
-        return None
-    tail = tokenizer.encode(text[at + len(_PROBE):], add_special_tokens=False)
-    marks = set(getattr(tokenizer, "all_special_ids", ())) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    return next((int(t) for t in tail if t in marks), None)

@@ -7,6 +7,7 @@ import torch
 
 from ds_rlhf.data.packing import token_budget_microbatches
 from ds_rlhf.distributed import agree_max
+from ds_rlhf.engines.rm_scoring import ScoreRule, score_ids
 
 
 def pad_right(seqs: list[list[int]], pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,6 +21,12 @@ def pad_right(seqs: list[list[int]], pad_id: int, device="cpu") -> tuple[torch.T
         ids[row, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
         attn[row, : len(x)] = 1
     return ids.to(device), attn.to(device)
+
+
+def pad_scored(seqs: list[list[int]], rule: ScoreRule, pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`pad_right` of sequences a reward model scores, each first ended at its score token (`rm_scoring.score_ids`),
+    so the last attended token is the one the score is read at: RM training and evaluation pairs and RL rollouts."""
+    return pad_right([score_ids(x, rule) for x in seqs], pad_id, device)
 
 
 def split_micro(lengths: list[int], *, max_tokens: int, max_rows: int, padded: bool = False,

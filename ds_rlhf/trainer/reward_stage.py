@@ -5,6 +5,10 @@ zero / drop, see `rewards.py`), computes the reward metrics, then shapes the sco
 `rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their spread; the
 `reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It builds
 nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
+
+The reward model reads each prompt + response at its score token, by the rule RM training read its pairs with
+(`engines/rm_scoring.py`, from the run's tokenizer): a response stopped at the end-of-turn token is scored there, a
+truncated one gets the end-of-turn token appended.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import torch
 
 from ds_rlhf.algos.shaping import group_spread, overlong_penalty
 from ds_rlhf.distributed import agree_max
+from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
 from ds_rlhf.rewards.reward_set import RewardSet
-from ds_rlhf.trainer.batching import pad_right
+from ds_rlhf.trainer.batching import pad_scored
 from ds_rlhf.trainer.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
 from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch
@@ -75,6 +80,7 @@ class RewardStage:
         if (fn is None) == (model is None):
             raise ValueError("RewardStage needs exactly one of a reward function and a reward model")
         self.ctx, self.fn, self.model = ctx, fn, model
+        self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
         self.bad_total = 0
 
     def __call__(self, batch: RolloutBatch, step: int) -> ScoredBatch:
@@ -150,10 +156,12 @@ class RewardStage:
 
     @torch.no_grad()
     def _model_scores(self, samples) -> list[float]:
+        if self._rule is None:
+            self._rule = score_rule(self.ctx.tokenizer)
         seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
         bs = max(1, self.ctx.cfg.optim.micro_batch_size)
         out = []
         for i in range(0, len(seqs), bs):
-            ids, attn = pad_right(seqs[i : i + bs], self.ctx.tokenizer.pad_token_id, self.ctx.dist.device)
+            ids, attn = pad_scored(seqs[i : i + bs], self._rule, self.ctx.tokenizer.pad_token_id, self.ctx.dist.device)
             out.extend(self.model(input_ids=ids, attention_mask=attn).float().cpu().tolist())
         return out

@@ -1,4 +1,5 @@
-"""Reward model: Bradley-Terry pairwise loss, score read at the last non-pad token.
+"""Reward model: Bradley-Terry pairwise loss, score read at the score token: each sequence is ended with exactly one
+end-of-turn token of the run's tokenizer (`engines/rm_scoring.py`), the position RL scoring and the export read too.
 
 loss = -log sigmoid(r(chosen) - r(rejected) - margin)  (Ouyang et al. 2022, eq. 1; margin as in Llama 2).
 The export is a sequence-classification checkpoint, so `train_ppo.py` loads it as `--rl.reward_model` and as the
@@ -13,17 +14,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ds_rlhf.trainer.batching import pad_right
+from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
+from ds_rlhf.trainer.batching import pad_right, pad_scored
 from ds_rlhf.trainer.run_context import RunContext
 from ds_rlhf.trainer.sft import token_budget_groups
 
 
-def pair_scores(engine, rows: list[dict], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of chosen and rejected, in one forward over both halves."""
+def pair_scores(engine, rows: list[dict], pad_id: int, device, rule: ScoreRule | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected, in one forward over both halves, each read at its last token: with `rule`,
+    each sequence is first ended at its score token (`rm_scoring.score_ids`, as RM training and evaluation do);
+    without, the sequences are scored as given."""
     seqs = [list(r["chosen_ids"]) for r in rows] + [list(r["rejected_ids"]) for r in rows]
-    ids, attn = pad_right(seqs, pad_id, device)
+    ids, attn = pad_right(seqs, pad_id, device) if rule is None else pad_scored(seqs, rule, pad_id, device)
     scores = engine(input_ids=ids, attention_mask=attn).float()
     return scores[: len(rows)], scores[len(rows) :]
+
+
+def pair_correct(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Per pair, 1 where chosen outscores rejected, 0.5 for a tie (an RM run starts with its head at zero, scoring
+    every pair a tie: accuracy 0.5, the no-preference baseline), else 0."""
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
 
 
 class RewardModelTask:
@@ -33,6 +44,13 @@ class RewardModelTask:
 
     def __init__(self, margin: float = 0.0):
         self.margin = margin
+        self._rule: ScoreRule | None = None
+
+    def rule(self, ctx: RunContext) -> ScoreRule:
+        """The run tokenizer's score rule (`engines/rm_scoring.py`), computed once."""
+        if self._rule is None:
+            self._rule = score_rule(ctx.tokenizer)
+        return self._rule
 
     def build(self, ctx: RunContext, ds_config: dict):
         from ds_rlhf.engines.builder import build_engine, load_dtypes
@@ -50,26 +68,27 @@ class RewardModelTask:
         return build_engine(model, ds_config, role="reward", trainable=True)
 
     def micro_batches(self, ctx: RunContext, rows: list[dict]) -> list[list[dict]]:
-        lengths = [len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows]
+        lengths = [len(r["chosen_ids"]) + len(r["rejected_ids"]) + 2 for r in rows]  # the rule adds <= 1 token each
         return token_budget_groups(ctx, rows, lengths, padded=True)
 
     def count(self, rows: list[dict]) -> float:
         return float(len(rows))
 
     def loss_terms(self, engine, ctx: RunContext, rows: list[dict]):
-        chosen, rejected = pair_scores(engine, rows, ctx.tokenizer.pad_token_id, ctx.dist.device)
+        chosen, rejected = pair_scores(engine, rows, ctx.tokenizer.pad_token_id, ctx.dist.device, self.rule(ctx))
         losses = -F.logsigmoid(chosen - rejected - self.margin)
         return losses.sum(), {"train/loss": losses.mean().detach(),
-                              "train/accuracy": (chosen > rejected).float().mean(),
+                              "train/accuracy": pair_correct(chosen, rejected).mean(),
                               "train/margin": (chosen - rejected).mean().detach()}
 
     def evaluate(self, engine, ctx: RunContext, rows: list[dict]) -> dict:
         correct, loss, n = 0.0, 0.0, 0
         for group in self.micro_batches(ctx, rows):
-            chosen, rejected = pair_scores(engine, group or rows[:1], ctx.tokenizer.pad_token_id, ctx.dist.device)
+            chosen, rejected = pair_scores(engine, group or rows[:1], ctx.tokenizer.pad_token_id, ctx.dist.device,
+                                           self.rule(ctx))
             if not group:
                 continue
-            correct += float((chosen > rejected).sum())
+            correct += float(pair_correct(chosen, rejected).sum())
             loss += float(-F.logsigmoid(chosen - rejected - self.margin).sum())
             n += len(group)
         return {"eval/accuracy": correct / max(n, 1), "eval/loss": loss / max(n, 1)}
