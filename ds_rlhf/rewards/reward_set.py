@@ -48,7 +48,7 @@ def parse_weights(weights: str | Sequence[float] | None, count: int) -> list[flo
     except ValueError:
         raise ValueError(f"rl.reward_weights={weights!r} is not a comma-separated list of numbers") from None
     if len(values) != count:
-        raise ValueError(f"rl.reward_weights={weights!r} gives {len(values)} weight(s) for {count} reward "
+        raise ValueError(f"rl.reward_weights={weights!r}: {len(values)} reward weight(s) for {count} reward "
                          "function(s): give one weight per function")
     return values
 
