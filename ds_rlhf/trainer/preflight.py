@@ -88,8 +88,9 @@ def rl_eval_on(cfg: Config) -> bool:
 def check_rl_eval(cfg: Config) -> None:
     """With evaluation on: data.eval is a prompts store whose prompts fit, and there is a reward function for it."""
     if not rl_eval_on(cfg):
-        if cfg.data.eval:  # not evaluated on, but a store that is not there is a mistake all the same
-            check_store(cfg.data.eval, "data.eval", "prompts")
+        if cfg.data.eval and not Path(cfg.data.eval).is_dir():  # not read, but likely a mistake: say so
+            print(f"[preflight] warning: data.eval={cfg.data.eval!r}: no such directory; evaluation is off "
+                  "(run.eval_every=0, run.eval_before_train=false), so it is not used", flush=True)
         return
     why = (f"run.eval_every={cfg.run.eval_every}" if cfg.run.eval_every > 0 else "run.eval_before_train=true")
     if not cfg.data.eval:

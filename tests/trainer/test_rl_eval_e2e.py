@@ -322,3 +322,10 @@ def test_resume_with_eval_on_matches_a_straight_run(mode, sft_run, addition_stor
     assert [r["step"] for r in read_samples(straight)] == [r["step"] for r in read_samples(split)]
     best = [json.loads((d / "checkpoints" / "best" / "BEST.json").read_text()) for d in (straight, split)]
     assert best[0] == best[1] and best[0]["metric"] == "eval/pass@1"
+
+
+def test_a_missing_eval_store_with_evaluation_off_is_a_warning(tmp_path, tiny_model_path, capsys):
+    train = prompt_store(tmp_path, tiny_model_path, "train")
+    check_rl_run(rl_config(tmp_path, train, "--data.eval", str(tmp_path / "no_eval")))
+    out = capsys.readouterr().out
+    assert f"data.eval={str(tmp_path / 'no_eval')!r}: no such directory; evaluation is off" in out
