@@ -163,7 +163,7 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     adv = advantages.detach()
     log_ratio = logp - old_logp.detach()
     ratio = torch.exp(log_ratio)
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+    tau = torch.full_like(ratio, tau_neg).masked_fill(adv > 0, tau_pos)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
     loss = _finish(-gate * adv, valid, agg, const_norm, is_weights)
     return loss, _ratio_metrics(log_ratio, valid, torch.zeros_like(valid))
