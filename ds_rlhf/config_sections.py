@@ -232,10 +232,12 @@ class RLConfig:
     prompts_per_step: int = opt(8, ge=1)  # prompts per step per rank
     ppo_epochs: int = opt(1, ge=1)
     mini_batch_size: int = opt(0, ge=0)  # rollouts per optimizer step; 0 = all of a step's rollouts
-    policy_loss: str = opt("ppo", choices="policy_loss")  # policy-gradient loss
-    clip_low: float = opt(0.2, ge=0, lt=1)
-    clip_high: float = opt(0.2, ge=0)  # > clip_low: DAPO clip-higher
-    dual_clip: float = opt(0.0, ge=0)  # 0 = off; else the dual-clip constant c > 1
+    policy_loss: str = opt("ppo", choices="policy_loss")  # policy-gradient loss (docs/POLICY_LOSSES.md: which to pick)
+    clip_low: float = opt(0.2, ge=0, lt=1)  # ratio >= 1 - clip_low; gspo: sequence ratio (paper 3e-4); gmpo: log (0.4)
+    clip_high: float = opt(0.2, ge=0)  # > clip_low: DAPO clip-higher; gspo paper 4e-4; gmpo 0.4; cispo cap 1 + it
+    dual_clip: float = opt(0.0, ge=0)  # 0 = off; else the dual-clip constant c > 1 (policy_loss ppo only)
+    sapo_tau_pos: float = opt(1.0, gt=0)  # policy_loss sapo: soft-gate temperature where the advantage is > 0
+    sapo_tau_neg: float = opt(1.05, gt=0)  # policy_loss sapo: soft-gate temperature elsewhere (faster decay)
     value_clip: float = opt(0.2, ge=0)  # 0 = off
     gamma: float = opt(1.0, ge=0, le=1)
     lam: float = opt(0.95, ge=0, le=1)
@@ -277,7 +279,7 @@ class RLConfig:
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
 
     def check(self, cfg: Config) -> None:
-        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
         r = cfg.rollout
         # No rule for temperature / top_p / top_k with the mismatch correction (rl.mismatch tis/mis): both rollout
@@ -288,6 +290,9 @@ class RLConfig:
             raise ConfigError(f"rl.algo={self.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
         if 0 < self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (0 = off)")
+        if self.dual_clip and not POLICY_LOSSES.get(self.policy_loss).meta.get("dual_clip"):
+            raise ConfigError(f"rl.dual_clip={self.dual_clip} is a PPO-loss setting, but rl.policy_loss="
+                              f"{self.policy_loss} does not take it: set --rl.dual_clip 0 or --rl.policy_loss ppo")
         if self.reward_fn and self.reward_model:
             raise ConfigError(f"both rl.reward_fn={self.reward_fn!r} and rl.reward_model={self.reward_model!r} are "
                               "set: give one (the other would be ignored)")

@@ -82,7 +82,8 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch
     return filled.max() if largest else filled.min()
 
 
-@POLICY_LOSSES.register("ppo", "clipped surrogate, asymmetric clip (clip-higher) and optional dual clip")
+@POLICY_LOSSES.register("ppo", "clipped surrogate, asymmetric clip (clip-higher) and optional dual clip",
+                        dual_clip=True)
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                 agg: str = "token-mean", const_norm: float | None = None,

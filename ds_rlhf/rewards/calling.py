@@ -2,11 +2,19 @@
 
 Every function is turned into `call(items) -> list of raw values`, one per item, and `invoke` turns those into
 outcomes: `(score, extra_metrics)` for a good value, or a string saying why the value is bad. The same code runs
-in-process and inside a pool worker.
+in-process and inside a pool worker. `async def` functions (of any style) are awaited: the coroutine a call returns,
+or the coroutines in the list it returns, gathered; `invoke`'s `timeout` cuts the wait off.
+
+An item is a dict with `prompt` (the rendered prompt text), `response`, `ground_truth`, `metadata`, `id` and, for a
+conversational prompt, `prompt_messages` (its chat messages, `[{"role": ..., "content": ...}, ...]`). TRL-style
+functions then get TRL's conversational form: `prompts` as those message lists and each completion as
+`[{"role": "assistant", "content": response}]`; for other prompts, and for the other styles, plain strings.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import math
 import numbers
@@ -68,12 +76,17 @@ def _call_batched(fn, items):
 
 
 def _call_trl(fn, items):
-    """TRL: `f(prompts, completions, **kwargs)`; kwargs are dataset columns (the truth under its usual names)."""
+    """TRL: `f(prompts, completions, **kwargs)`; kwargs are dataset columns (the truth under its usual names).
+    Conversational items (with `prompt_messages`) pass TRL's chat form: the prompt's messages and the completion as
+    `[{"role": "assistant", "content": text}]`; others the plain strings."""
     prompts, responses, truths, metas = _columns(items)
+    chat = [it.get("prompt_messages") for it in items]
+    prompts = [list(m) if m else p for m, p in zip(chat, prompts)]
+    completions = [[{"role": "assistant", "content": r}] if m else r for m, r in zip(chat, responses)]
     columns = {"ground_truth": truths, "answer": truths, "solution": truths}
     for key in dict.fromkeys(k for md in metas for k in md):
         columns.setdefault(key, [md.get(key) for md in metas])
-    return fn(prompts=prompts, completions=responses, **_accepted(fn, columns))
+    return fn(prompts=prompts, completions=completions, **_accepted(fn, columns))
 
 
 def _call_verl(fn, items):
@@ -149,12 +162,58 @@ def to_outcome(value) -> Outcome:
     return score, extras
 
 
-def invoke(call: Callable[[list[dict]], object], items: list[dict], in_worker: bool) -> list[Outcome]:
+class _Expired(Exception):
+    """An awaited reward call ran past its timeout."""
+
+
+async def _settle(raw, timeout: float | None):
+    """`raw` with its awaitables awaited: a coroutine (an `async def` batched function), or a list holding some
+    (an `async def` per-sample function), gathered concurrently; all of it within `timeout` seconds."""
+
+    async def one(value):
+        return await value if inspect.isawaitable(value) else value
+
+    async def every():
+        value = await one(raw)
+        if isinstance(value, list) and any(inspect.isawaitable(v) for v in value):
+            return list(await asyncio.gather(*(one(v) for v in value)))
+        return value
+
+    try:
+        async with asyncio.timeout(timeout) as deadline:
+            return await every()
+    except TimeoutError:
+        if deadline.expired():  # our deadline, not a TimeoutError the function raised itself
+            raise _Expired from None
+        raise
+
+
+def _has_awaitable(raw) -> bool:
+    return inspect.isawaitable(raw) or (isinstance(raw, list) and any(inspect.isawaitable(v) for v in raw))
+
+
+def _await(raw, timeout: float | None):
+    """Run `_settle` to completion: on a fresh event loop, or in a helper thread when this thread already runs one."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_settle(raw, timeout))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _settle(raw, timeout)).result()
+
+
+def invoke(call: Callable[[list[dict]], object], items: list[dict], in_worker: bool,
+           timeout: float | None = None) -> list[Outcome]:
     """Run one call and judge each value. Any BaseException from user code is a bad reward, except a
-    KeyboardInterrupt in-process: there it is indistinguishable from Ctrl-C, which must stop the trainer."""
+    KeyboardInterrupt in-process: there it is indistinguishable from Ctrl-C, which must stop the trainer.
+    An `async def` function's result is awaited, for at most `timeout` seconds (None: no limit)."""
     n = len(items)
     try:
         raw = call(items)
+        if _has_awaitable(raw):
+            raw = _await(raw, timeout)
+    except _Expired:
+        return [f"timed out after {timeout:g}s"] * n
     except KeyboardInterrupt:
         if not in_worker:
             raise

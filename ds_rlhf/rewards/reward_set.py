@@ -54,7 +54,8 @@ def parse_weights(weights: str | Sequence[float] | None, count: int) -> list[flo
 
 
 class RewardSet:
-    """Weighted reward functions. `workers=0`: called in this process, no timeout (user code is imported here).
+    """Weighted reward functions. `workers=0`: called in this process (user code is imported here), with no timeout
+    for a plain function; an `async def` one is awaited for at most `timeout` seconds.
     `workers>0`: a pool of that many spawn/forkserver processes, started now and kept for the whole run; each call
     is cut off after `timeout` seconds, and the user file is imported only by the workers. Call `close()` at the end.
     """
@@ -82,6 +83,7 @@ class RewardSet:
             fns = [load_reward_fn(s.source) if isinstance(s.source, str) else s.source for s in self.specs]
             self.styles = [s.style or detect_style(fn) for s, fn in zip(self.specs, fns)]
             self._calls = [make_call(fn, style) for fn, style in zip(fns, self.styles)]
+        self.timeout = float(timeout)  # in-process: bounds an `async def` function's wait (a sync call runs to its end)
 
     @classmethod
     def from_spec(cls, spec: str, weights: str | Sequence[float] | None = None, **kwargs) -> RewardSet:
@@ -109,7 +111,7 @@ class RewardSet:
         if self.pool is not None:
             done = self.pool.run(calls)
         else:
-            done = [invoke(self._calls[m], chunk, in_worker=False) for m, chunk in calls]
+            done = [invoke(self._calls[m], chunk, in_worker=False, timeout=self.timeout) for m, chunk in calls]
         per_member: list[list[Outcome]] = [[] for _ in self.specs]
         for (m, _), outcomes in zip(calls, done):
             per_member[m] += outcomes

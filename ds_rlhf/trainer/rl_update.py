@@ -123,9 +123,11 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
     logp, entropy = micro_logprobs(actor, mb, cfg, with_entropy=True)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)
-    loss, metrics = POLICY_LOSSES.get(rl.policy_loss).fn(
+    entry = POLICY_LOSSES.get(rl.policy_loss)
+    options = {arg: getattr(rl, key) for arg, key in entry.meta.get("options", {}).items()}  # e.g. SAPO's tau
+    loss, metrics = entry.fn(
         logp, old, mb.advantages, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
-        dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights)
+        dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights, **options)
     metrics = {f"actor/{k}": v for k, v in metrics.items()}
     if rl.kl_in == "loss" and kl_coef > 0:
         kl, _ = kl_loss(logp, mb.ref_logp, mask, rl.kl_estimator, agg=mode, const_norm=const)
