@@ -53,6 +53,6 @@ def test_two_grpo_steps_with_each_policy_loss(name, loss_stores, dist_single, tm
     for h in history:
         for key in ("actor/loss", "actor/clip_frac", "actor/approx_kl", "actor/ratio_max"):
             assert math.isfinite(h[key]), (key, h)
-    # the second epoch trains on moved weights: its ratios are no longer all 1, and the update changed the actor
+    # the second epoch trains on moved weights: its ratios differ from 1, and the update changed the actor
     assert max(h["actor/ratio_max"] for h in history) > 1.0
     assert any(not torch.equal(b, p) for b, p in zip(before, actor.parameters()))
