@@ -25,6 +25,7 @@ from .formats import (
 PROMPT_KEYS = ("prompt", "messages", "question", "problem", "query", "input", "instruction")
 LABEL_KEYS = ("reward_model.ground_truth", "label", "ground_truth", "answer", "solution")
 MESSAGES_KEYS = ("messages", "conversations", "conversation")
+PROMPT_MESSAGES = "prompt_messages"  # key in a prompt row's `extra`: the chat messages of a conversational prompt
 PAIR_KEYS = (("prompt", "response"), ("prompt", "completion"), ("question", "answer"), ("instruction", "output"),
              ("input", "output"), ("prompt", "chosen"))
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -162,6 +163,8 @@ class PromptConverter:
             extra = {k: v for k, v in row.items() if k not in skip}
         else:
             extra = {k: row[k] for k in self.extra_keys if k in row}
+        if not isinstance(value, str):  # a conversational prompt: its messages
+            extra[PROMPT_MESSAGES] = messages  # reach TRL-style reward functions as TRL passes them
         return {"input_ids": ids, "prompt_text": text, "ground_truth": truth,
                 "data_source": self.data_source if source is MISSING else str(source),
                 "extra": json.dumps(extra, ensure_ascii=False, default=str) if extra else None}

@@ -67,6 +67,15 @@ def test_saved_dataset_dir_with_messages(tmp_path, tok):
                                    add_generation_prompt=True, return_dict=False)
     assert row["input_ids"] == list(want)  # the trailing assistant turn is not part of an RL prompt
     assert res.manifest["notes"] == {"trailing_assistant_removed": 1}
+    # the prompt's messages travel with the row, for reward functions that take chat messages (TRL)
+    assert json.loads(row["extra"])["prompt_messages"] == [{"role": "system", "content": "be brief"},
+                                                           {"role": "user", "content": "hi"}]
+
+
+def test_a_text_prompt_carries_no_messages(tmp_path, tok):
+    res = prep_prompts(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "label": "1"}]), tmp_path / "out", tok,
+                       progress=False)
+    assert "prompt_messages" not in json.loads(open_store(res).row(0)["extra"] or "{}")
 
 
 def _bad_file(tmp_path):
