@@ -79,7 +79,7 @@ def locate(ckpt_dir: Path, role: str = "") -> tuple[Path, str, Path | None]:
     if _tag_dir(ckpt_dir) is not None:  # .../step_X/actor
         return _tag_dir(ckpt_dir), role or ckpt_dir.name, ckpt_dir.parent
     if (ckpt_dir / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        from ds_rlhf.trainer.run_dir import complete_checkpoints
+        from ds_rlhf.run.run_dir import complete_checkpoints
 
         done = complete_checkpoints(ckpt_dir / "checkpoints")
         if not done:
@@ -115,7 +115,7 @@ def run_config(step_dir: Path | None) -> dict:
 
 def verify(step_dir: Path | None) -> str:
     """Check the checkpoint's COMPLETE manifest (sizes, sha256) before anything unpickles its files."""
-    from ds_rlhf.trainer.run_checkpoints import MARKER, CheckpointManager
+    from ds_rlhf.run.checkpoints import MARKER, CheckpointManager
 
     if step_dir is None or not (step_dir / MARKER).is_file():
         return "not verified (no COMPLETE manifest beside it)"
@@ -160,7 +160,7 @@ def _model_section(cfg: dict, model: str) -> SimpleNamespace:
 def build_module(role: str, cfg: dict, model_path: str):
     """The role's module as the trainer built it (same class, same LoRA wrapping: same state-dict names), in fp32."""
     from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, load_causal_lm, lora_settings
-    from ds_rlhf.trainer.run_context import resolve_model_path
+    from ds_rlhf.run.context import resolve_model_path
 
     lora = lora_settings(_model_section(cfg, ""))
     if role == "rm":
@@ -221,7 +221,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
 
     from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
     from ds_rlhf.engines.models import as_dtype
-    from ds_rlhf.trainer.run_context import resolve_model_path
+    from ds_rlhf.run.context import resolve_model_path
 
     check_out_dir(Path(out_dir), overwrite)
     tag_dir, role, step_dir = locate(Path(ckpt_dir), role)
@@ -270,7 +270,7 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
 
 
 def _step(step_dir: Path | None) -> int | None:
-    from ds_rlhf.trainer.run_dir import STEP_DIR, step_of
+    from ds_rlhf.run.run_dir import STEP_DIR, step_of
 
     return step_of(step_dir) if step_dir is not None and STEP_DIR.match(step_dir.name) else None
 

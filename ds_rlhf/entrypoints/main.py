@@ -25,17 +25,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep-sft": ("ds_rlhf.entrypoints.prep:main_sft", "SFT demonstrations -> `sft` store with assistant-only masks"),
     "prep-preferences": ("ds_rlhf.entrypoints.prep:main_preferences", "chosen/rejected pairs (HH-RLHF, "
                                                                       "UltraFeedback) -> `preference` store"),
-    "doctor": ("ds_rlhf.tools.doctor:main", "is this machine ready? versions vs the pinned set, GPUs, vLLM, "
+    "doctor": ("ds_rlhf.ops.doctor:main", "is this machine ready? versions vs the pinned set, GPUs, vLLM, "
                                             "DeepSpeed builds, I/O, NCCL"),
-    "memory": ("ds_rlhf.tools.memory_cli:main", "per-role memory plan of a config, before loading any weight"),
-    "report": ("ds_rlhf.tools.report:main", "PNG plots and an HTML summary of a run directory"),
+    "memory": ("ds_rlhf.ops.memory:main", "per-role memory plan of a config, before loading any weight"),
+    "report": ("ds_rlhf.ops.report:main", "PNG plots and an HTML summary of a run directory"),
     "convert-gguf": ("ds_rlhf.entrypoints.convert:main", "a GGUF model file (llama.cpp, quantized) -> Hugging Face "
                                                          "safetensors directory with fixed-up special tokens"),
     "export": ("ds_rlhf.entrypoints.export:main", "a DeepSpeed checkpoint (any ZeRO stage, LoRA merged or as an "
                                                   "adapter) -> Hugging Face directory"),
-    "autotune": ("ds_rlhf.tools.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
+    "autotune": ("ds_rlhf.ops.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
                                                 "measured with short trial runs within a time budget"),
-    "bench": ("ds_rlhf.tools.bench_cli:main", "run a bench/ benchmark (rollout, sync, rl-step, engines, data): "
+    "bench": ("ds_rlhf.ops.bench:main", "run a bench/ benchmark (rollout, sync, rl-step, engines, data): "
                                               "a table and JSON"),
 }
 

@@ -46,21 +46,21 @@ PPO_DEFAULTS = {"rl": {"algo": "grpo"}, "run": {"output_dir": "runs/ppo"}}
 
 
 def run_sft(cfg):
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.sft import SFTTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     return SupervisedTrainer(cfg, SFTTask()).train()
 
 
 def run_rm(cfg):
-    from ds_rlhf.trainer.rm import RewardModelTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.rm import RewardModelTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     return SupervisedTrainer(cfg, RewardModelTask(margin=cfg.optim.rm_margin)).train()
 
 
 def run_ppo(cfg):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     return RLTrainer(cfg).train()
 

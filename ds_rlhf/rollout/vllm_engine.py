@@ -21,7 +21,7 @@ sync path wakes the weights first, loads the new ones in place, and wakes the KV
 re-allocated only once the trainer's gather buffers are gone; every wake first returns the allocator's cached
 blocks to the driver (the woken pool is mapped past the allocator's cap). PyTorch's allocator keeps counting the
 pool vLLM has unmapped, so after every sleep and wake the engine reports the unmapped bytes to `on_unmapped` (set by
-`trainer/rl_build.py` under `run.max_gpu_memory_gb`: `memory_cap.allow_unmapped` raises the trainer's allocator cap
+`recipes/rl_build.py` under `run.max_gpu_memory_gb`: `memory_cap.allow_unmapped` raises the trainer's allocator cap
 by them, keeping the cap on what the device holds).
 """
 

@@ -56,7 +56,7 @@ PATH_MARKER = re.compile(r"(?:^|[/_.-])(?:before|after|again|old|new|round\d*|se
 ALLOWED: set[tuple[str, str]] = {
     ("docs/DAPO.md", "- Each round uses its own sampling seeds (`rl_step.sampling_spec(..., round_)`); round 0 is the "
                      "seed a run without"),
-    ("ds_rlhf/trainer/rl_step.py", "# index. Round 0 is every step's only round without dynamic sampling."),
+    ("ds_rlhf/recipes/rl.py", "# index. Round 0 is every step's only round without dynamic sampling."),
 }
 # pytest's fixture scope and session objects of libraries.
 ALLOWED_LINE_RE = re.compile(r"""scope\s*=\s*["']session["']|session-scoped|\bsession\s*=|\bSession\(""", re.I)

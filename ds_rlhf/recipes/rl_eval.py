@@ -51,7 +51,7 @@ from ds_rlhf.rewards.scoring import score_samples
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.rollout.stops import stop_token_ids as tokenizer_stop_ids
-from ds_rlhf.trainer.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
+from ds_rlhf.run.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
 
 PAD_KEY = "eval_pad"  # rows added by load_eval_rows so every rank has as many: generated, never counted
 _OVERALL = ""  # the tally key of the whole eval set

@@ -42,14 +42,25 @@ import torch
 
 from ds_rlhf.algos.shaping import informative_groups
 from ds_rlhf.distributed import agree_max
-from ds_rlhf.rollout.base import RolloutSample, RolloutTicket
+from ds_rlhf.rollout.base import RolloutSample, RolloutTicket, SamplingSpec
+from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.telemetry import PhaseTimer
-from ds_rlhf.trainer.reward_stage import merge_reward_metrics
-from ds_rlhf.trainer.rl_build import RLParts
-from ds_rlhf.trainer.run_context import RunContext
-from ds_rlhf.trainer.trajectory import RolloutBatch, ScoredBatch, take_groups
+from ds_rlhf.recipes.reward_stage import merge_reward_metrics
+from ds_rlhf.recipes.rl_build import RLParts
+from ds_rlhf.run.context import RunContext
+from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, take_groups
 
 log = logging.getLogger(__name__)
+
+
+def sampling_spec(ctx: RunContext, step: int, round_: int = 0) -> SamplingSpec:
+    r = ctx.cfg.rollout
+    # Distinct, reproducible seeds per (run seed, step, rank, dynamic-sampling round); the engine adds the prompt
+    # index. Round 0 is every step's only round without dynamic sampling.
+    seed = (ctx.cfg.run.seed * 1_000_003 + (step * ctx.dist.world_size + ctx.dist.rank) * 10_007
+            + round_ * 1_000_000_007)
+    return SamplingSpec(n=r.n_samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                        top_k=r.top_k, stop_token_ids=run_stop_token_ids(ctx), seed=seed, seeding=r.seeding)
 
 
 @dataclass
@@ -88,8 +99,6 @@ class RolloutSchedule:
         self.dynamic = ctx.cfg.rl.dynamic_sampling
 
     def _submit(self, step: int) -> None:
-        from ds_rlhf.trainer.rl_step import sampling_spec
-
         rows = next(self.parts.loader_iter)
         self._wake()
         ticket = self.parts.rollout.submit([list(r["input_ids"]) for r in rows], sampling_spec(self.ctx, step))
@@ -156,8 +165,6 @@ class RolloutSchedule:
         """DAPO's dynamic sampling (see the module docstring): generation and scoring rounds until the step has
         `rl.prompts_per_step` prompts whose samples' raw rewards differ; returns them scored. The engine stays awake
         between rounds (asleep at level 2 it would have dropped its weights) and sleeps after the last."""
-        from ds_rlhf.trainer.rl_step import sampling_spec
-
         rl, device = self.ctx.cfg.rl, self.ctx.dist.device
         need = rl.prompts_per_step
         rounds: list[ScoredBatch] = []

@@ -21,8 +21,8 @@ Nothing lost, nothing silent:
   engine files included, with the few DeepSpeed types they hold allowed): a file that pickles anything else is
   refused before it runs, naming the file and the global. RNG states are stored as tensors and plain values.
 
-The RNG state is `trainer/checkpoint_rng.py`'s; listing, hashing, structural checks and the size estimate of
-the checkpoint's files are `trainer/checkpoint_files.py`'s.
+The RNG state is `run/checkpoint_rng.py`'s; listing, hashing, structural checks and the size estimate of
+the checkpoint's files are `run/checkpoint_files.py`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 from ds_rlhf.distributed import barrier
 from ds_rlhf.engines.engine_io import CheckpointRefused, fsync_dir, load_torch_file, replace_dir
-from ds_rlhf.trainer.checkpoint_files import (
+from ds_rlhf.run.checkpoint_files import (
     MARKER,
     engine_bytes,
     fmt_bytes,
@@ -47,8 +47,8 @@ from ds_rlhf.trainer.checkpoint_files import (
     structural_problem,
     tree_size,
 )
-from ds_rlhf.trainer.checkpoint_rng import load_rng_file, rng_state, set_rng_state
-from ds_rlhf.trainer.run_dir import (
+from ds_rlhf.run.checkpoint_rng import load_rng_file, rng_state, set_rng_state
+from ds_rlhf.run.run_dir import (
     STEP_DIR,
     ResumeNotFound,
     RunDirError,

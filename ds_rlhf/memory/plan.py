@@ -17,7 +17,7 @@ estimate); this module adds what an RL step holds on top of them:
   heads, norms and adapters keep theirs. vLLM's copy stays in the rollout dtype (the sync sends the dequantized
   weights);
 - activations per micro-batch of `data.micro_batch_tokens` tokens (or `optim.micro_batch_size` x the sequence
-  length). The actor's and reference's log-probs use the chunked head (`trainer/policy_forward.py`): no
+  length). The actor's and reference's log-probs use the chunked head (`engines/policy_forward.py`): no
   [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
   Frozen roles run without autograd; their forward is estimated as a checkpointed one (an upper bound). At ZeRO-3
   the activations column also holds one gathered layer's full weights plus the prefetch bucket;
@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.memory import activation_bytes, memory_breakdown
-from ds_rlhf.tools import meta_models
-from ds_rlhf.tools.memory_settings import resolve_zero, rollout_backend, sequence_tokens
+from ds_rlhf.memory import meta_models
+from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
 
 GiB = 1024 ** 3
 VLLM_PROFILE_TOKENS = 8192  # vLLM's profiling forward (its max_num_batched_tokens; an assumption, not read from vLLM)
@@ -142,7 +142,7 @@ class MemoryPlan:
 def logprob_head_bytes(hf_config, tokens: int, act_bytes: int, *, training: bool) -> int:
     """The chunked log-prob head: per-token fp32 logp / logsumexp / entropy, and one chunk's logits (in the
     compute dtype, then fp32) plus, when training, the fp32 probabilities for the entropy and the backward."""
-    from ds_rlhf.trainer.policy_forward import sequence_logprobs
+    from ds_rlhf.engines.policy_forward import sequence_logprobs
 
     chunk = min(tokens, inspect.signature(sequence_logprobs).parameters["chunk_size"].default)
     per_chunk_token = hf_config.vocab_size * (act_bytes + 4 + (4 if training else 0))
@@ -283,7 +283,7 @@ def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) ->
 def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_name: str = "", world_size: int = 1,
                 reserve: int | None = None) -> MemoryPlan:
     """The plan for `cfg` on `world_size` ranks of `capacity` bytes each (no weights are loaded)."""
-    from ds_rlhf.tools.memory_plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row
+    from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row
 
     precision = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     zero = resolve_zero(cfg, precision, world_size)
@@ -337,7 +337,7 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
 
 def remedies(cfg, roles: list[RolePlan], rollout: RolePlan | None, phases: dict[str, int], s: Settings) -> list[str]:
     """What would make an over-budget plan fit, phase by phase (first-order: one setting at a time)."""
-    from ds_rlhf.tools.memory_plan_shared import shares_base
+    from ds_rlhf.memory.plan_shared import shares_base
 
     out = []
     free = s.capacity - s.reserve

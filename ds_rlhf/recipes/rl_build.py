@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
-from ds_rlhf.trainer.reward_stage import RewardStage
-from ds_rlhf.trainer.run_context import RunContext, resolve_model_path
+from ds_rlhf.recipes.reward_stage import RewardStage
+from ds_rlhf.run.context import RunContext, resolve_model_path
 
 if TYPE_CHECKING:
     from ds_rlhf.data.loader import StoreLoader
@@ -60,8 +60,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     from ds_rlhf.engines.builder import build_actor
     from ds_rlhf.engines.models import lora_settings
     from ds_rlhf.rollout import make_rollout_engine
-    from ds_rlhf.tools.memory_cap import allow_unmapped
-    from ds_rlhf.trainer.placement import physical_gpu_count, resolve_placement
+    from ds_rlhf.memory.cap import allow_unmapped
+    from ds_rlhf.run.placement import physical_gpu_count, resolve_placement
 
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
@@ -129,9 +129,9 @@ def _optimizer_steps(cfg) -> int:
 def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, float | None]:
     """(vLLM's gpu_memory_utilization, this process's allocator fraction or None). On CUDA, run.max_gpu_memory_gb
     caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process takes
-    gpu_memory_utilization (of the cap, when set), this process the rest (`tools/memory_cap.py`)."""
-    from ds_rlhf.tools.memory_cap import apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
-    from ds_rlhf.tools.memory_plan import fmt_bytes
+    gpu_memory_utilization (of the cap, when set), this process the rest (`memory/cap.py`)."""
+    from ds_rlhf.memory.cap import apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
+    from ds_rlhf.memory.plan import fmt_bytes
 
     cfg, dist = ctx.cfg, ctx.dist
     vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
@@ -248,7 +248,7 @@ def check_share_base_critic(cfg) -> None:
     so it can run before anything is set up."""
     from ds_rlhf.engines.ds_config import load_ds_config
     from ds_rlhf.engines.shared_critic import check_shared_critic_stage
-    from ds_rlhf.trainer.run_context import find_ds_config
+    from ds_rlhf.run.context import find_ds_config
 
     if not (cfg.model.share_base and ADVANTAGE_ESTIMATORS.get(cfg.rl.algo).meta.get("critic")):
         return

@@ -22,9 +22,9 @@ import time
 import torch
 
 from ds_rlhf.engines.attention import VARLEN_NAME, available_impls, choice_path, measured_choice, select_attn_impl
-from ds_rlhf.tools import checks as sw
-from ds_rlhf.tools import system_checks as hw
-from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
+from ds_rlhf.run import checks as sw
+from ds_rlhf.run import system_checks as hw
+from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
 
 def run_checks(data_dir: str | os.PathLike = ".") -> list[Check]:

@@ -12,7 +12,7 @@ def resolve_zero(cfg, precision: str, world_size: int) -> dict:
     from ds_rlhf.engines.builder import frozen_config
     from ds_rlhf.engines.ds_config import _DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
     from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
-    from ds_rlhf.trainer.run_context import find_ds_config
+    from ds_rlhf.run.context import find_ds_config
 
     o = cfg.optim
     resolved = resolve_ds_config(
@@ -45,7 +45,7 @@ def sequence_tokens(cfg, kind: str) -> tuple[int, int]:
 
 def rollout_backend(cfg, device: str) -> str:
     """vllm | hf, as `rollout.factory.resolve_backend` would pick (installed metadata, vLLM not imported)."""
-    from ds_rlhf.tools.checks import vllm_distribution
+    from ds_rlhf.run.checks import vllm_distribution
 
     if cfg.rollout.backend != "auto":
         return cfg.rollout.backend

@@ -7,7 +7,7 @@ prompt store (opened, which verifies its checksums and statistics; the held-out 
 is on), the RL sequence budget against the models' context (config.json), the reward function file,
 the resume directory, the DeepSpeed config, and the
 low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` the run's memory plan (from the
-models' config.json files only) must fit the cap (`tools/memory_cap.py`). Each
+models' config.json files only) must fit the cap (`memory/cap.py`). Each
 problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
 longer than the rollout budget, say) fails at once.
 """
@@ -136,7 +136,7 @@ def check_resume(cfg: Config) -> None:
 
 def check_ds_config(cfg: Config) -> None:
     from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
-    from ds_rlhf.trainer.run_context import find_ds_config
+    from ds_rlhf.run.context import find_ds_config
 
     try:
         path = find_ds_config(cfg.ds_config)
@@ -241,7 +241,7 @@ def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = No
     """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
         return
-    from ds_rlhf.tools import memory_cap
+    from ds_rlhf.memory import cap as memory_cap
 
     try:
         memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)

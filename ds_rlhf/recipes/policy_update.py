@@ -5,7 +5,7 @@ Each micro-batch's loss is aggregated within the micro-batch and then weighted b
 mini-batch's loss. DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
 micro-batch, `step()` once per mini-batch.
 
-With `data.rl_packing` each micro-batch runs as one padding-free packed row (`trainer/packed_batch.py`): the token
+With `data.rl_packing` each micro-batch runs as one padding-free packed row (`recipes/packed_batch.py`): the token
 budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so
 the loss maths are the same as for padded rows.
 """
@@ -21,10 +21,10 @@ from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
 from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
-from ds_rlhf.trainer.batching import split_micro
-from ds_rlhf.trainer.packed_batch import pack_rows
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
-from ds_rlhf.trainer.trajectory import Trajectory
+from ds_rlhf.recipes.batching import split_micro
+from ds_rlhf.recipes.packed_batch import pack_rows
+from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.recipes.trajectory import Trajectory
 
 
 class _Mean:
@@ -148,7 +148,7 @@ def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict
     return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
 
 
-def ppo_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
+def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
                generator: torch.Generator) -> UpdateResult:
     """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
     pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single

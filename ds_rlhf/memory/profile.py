@@ -25,8 +25,8 @@ class MemoryProfiler:
     def __init__(self, cfg, device, world_size: int, announce=print):
         import torch
 
-        from ds_rlhf.tools.memory_cap import capped_total
-        from ds_rlhf.tools.memory_plan import plan_memory
+        from ds_rlhf.memory.cap import capped_total
+        from ds_rlhf.memory.plan import plan_memory
 
         self.cuda = device.type == "cuda"
         capacity = (capped_total(cfg, torch.cuda.get_device_properties(device).total_memory) if self.cuda

@@ -1,9 +1,19 @@
-"""The RL loop around `rl_step.run_step`: `run.steps` steps, checkpoints every `run.save_every` steps and at the end,
-exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation (`rl_eval`) before
-training and every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, and a few samples every
-`run.sample_log_every` steps. Building is `rl_build.py`; one step, stage by stage, is `rl_step.py`; the formulas
-live in `ds_rlhf.algos`. The operator extras (environment.json, status.json, health warnings, the live metrics
-endpoint) are `tools.run_monitor.RunMonitor`.
+"""The RL recipe: the loop (`RLTrainer`: `run.steps` steps, checkpoints every `run.save_every` steps and at the end,
+exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation before training and
+every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, a few samples every `run.sample_log_every`
+steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHITECTURE.md's table follows:
+
+    1  rollout      prompt rows -> RolloutBatch (`rollout_schedule.py`: in lockstep, or one step ahead)
+    2  rewards      RolloutBatch -> ScoredBatch (`reward_stage.py`, with shaping)
+    2b              dynamic sampling (`rl.dynamic_sampling`): rounds of 1 and 2 hand over a ScoredBatch
+    3  trajectory   ScoredBatch -> Trajectory (pad, old / reference log-probs, values, advantages)
+    4  update       Trajectory -> UpdateResult (`policy_update.py`)
+    5  publish      the new weights to the rollout engine (`RolloutSchedule.after_update`)
+    6  metrics      the step's metrics, averaged over ranks; the KL controller moves; sample rows when due
+
+Each stage takes values and returns a new value; none writes into another's. Building the parts is `rl_build.py`;
+held-out evaluation is `rl_eval.py`; the formulas live in `ds_rlhf.algos`. The operator extras (environment.json,
+status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`.
 """
 
 from __future__ import annotations
@@ -13,22 +23,26 @@ from collections.abc import Iterator
 
 import torch
 
-from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController
+from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.memory.profile import MemoryProfiler
+from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
+from ds_rlhf.recipes.rl_build import RLParts
+from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
+from ds_rlhf.recipes.rollout_schedule import RolloutSchedule, merge_reports
+from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rollout.factory import resolve_backend
+from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.context import RunContext, setup_run
+from ds_rlhf.run.monitor import RunMonitor
+from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
+from ds_rlhf.run.signals import GracefulStop
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
 from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
-from ds_rlhf.tools.run_monitor import RunMonitor
-from ds_rlhf.trainer import rl_build
-from ds_rlhf.trainer.preflight import check_rl_run, rl_eval_on
-from ds_rlhf.trainer.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.trainer.rl_step import run_step, update_kl_controller
-from ds_rlhf.trainer.rollout_schedule import RolloutSchedule, merge_reports
-from ds_rlhf.trainer.run_checkpoints import CheckpointManager
-from ds_rlhf.trainer.run_context import RunContext, setup_run
-from ds_rlhf.trainer.signals import GracefulStop
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
@@ -91,8 +105,6 @@ class RLTrainer:
         self.timer = PhaseTimer(sync_cuda=self.ctx.dist.device.type == "cuda")
         self.memory = None
         if cfg.run.profile_memory:  # --run.profile_memory: measured peak per phase vs the plan
-            from ds_rlhf.tools.memory_profile import MemoryProfiler
-
             self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
             self.timer.observer = self.memory
         self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
@@ -137,30 +149,47 @@ class RLTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One step: its batch from the schedule, `rl_step.run_step`, the weight sync; metrics averaged over ranks,
-        and the KL controller moved. Writes the step's sample rows when the sample log is due."""
+        """One RL step, stages 1-6 (the module docstring; docs/ARCHITECTURE.md's table). Returns the step's metrics
+        averaged over ranks; writes the step's sample rows when the sample log is due."""
         t0 = time.perf_counter()
-        samples = self.sample_logger is not None and self.sample_logger.due(self.step + 1)
-        batch, report = self.schedule.next_batch(self.step, self.cfg.run.steps)
-        metrics, rows = run_step(self.parts, self.ctx, batch, step=self.step, kl_coef=self.kl_ctl.value,
-                                 generator=self.generator, timer=self.timer,
-                                 samples=self.cfg.run.sample_log_k if samples else 0)
-        report = merge_reports(report, self.schedule.after_update(self.step + 1))
+        cfg, ctx, parts, timer, step = self.cfg, self.ctx, self.parts, self.timer, self.step
+        kl_coef = self.kl_ctl.value
+        # 1 rollout: this step's prompt rows, generated with the weights of `batch.weights_version`
+        # 2b dynamic sampling: the schedule runs rounds of 1 and 2 itself and hands over a ScoredBatch
+        batch, report = self.schedule.next_batch(step, cfg.run.steps)
+        # 2 rewards (and shaping), unless the batch came scored (2b)
+        if isinstance(batch, ScoredBatch):
+            scored = batch
+        else:
+            with timer.phase("reward"):
+                scored = parts.reward(batch, step=step)
+        # 3 trajectory: padded rows, old / reference log-probs, values, advantages
+        traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
+        # 4 update: the policy (and critic) optimizer steps
+        with timer.phase("train"):
+            update = policy_update(parts.actor, parts.critic, traj, cfg, kl_coef=kl_coef, generator=self.generator)
+        # 5 publish: the new weights to the rollout engine (when the schedule syncs after this update)
+        report = merge_reports(report, self.schedule.after_update(step + 1))
+        # 6 metrics: this rank's, then averaged over ranks; the KL controller moves; sample rows when due
+        metrics = step_metrics(ctx, scored, traj, update, kl_coef)
+        metrics["rollout/staleness"] = step - scored.rollout.weights_version
+        metrics.update(generation_metrics(scored.rollout))
         if report is not None:
             self.last_sync = report
             metrics.update({f"sync/{k}": v for k, v in report.items() if isinstance(v, int | float)})
         metrics = {k: float(v) for k, v in metrics.items()}
-        metrics.update(self.timer.pop())
+        metrics.update(timer.pop())
         if self.memory is not None:
             metrics.update(self.memory.step_metrics())
         metrics["time/wall"] = time.perf_counter() - t0
         metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
         metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
-        metrics = all_reduce_mean(metrics, self.ctx.dist.device)
-        metrics.update(system_stats(self.ctx.dist.local_rank))
-        update_kl_controller(self.kl_ctl, metrics, self.ctx.dist.world_size)
-        if rows:
-            self.sample_logger.maybe_log(self.step + 1, rows)
+        metrics = all_reduce_mean(metrics, ctx.dist.device)
+        metrics.update(system_stats(ctx.dist.local_rank))
+        update_kl_controller(self.kl_ctl, metrics, ctx.dist.world_size)
+        if self.sample_logger is not None and self.sample_logger.due(step + 1):
+            if rows := sample_rows(ctx, scored, traj, cfg.run.sample_log_k):
+                self.sample_logger.maybe_log(step + 1, rows)
         return metrics
 
     # ---- evaluation --------------------------------------------------------------------------------------
@@ -262,3 +291,91 @@ class RLTrainer:
             if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
                 stop.exit(stop.signum, announce=ctx.print)
         return history
+
+
+# ---- the step's stages ---------------------------------------------------------------------------------
+def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_coef: float,
+                    timer: PhaseTimer) -> Trajectory:
+    """Pad the kept samples, add the forward passes the settings need, then the advantages."""
+    cfg = ctx.cfg
+    traj = pad_trajectory(scored.samples, scored.scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device,
+                          weights_version=scored.rollout.weights_version, mask_truncated=cfg.rl.overlong_mask)
+    with timer.phase("old_logp"):
+        if not single_update(cfg.rl):  # several updates per rollout batch need the pre-update policy's log-probs
+            traj = traj.replace(old_logp=forward_logprobs(parts.actor, traj, cfg))
+    with timer.phase("reference"):
+        if parts.reference is not None:
+            traj = traj.replace(ref_logp=forward_logprobs(parts.reference, traj, cfg))
+    with timer.phase("critic"):
+        if parts.critic is not None:
+            traj = traj.replace(values=forward_values(parts.critic, traj, cfg))
+    return with_advantages(traj, cfg.rl, kl_coef)
+
+
+def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update: UpdateResult,
+                 kl_coef: float) -> dict:
+    mask = traj.action_mask
+    lens = traj.response_lens.float()
+    out = {**scored.metrics, **update.metrics,
+           "response/len_mean": lens.mean(), "response/len_max": lens.max(), "response/len_p50": lens.median(),
+           "rollout/tail_decode_frac": tail_decode_fraction(lens),
+           "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
+           "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+    if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
+        out["response/loss_masked_frac"] = (mask.sum(1) == 0).float().mean()
+    out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))
+    if traj.ref_logp is not None:
+        kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, "k1")
+        out["kl/mean"] = (kl * mask).sum() / mask.sum().clamp(min=1)
+    return out
+
+
+def tail_decode_fraction(lens: torch.Tensor) -> torch.Tensor:
+    """The share of a batch's decode iterations that run after half of its samples have finished: 1 - median / max
+    response length. Samples start together and decode one token per iteration, so this is the part of the rollout
+    spent waiting for the longest samples (exactly so where an iteration's cost does not depend on how many
+    sequences are still running, as with a small model's CUDA-graph decode)."""
+    longest = lens.max().clamp(min=1)
+    return 1 - lens.median() / longest
+
+
+def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) -> list[dict]:
+    """Up to `k` kept samples as `telemetry.samples.SampleLogger` rows: every prompt's first sample before any
+    prompt's second. `advantage` is the masked mean of the sample's token advantages."""
+    samples, rows = scored.samples, scored.rollout.rows
+    chosen = sorted(range(len(samples)), key=lambda i: (samples[i].sample_index, i))[:k]
+    if not chosen:
+        return []
+    index = torch.tensor(chosen, device=traj.action_mask.device)
+    mask = traj.action_mask[index]
+    advantages = ((traj.advantages[index] * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    out = []
+    for i, advantage in zip(chosen, advantages):
+        s, row = samples[i], rows[samples[i].prompt_index]
+        out.append({"prompt": row.get("prompt_text") or ctx.tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                    "response": scored.texts[i], "reward": float(scored.scores[i]),
+                    "reward_components": {name: values[i] for name, values in scored.components.items()},
+                    "ground_truth": row.get("ground_truth"), "advantage": float(advantage),
+                    "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
+                    "sample_index": s.sample_index, "prompt_index": s.prompt_index,
+                    "finish_reason": s.finish_reason})
+    return out
+
+
+
+def generation_metrics(batch: RolloutBatch) -> dict:
+    """`rollout/generate_seconds` and `rollout/generate_tokens_per_s`: the engine's own time for the call(s) that
+    made this batch (every dynamic-sampling round) and the response tokens per second it generated in them, all
+    ranks' where one engine served several (tensor-parallel, a server): per engine, comparable with plain vLLM's.
+    With overlap the trainer waits less than that. Empty when unknown (a batch restored from a checkpoint)."""
+    if batch.generation is None or batch.generation[0] <= 0:
+        return {}
+    seconds, tokens = batch.generation
+    return {"rollout/generate_seconds": seconds, "rollout/generate_tokens_per_s": tokens / seconds}
+
+
+def update_kl_controller(kl_ctl, metrics: dict, world_size: int) -> float:
+    """Move the KL coefficient after a step: Ziegler et al. 2019's n is the number of samples the step trained
+    on over all ranks (`metrics` are already averaged over ranks). Returns the new coefficient."""
+    samples = int(round(float(metrics.get("rollout/samples", 0.0)) * world_size))
+    return kl_ctl.update(float(metrics.get("kl/mean", 0.0)), n_steps=samples)

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from ds_rlhf.tools.memory_plan import GiB, MemoryPlan, fmt_bytes, plan_memory
+from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
 
 COLUMNS = (("weights", "params"), ("grads", "grads"), ("optim", "optimizer_states"), ("activ", "activations"),
            ("bucket", "buffers"), ("KV", "kv_cache"), ("device", "device_total"), ("host", "host"))

@@ -3,12 +3,12 @@ others, or to rehearse a 24 GiB card on a bigger one).
 
 Three parts, all derived from the cap C and the device's total memory T:
 
-- `check_memory_cap` (called by `trainer/preflight.py`, before any process group or model): the memory plan
+- `check_memory_cap` (called by `run/preflight.py`, before any process group or model): the memory plan
   (`memory_plan.plan_memory`, the numbers of `ds-rlhf memory`) of the configured run on a GPU of min(C, T) bytes;
   when it does not fit, one `ConfigError` line naming the biggest contributors and the settings that would shrink
   them. Without a visible GPU it plans for a GPU of exactly C (what the run would need there);
 - `vllm_memory_fraction`: with the cap, `rollout.gpu_memory_utilization` is vLLM's share *of the cap*; vLLM itself
-  reads a fraction of the whole GPU, so it gets `utilization * min(C, T) / T` (`trainer/rl_build.py` passes it);
+  reads a fraction of the whole GPU, so it gets `utilization * min(C, T) / T` (`recipes/rl_build.py` passes it);
 - `trainer_memory_fraction` / `apply_trainer_cap`: `torch.cuda.set_per_process_memory_fraction` for the trainer's
   process: min(C, T) / T colocated (vLLM allocates inside this process, within the same cap) and disaggregated
   (vLLM is on other GPUs); with the sidecar the trainer's share of the cap minus vLLM's, as without a cap.
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from ds_rlhf.tools.memory_plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.memory.plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
 HEADROOM = 512 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
 RESERVE = int(DEFAULT_RESERVE_GB["cuda"] * GiB)  # the plan's reserve: the most taken off the cap for those bytes

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
-from ds_rlhf.trainer.batching import pad_right, pad_scored
-from ds_rlhf.trainer.run_context import RunContext
-from ds_rlhf.trainer.sft import token_budget_groups
+from ds_rlhf.recipes.batching import pad_right, pad_scored
+from ds_rlhf.run.context import RunContext
+from ds_rlhf.recipes.sft import token_budget_groups
 
 
 def pair_scores(engine, rows: list[dict], pad_id: int, device, rule: ScoreRule | None = None

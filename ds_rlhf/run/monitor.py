@@ -6,7 +6,7 @@
   the traceback's tail and whether it was an out-of-memory error) or `stopped` (by which signal). A `kill -9` or a
   second signal (which exits at once) leaves `running`: `ds-rlhf report` then tells a live run from a dead one by
   the run lock;
-- health warnings after each step (`tools.health`, with `run.health_warnings`): each new warning printed once, with
+- health warnings after each step (`run.health`, with `run.health_warnings`): each new warning printed once, with
   its likely cause, and `health/warnings` (how many are active) in the step's metrics;
 - the live Prometheus endpoint (`telemetry.prometheus`) when `run.metrics_port` > 0, fed with each step's metrics.
 
@@ -79,7 +79,7 @@ def doctor_data_dir(cfg, run_dir: Path) -> Path:
 
 def write_environment(cfg, run_dir: str | os.PathLike) -> float:
     """`run_dir/environment.json`: the doctor's checks for this machine and config; returns the seconds taken."""
-    from ds_rlhf.tools.doctor import apply_config, doctor_json, run_checks
+    from ds_rlhf.ops.doctor import apply_config, doctor_json, run_checks
 
     run_dir = Path(run_dir)
     start = time.perf_counter()
@@ -156,7 +156,7 @@ class RunMonitor:
         return metrics
 
     def _health(self, step: int, metrics: dict) -> int:
-        from ds_rlhf.tools.health import health_warnings
+        from ds_rlhf.run.health import health_warnings
 
         self._history.append({"step": step, **metrics})
         found = health_warnings(list(self._history))

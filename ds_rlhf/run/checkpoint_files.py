@@ -1,6 +1,6 @@
 """The files of a run checkpoint: listing them, their sizes, sha256 digests for the `COMPLETE` manifest, cheap
 structural checks (empty files, cut-short torch zip archives) and the disk-space estimate of an engine's checkpoint.
-Used by `trainer/run_checkpoints.py:CheckpointManager`, which writes and verifies the manifest.
+Used by `run/checkpoints.py:CheckpointManager`, which writes and verifies the manifest.
 """
 
 from __future__ import annotations

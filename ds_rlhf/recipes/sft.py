@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
-from ds_rlhf.trainer.run_context import RunContext
+from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.run.context import RunContext
 
 
 def pack_rows(rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def masked_nll_sum(engine, rows: list[dict], device) -> tuple[torch.Tensor, torc
 def token_budget_groups(ctx: RunContext, rows: list[dict], lengths: list[int], *,
                         padded: bool) -> list[list[dict]]:
     """Micro-batches by token budget (or fixed size), the same count on every rank; some may be empty."""
-    from ds_rlhf.trainer.batching import split_micro
+    from ds_rlhf.recipes.batching import split_micro
 
     groups = split_micro(lengths, max_tokens=ctx.cfg.data.micro_batch_tokens,
                          max_rows=max(1, ctx.cfg.optim.micro_batch_size), padded=padded, device=ctx.dist.device)

@@ -178,7 +178,7 @@ def measure(run_dir: Path, objective: str, log_tail: str, exit_code: int) -> dic
     import warnings
 
     from ds_rlhf.telemetry.logger import read_metrics
-    from ds_rlhf.tools.run_monitor import is_oom, read_status
+    from ds_rlhf.run.monitor import is_oom, read_status
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

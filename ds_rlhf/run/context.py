@@ -1,7 +1,7 @@
 """Set-up shared by the SFT, RM and RL entry points: process group, run directory, tokenizer, ds_config.
 
 `setup_run` takes the run directory's lock (rank 0, before anything is written) and applies the fresh-run /
-resume / overwrite rules of `ds_rlhf.trainer.run_dir`; a refusal is raised on every rank with the same message.
+resume / overwrite rules of `ds_rlhf.run.run_dir`; a refusal is raised on every rank with the same message.
 `RunContext.close()` releases the lock (process exit does too, however the process ends).
 """
 
@@ -19,7 +19,7 @@ from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import DistInfo, init_distributed
 from ds_rlhf.engines.ds_config import find_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
-from ds_rlhf.trainer.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
+from ds_rlhf.run.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 
 
 def resolve_model_path(spec: str, key: str = "model.path") -> str:
@@ -142,7 +142,7 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
 
 
 def claim_run_dir(cfg: Config, dist: DistInfo, kind: str = "run") -> RunLock | None:
-    """Rank 0 locks the run directory and checks it (see `ds_rlhf.trainer.run_dir`); every rank raises the same
+    """Rank 0 locks the run directory and checks it (see `ds_rlhf.run.run_dir`); every rank raises the same
     `RunDirError` when that fails. Returns rank 0's lock (None on the other ranks)."""
     lock, error = None, None
     if dist.is_main:

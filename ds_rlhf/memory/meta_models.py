@@ -14,7 +14,7 @@ def hf_config(path: str):
 
     from transformers import AutoConfig
 
-    from ds_rlhf.trainer.run_context import resolve_model_path
+    from ds_rlhf.run.context import resolve_model_path
 
     resolved = Path(resolve_model_path(path))
     adapter = resolved / "adapter_config.json"
@@ -53,7 +53,7 @@ def meta_model(role: str, config, lora: dict | None = None):
 
 
 def role_sources(cfg, kind: str) -> dict[str, str]:
-    """role -> model path, for the roles this run builds (the same rules as `trainer/rl_build.py`)."""
+    """role -> model path, for the roles this run builds (the same rules as `recipes/rl_build.py`)."""
     from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 
     rl = cfg.rl

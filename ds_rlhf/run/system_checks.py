@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
+from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
 GiB = 1024 ** 3
 NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME",
