@@ -26,8 +26,8 @@ def synthetic_trajectory(cfg, n: int, prompt: int, response: int, vocab: int, de
     """n samples of random token ids (8 per prompt), random rewards, GRPO advantages."""
     import torch
 
-    from ds_rlhf.rollout.base import RolloutSample
     from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
+    from ds_rlhf.rollout.base import RolloutSample
 
     gen = torch.Generator().manual_seed(0)
     samples = [RolloutSample(prompt_index=i // 8, sample_index=i % 8,

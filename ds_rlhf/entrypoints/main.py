@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_rlhf import __version__
+
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code (None means 0).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-sft": ("ds_rlhf.entrypoints.train:main_sft", "supervised fine-tuning on an `sft` store (step 1)"),
@@ -84,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), end="")
         return 0 if argv else 2
     if argv[0] == "--version":
-        from ds_rlhf import __version__
-
         print(f"{PROG} {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 
+from ds_rlhf.config import ConfigError
 from ds_rlhf.memory.plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
 HEADROOM = 512 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
@@ -200,8 +201,6 @@ def check_memory_cap(cfg, *, kind: str = "rl", total_bytes: int | None = None,
     """Raise `ConfigError` when the run's plan does not fit `run.max_gpu_memory_gb` (see module docstring); the plan
     when it fits, None when there is no cap. `total_bytes`: the GPU's memory (default: this rank's GPU, else the
     cap); `world_size` default $WORLD_SIZE or 1. Reads only config.json files: no weights load."""
-    from ds_rlhf.config import ConfigError
-
     cap = cap_bytes(cfg)
     if cap <= 0:
         return None

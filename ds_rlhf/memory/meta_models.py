@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 
+from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+from ds_rlhf.engines.model_source import resolve_model_path
+from ds_rlhf.engines.models import CriticModel, apply_lora, apply_seqcls_lora
+
 
 def hf_config(path: str):
     """The model's config; for a peft adapter directory (adapter_config.json, no config.json) its base model's,
@@ -13,8 +17,6 @@ def hf_config(path: str):
     from pathlib import Path
 
     from transformers import AutoConfig
-
-    from ds_rlhf.run.context import resolve_model_path
 
     resolved = Path(resolve_model_path(path))
     adapter = resolved / "adapter_config.json"
@@ -35,8 +37,6 @@ def meta_model(role: str, config, lora: dict | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from ds_rlhf.engines.models import CriticModel, apply_lora, apply_seqcls_lora
-
     with torch.device("meta"):
         if role in ("actor", "reference"):
             model = AutoModelForCausalLM.from_config(config)
@@ -54,8 +54,6 @@ def meta_model(role: str, config, lora: dict | None = None):
 
 def role_sources(cfg, kind: str) -> dict[str, str]:
     """role -> model path, for the roles this run builds (the same rules as `recipes/rl_build.py`)."""
-    from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
-
     rl = cfg.rl
     if kind == "sft":
         return {"actor": cfg.model.path}

@@ -22,6 +22,11 @@ from pathlib import Path
 
 from torch import nn
 
+from ds_rlhf.engines.model_source import resolve_model_path
+from ds_rlhf.engines.shared_reward import shared_reward_refusal
+from ds_rlhf.memory import meta_models
+from ds_rlhf.memory.role_plan import plan_role
+
 
 def shares_base(cfg) -> bool:
     """`model.share_base` in effect: the reference is the LoRA actor with its adapters disabled."""
@@ -31,9 +36,6 @@ def shares_base(cfg) -> bool:
 def shared_reward_adapter(cfg, stage: int) -> str | None:
     """The resolved `rl.reward_model` path when the trainer will run it on the actor's base (`model.share_base` and
     `shared_reward_refusal` accepts it at ZeRO stage `stage`), else None."""
-    from ds_rlhf.engines.shared_reward import shared_reward_refusal
-    from ds_rlhf.run.context import resolve_model_path
-
     if not (shares_base(cfg) and cfg.rl.reward_model):
         return None
     path = resolve_model_path(cfg.rl.reward_model)
@@ -68,8 +70,6 @@ class _Owned(nn.Module):
 def owned_critic(hf_config, lora: dict) -> _Owned:
     """The shared critic's own parameters: the trainable ones of a LoRA critic of the actor's shape (its adapters,
     as `shared_critic_model` puts them on the base view, and the hidden x 1 value head)."""
-    from ds_rlhf.memory import meta_models
-
     critic = meta_models.meta_model("critic", hf_config, lora)
     return _Owned([p for p in critic.parameters() if p.requires_grad], hf_config)
 
@@ -89,9 +89,6 @@ def owned_reward(rm_path: str, hf_config) -> _Owned:
 def shared_row(role: str, hf_config, s, *, lora: dict | None, rm_path: str | None, frozen_stage: int,
                frozen_offload: bool, detail: str):
     """The plan row of a role in `shared_roles` (`s`: the plan's `Settings`; `hf_config`: the actor's)."""
-    from ds_rlhf.memory import meta_models
-    from ds_rlhf.memory.plan import plan_role
-
     if role == "reference":
         full = plan_role("reference", meta_models.meta_model("reference", hf_config), hf_config, s, s.zero_stage,
                          s.offload_param)

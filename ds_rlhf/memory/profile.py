@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 
+from ds_rlhf.memory.cap import capped_total
+from ds_rlhf.memory.plan import plan_memory
+
 GiB = 1 << 30
 PLAN_PHASE = {"rollout": "rollout", "reward": "rollout", "sync": "rollout", "data": "rollout",
               "old_logp": "train", "reference": "train", "critic": "train", "train": "train"}
@@ -24,9 +27,6 @@ def _rss() -> int:
 class MemoryProfiler:
     def __init__(self, cfg, device, world_size: int, announce=print):
         import torch
-
-        from ds_rlhf.memory.cap import capped_total
-        from ds_rlhf.memory.plan import plan_memory
 
         self.cuda = device.type == "cuda"
         capacity = (capped_total(cfg, torch.cuda.get_device_properties(device).total_memory) if self.cuda

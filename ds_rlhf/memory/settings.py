@@ -5,15 +5,16 @@ imported). No model is read or loaded here."""
 
 from __future__ import annotations
 
+from ds_rlhf.ds_config_file import find_ds_config
+from ds_rlhf.engines.builder import frozen_config
+from ds_rlhf.engines.ds_config import _DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
+from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+from ds_rlhf.rollout.vllm_mapping import vllm_distribution
+
 
 def resolve_zero(cfg, precision: str, world_size: int) -> dict:
     """ZeRO stage, offload and optimizer as the trainer's ds_config resolves (`RunContext.ds_config`), and the
     frozen roles' stage and weight offload (`engines.builder.frozen_config`)."""
-    from ds_rlhf.engines.builder import frozen_config
-    from ds_rlhf.engines.ds_config import _DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
-    from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
-    from ds_rlhf.run.context import find_ds_config
-
     o = cfg.optim
     resolved = resolve_ds_config(
         load_ds_config(find_ds_config(cfg.ds_config)), micro_batch_size=max(1, o.micro_batch_size), grad_accum=1,
@@ -45,8 +46,6 @@ def sequence_tokens(cfg, kind: str) -> tuple[int, int]:
 
 def rollout_backend(cfg, device: str) -> str:
     """vllm | hf, as `rollout.factory.resolve_backend` would pick (installed metadata, vLLM not imported)."""
-    from ds_rlhf.run.checks import vllm_distribution
-
     if cfg.rollout.backend != "auto":
         return cfg.rollout.backend
     dist = vllm_distribution()[0]

@@ -43,6 +43,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ds_rlhf.config import Config, ConfigError, parse_config, set_value
+from ds_rlhf.distributed import clean_dist_env
+from ds_rlhf.entrypoints.train import PPO_DEFAULTS
+from ds_rlhf.run.monitor import is_oom, read_status
+from ds_rlhf.telemetry.logger import read_metrics
+
 OBJECTIVES = {"completions": "throughput/completions_per_s", "tokens": "throughput/tokens_per_s"}
 KNOB_ORDER = ("rollout.async_generation", "rollout.sidecar_engines", "data.micro_batch_tokens",
               "rollout.gpu_memory_utilization", "rollout.max_num_seqs")
@@ -95,8 +101,6 @@ def parse_budget(text: str) -> float:
 
 
 def has_key(key: str) -> bool:
-    from ds_rlhf.config import Config
-
     section, _, name = key.rpartition(".")
     target = getattr(Config(), section, None) if section else Config()
     return target is not None and hasattr(target, name)
@@ -109,8 +113,6 @@ def config_value(cfg, key: str):
 
 def typed(key: str, text: str):
     """A --search value as the config types it (ConfigError for a bad one)."""
-    from ds_rlhf.config import Config, set_value
-
     cfg = Config()
     set_value(cfg, key, text)
     return config_value(cfg, key)
@@ -177,9 +179,6 @@ def measure(run_dir: Path, objective: str, log_tail: str, exit_code: int) -> dic
     """A finished trial's status and throughput, from its metrics.jsonl, status.json and log."""
     import warnings
 
-    from ds_rlhf.telemetry.logger import read_metrics
-    from ds_rlhf.run.monitor import is_oom, read_status
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         records = [r for r in read_metrics(run_dir) if isinstance(r.get("time/wall"), int | float)]
@@ -209,8 +208,6 @@ def measure(run_dir: Path, objective: str, log_tail: str, exit_code: int) -> dic
 def run_trial(trial: Trial, argv: list[str], run_dir: Path, log_path: Path, *, timeout: float, objective: str,
               command=trainer_command, keep_checkpoints: bool = False) -> Trial:
     """Run one trial in its own process group (killed at `timeout` seconds) and fill in its result."""
-    from ds_rlhf.distributed import clean_dist_env
-
     trial.run_dir, trial.log = str(run_dir), str(log_path)
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -244,9 +241,6 @@ def _knob_args(knobs: dict) -> list[str]:
 
 def _check(base_argv: list[str], knobs: dict) -> str:
     """'' when the trial's config parses, else the one-line config error."""
-    from ds_rlhf.config import ConfigError, parse_config
-    from ds_rlhf.entrypoints.train import PPO_DEFAULTS
-
     try:
         parse_config(base_argv + _knob_args(knobs), PPO_DEFAULTS)
     except ConfigError as exc:
@@ -370,8 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    from ds_rlhf.config import ConfigError, parse_config
-    from ds_rlhf.entrypoints.train import PPO_DEFAULTS
 
     base_argv = (["--config", args.config] if args.config else []) + rest
     try:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
 
 COLUMNS = (("weights", "params"), ("grads", "grads"), ("optim", "optimizer_states"), ("activ", "activations"),
@@ -94,7 +95,6 @@ def format_plan(plan: MemoryPlan) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
-    from ds_rlhf.config import ConfigError, parse_config
 
     try:
         cfg = parse_config((["--config", args.config] if args.config else []) + rest)

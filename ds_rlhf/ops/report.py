@@ -23,8 +23,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds_rlhf.run.health import replay
 from ds_rlhf.ops.report_plots import render_plots, value
+from ds_rlhf.run.environment import doctor_json, run_checks
+from ds_rlhf.run.health import replay
+from ds_rlhf.run.monitor import read_status
+from ds_rlhf.run.run_dir import LOCK_NAME, checkpoints_dir, complete_checkpoints, step_of
+from ds_rlhf.telemetry.logger import read_metrics
 
 ENV_FILES = ("environment.json", "doctor.json")
 SUMMARY_KEYS = ("reward/mean", "reward/exact_match", "kl/mean", "actor/entropy", "response/len_mean",
@@ -43,8 +47,6 @@ class RunInfo:
 
 def _lock_holder(run_dir: Path) -> str:
     """'pid N' when the run lock names a live process on this host ('' when none, or it cannot be told)."""
-    from ds_rlhf.run.run_dir import LOCK_NAME
-
     try:
         info = dict(line.split("=", 1) for line in (run_dir / LOCK_NAME).read_text().splitlines() if "=" in line)
     except OSError:
@@ -63,8 +65,6 @@ def _lock_holder(run_dir: Path) -> str:
 
 def _from_status_file(run_dir: Path, last: int, ckpt: str) -> str:
     """The trainer's own word on how the run ended (`status.json`, written at exit), or '' when it left none."""
-    from ds_rlhf.run.monitor import read_status
-
     status = read_status(run_dir) or {}
     step = status.get("step", last)
     if status.get("status") == "finished":
@@ -99,9 +99,6 @@ def run_status(run_dir: Path, records: list[dict], config: dict, checkpoints: li
 
 
 def load_run(run_dir: str | Path) -> RunInfo:
-    from ds_rlhf.telemetry.logger import read_metrics
-    from ds_rlhf.run.run_dir import checkpoints_dir, complete_checkpoints, step_of
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
@@ -131,7 +128,6 @@ def environment(run_dir: Path, run_doctor: bool) -> tuple[dict | None, str]:
                 continue
     if not run_doctor:
         return None, "not collected (--no-doctor)"
-    from ds_rlhf.ops.doctor import doctor_json, run_checks
 
     return doctor_json(run_checks(run_dir)), f"ds-rlhf doctor on {socket.gethostname()} at report time"
 

@@ -21,9 +21,9 @@ from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
 from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.recipes.batching import split_micro
 from ds_rlhf.recipes.packed_batch import pack_rows
-from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.recipes.trajectory import Trajectory
 
 

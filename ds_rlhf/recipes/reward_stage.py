@@ -18,11 +18,11 @@ import torch
 from ds_rlhf.algos.shaping import group_spread, overlong_penalty
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
-from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.recipes.batching import pad_scored
-from ds_rlhf.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
-from ds_rlhf.run.context import RunContext
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch
+from ds_rlhf.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.run.context import RunContext
 
 
 def score_stats(scores: list[float]) -> dict:

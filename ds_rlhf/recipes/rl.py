@@ -2,7 +2,6 @@
 exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation before training and
 every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, a few samples every `run.sample_log_every`
 steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHITECTURE.md's table follows:
-
     1  rollout      prompt rows -> RolloutBatch (`rollout_schedule.py`: in lockstep, or one step ahead)
     2  rewards      RolloutBatch -> ScoredBatch (`reward_stage.py`, with shaping)
     2b              dynamic sampling (`rl.dynamic_sampling`): rounds of 1 and 2 hand over a ScoredBatch
@@ -187,9 +186,10 @@ class RLTrainer:
         metrics = all_reduce_mean(metrics, ctx.dist.device)
         metrics.update(system_stats(ctx.dist.local_rank))
         update_kl_controller(self.kl_ctl, metrics, ctx.dist.world_size)
-        if self.sample_logger is not None and self.sample_logger.due(step + 1):
-            if rows := sample_rows(ctx, scored, traj, cfg.run.sample_log_k):
-                self.sample_logger.maybe_log(step + 1, rows)
+        rows = sample_rows(ctx, scored, traj, cfg.run.sample_log_k) if self.sample_logger is not None \
+            and self.sample_logger.due(step + 1) else []
+        if rows:
+            self.sample_logger.maybe_log(step + 1, rows)
         return metrics
 
     # ---- evaluation --------------------------------------------------------------------------------------

@@ -13,8 +13,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
+from ds_rlhf.config import ConfigError
+from ds_rlhf.data.loader import StoreLoader
+from ds_rlhf.data.store import open_store
+from ds_rlhf.engines.attention import select_attn_impl
+from ds_rlhf.engines.builder import build_actor, build_critic, build_reference, build_reward, build_shared_reference
+from ds_rlhf.engines.ds_config import load_ds_config
+from ds_rlhf.engines.engine_io import export_hf
+from ds_rlhf.engines.model_source import resolve_model_path
+from ds_rlhf.engines.models import as_dtype, lora_settings
+from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_critic_stage
+from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
+from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
+from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.reward_stage import RewardStage
-from ds_rlhf.run.context import RunContext, resolve_model_path
+from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.loading import split_style
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.rollout import make_rollout_engine
+from ds_rlhf.rollout.canary import SyncCanary
+from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.run.context import RunContext, find_ds_config
+from ds_rlhf.run.placement import physical_gpu_count, resolve_placement
 
 if TYPE_CHECKING:
     from ds_rlhf.data.loader import StoreLoader
@@ -57,12 +77,6 @@ def _micro_size(cfg) -> int:
 
 def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
-    from ds_rlhf.engines.builder import build_actor
-    from ds_rlhf.engines.models import lora_settings
-    from ds_rlhf.rollout import make_rollout_engine
-    from ds_rlhf.memory.cap import allow_unmapped
-    from ds_rlhf.run.placement import physical_gpu_count, resolve_placement
-
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
@@ -107,9 +121,6 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
 
 def _prompt_loader(ctx: RunContext) -> StoreLoader:
     """This rank's loader of the training prompts (`data.train`), `rl.prompts_per_step` prompts a batch."""
-    from ds_rlhf.data.loader import StoreLoader
-    from ds_rlhf.data.store import open_store
-
     cfg, dist = ctx.cfg, ctx.dist
     store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind="prompts")
     return StoreLoader(store, batch_size=cfg.rl.prompts_per_step, rank=dist.rank, world_size=dist.world_size,
@@ -130,9 +141,6 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
     """(vLLM's gpu_memory_utilization, this process's allocator fraction or None). On CUDA, run.max_gpu_memory_gb
     caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process takes
     gpu_memory_utilization (of the cap, when set), this process the rest (`memory/cap.py`)."""
-    from ds_rlhf.memory.cap import apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
-    from ds_rlhf.memory.plan import fmt_bytes
-
     cfg, dist = ctx.cfg, ctx.dist
     vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
     if dist.device.type == "cuda":
@@ -151,8 +159,6 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:
     """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0: with `model.share_base` the actor with its
     adapters off (no second copy of the base), else a frozen engine of `model.path`."""
-    from ds_rlhf.engines.builder import build_reference, build_shared_reference
-
     cfg = ctx.cfg
     if not (cfg.rl.kl_coef > 0 or cfg.rl.kl_target > 0):
         return None
@@ -164,9 +170,6 @@ def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None
 
 def _weight_sync(ctx: RunContext, actor: Engine, rollout: RolloutEngine, sync_mode: str) -> WeightSync:
     """The actor -> rollout weight sync, checked after each sync by a canary prompt (`PROBE_MESSAGES`)."""
-    from ds_rlhf.rollout.canary import SyncCanary
-    from ds_rlhf.rollout.sync import WeightSync
-
     cfg = ctx.cfg
     probe = ctx.tokenizer.apply_chat_template(PROBE_MESSAGES, return_dict=False)
     canary = SyncCanary(list(probe), threshold=cfg.rollout.canary_threshold or None)
@@ -189,11 +192,6 @@ def _prompt_rows(ctx: RunContext, store) -> list[int] | None:
 def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> RewardSet:
     """The run's reward function(s), started before any model is built: a user file that fails to import, or a
     worker pool that cannot start, stops the run in seconds."""
-    from ds_rlhf.config import ConfigError
-    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-    from ds_rlhf.rewards.loading import split_style
-    from ds_rlhf.rewards.reward_set import RewardSet
-
     rl = cfg.rl
     workers = rl.reward_workers
     if workers < 0:  # built-in rules are ours and cannot hang; user code runs in workers with a timeout
@@ -213,9 +211,6 @@ def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> R
 def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:
     """Reward functions, or the reward model: a frozen engine of its own, or with `model.share_base` and an RM that
     is a LoRA adapter of the actor's base, its adapters + score head on that base (`engines/shared_reward.py`)."""
-    from ds_rlhf.engines.builder import build_reward
-    from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
-
     if functions is not None:
         return RewardStage(ctx, fn=functions)
     path = resolve_model_path(ctx.cfg.rl.reward_model, "rl.reward_model")
@@ -235,9 +230,6 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
 def rl_attention(ctx: RunContext) -> str:
     """The attention kernel of the RL models: `model.attn_impl`, with "auto" resolved for the batches they see
     (padded rows unless `data.rl_packing`; see engines/attention.py:select_attn_impl)."""
-    from ds_rlhf.engines.attention import select_attn_impl
-    from ds_rlhf.engines.models import as_dtype
-
     return select_attn_impl(ctx.cfg.model.attn_impl, device=str(ctx.dist.device), dtype=as_dtype(ctx.precision),
                             padded=not ctx.cfg.data.rl_packing)
 
@@ -246,10 +238,6 @@ def check_share_base_critic(cfg) -> None:
     """With `model.share_base` and a critic algorithm, the ZeRO stage the run will use (the `--zero_stage`
     override, else the ds_config file's) must not be 3 (`engines/shared_critic.py`). Reads the ds_config file only,
     so it can run before anything is set up."""
-    from ds_rlhf.engines.ds_config import load_ds_config
-    from ds_rlhf.engines.shared_critic import check_shared_critic_stage
-    from ds_rlhf.run.context import find_ds_config
-
     if not (cfg.model.share_base and ADVANTAGE_ESTIMATORS.get(cfg.rl.algo).meta.get("critic")):
         return
     if cfg.zero_stage >= 0:
@@ -263,9 +251,6 @@ def _build_critic(ctx: RunContext, actor: Engine, ds_config: dict, model_opts: d
     """The critic engine: its own model from `_critic_source`, or with `model.share_base` LoRA adapters + a value
     head on the actor's base (`engines/shared_critic.py`; the value head from the source's `score` when the critic
     starts from a reward model, fresh otherwise)."""
-    from ds_rlhf.engines.builder import build_critic
-    from ds_rlhf.engines.shared_critic import build_shared_critic
-
     critic_path, init = _critic_source(ctx)
     if not ctx.cfg.model.share_base:
         return build_critic(critic_path, ds_config, init_from=init, **model_opts)
@@ -288,8 +273,6 @@ def _critic_source(ctx: RunContext) -> tuple[str, str]:
 
 
 def export(ctx: RunContext, parts: RLParts) -> None:
-    from ds_rlhf.engines.engine_io import export_hf
-
     export_hf(parts.actor, ctx.tokenizer, Path(ctx.run_dir) / "export" / "actor")
     if parts.critic is not None:
         export_hf(parts.critic, ctx.tokenizer, Path(ctx.run_dir) / "export" / "critic")
@@ -301,8 +284,6 @@ def export_if_due(ctx: RunContext, parts: RLParts, step: int) -> Path | None:
     template, resolved ds_config) at run_dir/export/step_XXXXXXXX, written beside and swapped in atomically
     (`engine_io.export_hf`). Collective: call on every rank, after the step (and its checkpoint, if any). Returns
     the directory, or None when no export is due."""
-    from ds_rlhf.engines.engine_io import export_hf
-
     every = ctx.cfg.run.export_every
     if every <= 0 or step <= 0 or step % every:
         return None

@@ -46,6 +46,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from ds_rlhf.config import ConfigError
+from ds_rlhf.data.store import open_store
+from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.loading import split_style
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rewards.scoring import score_samples
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
@@ -95,8 +99,6 @@ def load_eval_rows(store_dir: str | os.PathLike, tokenizer, max_prompts: int = 0
     their own first row marked `eval_pad=True`, which `evaluate` generates (so every rank calls `generate`) but
     does not count.
     """
-    from ds_rlhf.data.store import open_store
-
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     if overlong not in ("error", "drop"):
@@ -296,15 +298,11 @@ def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
 def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable, bool]:
     """The eval reward: a RewardSet from `rl.eval_reward_fn` (started here; the bool says the caller must close
     it), else the training reward stage's functions `training_fn` (not ours to close)."""
-    from ds_rlhf.config import ConfigError
-
     rl = cfg.rl
     if not rl.eval_reward_fn:
         if training_fn is None:
             raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
         return training_fn, False
-    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-    from ds_rlhf.rewards.loading import split_style
 
     user = any(split_style(p.strip())[0] not in BUILTIN_REWARDS for p in rl.eval_reward_fn.split(",") if p.strip())
     workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user else 0)

@@ -14,10 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ds_rlhf.engines.builder import build_engine, load_dtypes
+from ds_rlhf.engines.engine_io import export_hf, export_reward_adapter
+from ds_rlhf.engines.models import RewardModel, apply_seqcls_lora, lora_settings
 from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
 from ds_rlhf.recipes.batching import pad_right, pad_scored
-from ds_rlhf.run.context import RunContext
 from ds_rlhf.recipes.sft import token_budget_groups
+from ds_rlhf.run.context import RunContext
 
 
 def pair_scores(engine, rows: list[dict], pad_id: int, device, rule: ScoreRule | None = None
@@ -53,9 +56,6 @@ class RewardModelTask:
         return self._rule
 
     def build(self, ctx: RunContext, ds_config: dict):
-        from ds_rlhf.engines.builder import build_engine, load_dtypes
-        from ds_rlhf.engines.models import RewardModel, apply_seqcls_lora, lora_settings
-
         # fp32 master weights (a LoRA RM's frozen backbone in the compute dtype); DeepSpeed casts as the ds_config says
         lora = lora_settings(ctx.cfg.model)
         model = RewardModel.from_pretrained(ctx.model_path, attn_impl=ctx.cfg.model.attn_impl,
@@ -98,8 +98,6 @@ class RewardModelTask:
         `model.lora_rank`, also `adapter_dir(out_dir)`: the same RM as a peft LoRA SEQ_CLS adapter of the run's
         `model.path` (adapters + score head), which PPO's `model.share_base` runs on the actor's own base."""
         import shutil
-
-        from ds_rlhf.engines.engine_io import export_hf, export_reward_adapter
 
         export_hf(engine, ctx.tokenizer, out_dir)
         adapter = adapter_dir(out_dir)

@@ -42,13 +42,13 @@ import torch
 
 from ds_rlhf.algos.shaping import informative_groups
 from ds_rlhf.distributed import agree_max
-from ds_rlhf.rollout.base import RolloutSample, RolloutTicket, SamplingSpec
-from ds_rlhf.rollout.stops import run_stop_token_ids
-from ds_rlhf.telemetry import PhaseTimer
 from ds_rlhf.recipes.reward_stage import merge_reward_metrics
 from ds_rlhf.recipes.rl_build import RLParts
-from ds_rlhf.run.context import RunContext
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, take_groups
+from ds_rlhf.rollout.base import RolloutSample, RolloutTicket, SamplingSpec
+from ds_rlhf.rollout.stops import run_stop_token_ids
+from ds_rlhf.run.context import RunContext
+from ds_rlhf.telemetry import PhaseTimer
 
 log = logging.getLogger(__name__)
 

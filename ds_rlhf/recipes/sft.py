@@ -12,14 +12,17 @@ from pathlib import Path
 
 import torch
 
+from ds_rlhf.data.packing import pack_sequences
+from ds_rlhf.engines.builder import build_actor
+from ds_rlhf.engines.engine_io import export_hf
+from ds_rlhf.engines.models import lora_settings
 from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.recipes.batching import split_micro
 from ds_rlhf.run.context import RunContext
 
 
 def pack_rows(rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids [1, N], position_ids [1, N], target mask [N-1]) for a packed micro-batch."""
-    from ds_rlhf.data.packing import pack_sequences
-
     packed = pack_sequences([list(r["input_ids"]) for r in rows])
     masks = []
     for r in rows:
@@ -40,8 +43,6 @@ def masked_nll_sum(engine, rows: list[dict], device) -> tuple[torch.Tensor, torc
 def token_budget_groups(ctx: RunContext, rows: list[dict], lengths: list[int], *,
                         padded: bool) -> list[list[dict]]:
     """Micro-batches by token budget (or fixed size), the same count on every rank; some may be empty."""
-    from ds_rlhf.recipes.batching import split_micro
-
     groups = split_micro(lengths, max_tokens=ctx.cfg.data.micro_batch_tokens,
                          max_rows=max(1, ctx.cfg.optim.micro_batch_size), padded=padded, device=ctx.dist.device)
     return [[rows[i] for i in group] for group in groups]
@@ -53,9 +54,6 @@ class SFTTask:
     progress_keys = ("train/loss", "eval/loss")
 
     def build(self, ctx: RunContext, ds_config: dict):
-        from ds_rlhf.engines.builder import build_actor
-        from ds_rlhf.engines.models import lora_settings
-
         cfg = ctx.cfg
         lora = lora_settings(cfg.model)
         return build_actor(ctx.model_path, ds_config, attn_impl=cfg.model.attn_impl,
@@ -83,6 +81,4 @@ class SFTTask:
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     def export(self, engine, ctx: RunContext, out_dir: Path) -> None:
-        from ds_rlhf.engines.engine_io import export_hf
-
         export_hf(engine, ctx.tokenizer, out_dir)

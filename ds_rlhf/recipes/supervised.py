@@ -14,14 +14,17 @@ import numpy as np
 import torch
 
 from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.data.loader import StoreLoader
+from ds_rlhf.data.store import open_store
 from ds_rlhf.distributed import all_reduce_mean
-from ds_rlhf.telemetry import PhaseTimer, system_stats
-from ds_rlhf.telemetry.logger import truncate_metrics
-from ds_rlhf.run.monitor import RunMonitor
-from ds_rlhf.run.preflight import check_supervised_run
+from ds_rlhf.memory.cap import apply_trainer_cap
 from ds_rlhf.run.checkpoints import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
+from ds_rlhf.run.monitor import RunMonitor
+from ds_rlhf.run.preflight import check_supervised_run
 from ds_rlhf.run.signals import GracefulStop
+from ds_rlhf.telemetry import PhaseTimer, system_stats
+from ds_rlhf.telemetry.logger import truncate_metrics
 
 
 class SupervisedTask(Protocol):
@@ -70,10 +73,6 @@ class SupervisedTrainer:
             raise
 
     def _build(self) -> None:
-        from ds_rlhf.data.loader import StoreLoader
-        from ds_rlhf.data.store import open_store
-        from ds_rlhf.memory.cap import apply_trainer_cap
-
         cfg, task, ctx = self.cfg, self.task, self.ctx
         self.ckpt = CheckpointManager(ctx.run_dir, rank=ctx.dist.rank, keep_last=cfg.run.keep_last,
                                       resume_fallback=cfg.run.resume_fallback, log=ctx.print)

@@ -35,6 +35,7 @@ import torch
 
 from ds_rlhf.distributed import world as dist_world
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
 
 def unmapped_bytes(pool: dict[str, int], awake: set[str]) -> int:
@@ -75,7 +76,6 @@ class VLLMRolloutEngine(RolloutEngine):
                  sleep_level: int = 1, tensor_parallel_size: int | None = None, executor: str | None = None,
                  lora: dict | None = None, **llm_kwargs) -> None:
         super().__init__()
-        from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
         _, world = dist_world()
         if executor is None:

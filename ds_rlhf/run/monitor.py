@@ -25,6 +25,10 @@ import traceback
 from collections import deque
 from pathlib import Path
 
+from ds_rlhf.run.environment import apply_config, doctor_json, run_checks
+from ds_rlhf.run.health import health_warnings
+from ds_rlhf.telemetry.prometheus import PrometheusExporter
+
 STATUS_FILE = "status.json"
 ENV_FILE = "environment.json"
 OOM_PATTERNS = ("out of memory", "outofmemoryerror", "cuda error: out of memory", "no available memory for the cache",
@@ -79,8 +83,6 @@ def doctor_data_dir(cfg, run_dir: Path) -> Path:
 
 def write_environment(cfg, run_dir: str | os.PathLike) -> float:
     """`run_dir/environment.json`: the doctor's checks for this machine and config; returns the seconds taken."""
-    from ds_rlhf.ops.doctor import apply_config, doctor_json, run_checks
-
     run_dir = Path(run_dir)
     start = time.perf_counter()
     results = apply_config(run_checks(doctor_data_dir(cfg, run_dir)), cfg)
@@ -132,8 +134,6 @@ class RunMonitor:
                 self.print(f"[{self.kind}] environment.json took {seconds:.1f}s (the doctor's probes)")
         port = int(self.cfg.run.metrics_port)
         if port > 0:
-            from ds_rlhf.telemetry.prometheus import PrometheusExporter
-
             self.exporter = self._guard("metrics endpoint",
                                         lambda: PrometheusExporter(port, addr=self.cfg.run.metrics_host or None,
                                                                    total_steps=self.total_steps))
@@ -156,8 +156,6 @@ class RunMonitor:
         return metrics
 
     def _health(self, step: int, metrics: dict) -> int:
-        from ds_rlhf.run.health import health_warnings
-
         self._history.append({"step": step, **metrics})
         found = health_warnings(list(self._history))
         now = {(w.kind, w.cause) for w in found}

@@ -19,8 +19,15 @@ from pathlib import Path
 
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
+from ds_rlhf.engines import kernels
+from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_reward_model_dir
+from ds_rlhf.memory import cap as memory_cap
+from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.loading import check_spec, split_style
+from ds_rlhf.rewards.reward_set import parse_weights
+from ds_rlhf.run.context import find_ds_config
 
 
 def _manifest(store_dir: str, key: str) -> dict:
@@ -113,10 +120,6 @@ def check_reward(cfg: Config) -> None:
 
 
 def _check_reward_spec(key: str, spec: str, weights: str) -> None:
-    from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-    from ds_rlhf.rewards.loading import check_spec, split_style
-    from ds_rlhf.rewards.reward_set import parse_weights
-
     parts = [split_style(p.strip())[0] for p in spec.split(",") if p.strip()]
     try:  # file exists, weights parse; the file itself is imported where it runs (worker pool or trainer)
         for part in parts:
@@ -135,9 +138,6 @@ def check_resume(cfg: Config) -> None:
 
 
 def check_ds_config(cfg: Config) -> None:
-    from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
-    from ds_rlhf.run.context import find_ds_config
-
     try:
         path = find_ds_config(cfg.ds_config)
     except FileNotFoundError as exc:
@@ -241,7 +241,6 @@ def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = No
     """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
         return
-    from ds_rlhf.memory import cap as memory_cap
 
     try:
         memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)
@@ -257,7 +256,6 @@ def check_kernels(cfg: Config) -> None:
     does not know): one line now instead of an error after the model has loaded."""
     if cfg.model.kernels != "liger":
         return
-    from ds_rlhf.engines import kernels
 
     local = model_dir(cfg)
     config = Path(local or cfg.model.path) / "config.json"

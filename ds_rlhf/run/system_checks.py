@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ds_rlhf.data.readers import ReaderUnavailable, open_reader
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
 GiB = 1024 ** 3
@@ -167,8 +168,6 @@ def _o_direct(path: Path) -> str:
 def check_data_dir(data_dir: str | os.PathLike) -> Check:
     """io_uring (the data readers' own probe, `open_reader(..., "uring")`) and O_DIRECT on `data_dir`'s
     filesystem, with a 64 KiB scratch file written there and removed."""
-    from ds_rlhf.data.readers import ReaderUnavailable, open_reader
-
     root = Path(data_dir)
     if not root.is_dir():
         return Check("data dir I/O", FAIL, f"{root} is not a directory", "pass --data-dir <store directory>")

@@ -248,8 +248,8 @@ def test_export_every_writes_step_directories(zero2_run, tiny_model_path, tmp_pa
     loadable directory, swapped in atomically."""
     from transformers import AutoModelForCausalLM
 
+    from ds_rlhf.engines.model_source import resolve_model_path
     from ds_rlhf.recipes.rl_build import export_if_due
-    from ds_rlhf.run.context import resolve_model_path
 
     _, _, tok = zero2_run
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(str(tiny_model_path)), dtype=torch.float32)

@@ -12,9 +12,9 @@ import torch
 
 from ds_rlhf.engines.builder import build_actor
 from ds_rlhf.engines.models import RewardModel, unwrap
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
-from ds_rlhf.engines.policy_forward import sequence_logprobs
 from tests.engines.workers import lm_batch, resolved, train_lm
 
 LORA = {"r": 8, "lora_alpha": 32}

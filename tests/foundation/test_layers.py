@@ -101,9 +101,9 @@ def layer_index(module: str, layers: list[list[str]]) -> int | None:
     best: tuple[int, int] | None = None
     for i, layer in enumerate(reversed(layers)):
         for prefix in layer:
-            if module == prefix or (prefix != "ds_rlhf" and module.startswith(prefix + ".")):
-                if best is None or len(prefix) > best[1]:
-                    best = (i, len(prefix))
+            matches = module == prefix or (prefix != "ds_rlhf" and module.startswith(prefix + "."))
+            if matches and (best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
     return None if best is None else best[0]
 
 

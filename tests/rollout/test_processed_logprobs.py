@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from rollout_helpers import PROBE, TOL, reference_logprobs, response_logits, restore_checkpoint_weights
 
-from ds_rlhf.rollout import SamplingSpec, SyncCanary, make_rollout_engine
 from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.rollout import SamplingSpec, SyncCanary, make_rollout_engine
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12]]
 # (temperature, top_p, top_k). The tiny model is near-uniform over its 512 tokens, so top_p 0.9 and top_k 20 cut

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.telemetry import PhaseTimer
 from ds_rlhf.memory.profile import MemoryProfiler
+from ds_rlhf.telemetry import PhaseTimer
 
 
 def test_phases_are_measured_and_an_unplanned_share_is_flagged_once(tiny_model_path):

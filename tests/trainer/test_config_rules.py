@@ -143,10 +143,10 @@ def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
     """on_bad_reward=zero with every reward bad stops the run instead of training on zeros forever."""
     from types import SimpleNamespace
 
-    from ds_rlhf.rollout.base import RolloutSample
     from ds_rlhf.recipes.reward_stage import RewardStage
-    from ds_rlhf.rewards import BadRewardError
     from ds_rlhf.recipes.trajectory import RolloutBatch
+    from ds_rlhf.rewards import BadRewardError
+    from ds_rlhf.rollout.base import RolloutSample
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

@@ -173,9 +173,9 @@ def settled_reward(prompt, response, ground_truth, metadata):
 
 def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_reward, settled_only=False):
     from ds_rlhf.data.loader import StoreLoader
-    from ds_rlhf.telemetry import PhaseTimer
     from ds_rlhf.recipes.reward_stage import RewardStage
     from ds_rlhf.recipes.rollout_schedule import RolloutSchedule
+    from ds_rlhf.telemetry import PhaseTimer
 
     store = tmp_path / "prompts"
     if not store.exists():

@@ -279,8 +279,8 @@ def test_the_cap_follows_a_sleeping_vllm_pool(monkeypatch):
     """PyTorch's allocator keeps counting vLLM's sleep-mode pool while vLLM has unmapped it (8B PPO on the H200:
     23.05 GiB 'allocated by PyTorch' with 5.97 GiB on the device, an OOM under the 24 GiB cap). The trainer's
     fraction is raised by the unmapped bytes while the colocated engine sleeps and restored when it wakes."""
-    from ds_rlhf.rollout.vllm_engine import unmapped_bytes
     from ds_rlhf.memory import cap as memory_cap
+    from ds_rlhf.rollout.vllm_engine import unmapped_bytes
 
     total, set_to = int(140 * GiB), []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
-from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
 from ds_rlhf.recipes import rl_eval
 from ds_rlhf.recipes.rl_eval import (
     BestCheckpointTracker,
@@ -24,6 +22,8 @@ from ds_rlhf.recipes.rl_eval import (
     load_eval_rows,
     pass_at_k,
 )
+from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
+from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
 
 
 # ---- fakes ------------------------------------------------------------------------------------------------------

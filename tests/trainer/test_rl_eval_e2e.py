@@ -16,9 +16,9 @@ import torch
 
 from ds_rlhf.config import Config, ConfigError, help_text, parse_config
 from ds_rlhf.rollout.base import RolloutSample
+from ds_rlhf.run.preflight import check_rl_run
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.telemetry.samples import ROW_KEYS, read_samples
-from ds_rlhf.run.preflight import check_rl_run
 from tests.trainer.stores import prompt_store, rl_config
 from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
 
@@ -145,8 +145,8 @@ def _exact(prompt, response, ground_truth, metadata):
 
 
 def test_reward_stage_keeps_the_kept_samples_texts_and_components():
-    from ds_rlhf.rewards import RewardSet, RewardSpec
     from ds_rlhf.recipes.reward_stage import RewardStage
+    from ds_rlhf.rewards import RewardSet, RewardSpec
 
     fns = RewardSet([RewardSpec(_exact, name="exact"), RewardSpec(lambda p, r, g, m: 0.5, 2.0, name="half")])
     scored = RewardStage(_ctx("drop"), fn=fns)(_batch(), step=0)
@@ -158,10 +158,10 @@ def test_reward_stage_keeps_the_kept_samples_texts_and_components():
 
 
 def test_sample_rows_one_per_prompt_first_with_the_masked_mean_advantage():
-    from ds_rlhf.rewards import RewardSet, RewardSpec
     from ds_rlhf.recipes.reward_stage import RewardStage
     from ds_rlhf.recipes.rl import sample_rows
     from ds_rlhf.recipes.trajectory import pad_trajectory
+    from ds_rlhf.rewards import RewardSet, RewardSpec
 
     ctx = _ctx("drop")
     scored = RewardStage(ctx, fn=RewardSet([RewardSpec(_exact, name="exact")]))(_batch(), step=0)

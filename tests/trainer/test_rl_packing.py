@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from ds_rlhf.config import Config, ConfigError
-from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.recipes.packed_batch import pack_rows
 from ds_rlhf.recipes.policy_update import (
     actor_micro_step,
@@ -24,6 +23,7 @@ from ds_rlhf.recipes.policy_update import (
     policy_update,
 )
 from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
+from ds_rlhf.rollout.base import RolloutSample
 
 # (prompt, response) lengths: ragged, one response of a single token, one row as long as the batch.
 SHAPES = [(3, 5), (6, 1), (2, 9), (5, 4), (4, 7), (7, 2), (3, 3), (2, 6)]
