@@ -4,7 +4,7 @@ others, or to rehearse a 24 GiB card on a bigger one).
 Three parts, all derived from the cap C and the device's total memory T:
 
 - `check_memory_cap` (called by `run/preflight.py`, before any process group or model): the memory plan
-  (`memory_plan.plan_memory`, the numbers of `ds-rlhf memory`) of the configured run on a GPU of min(C, T) bytes;
+  (`plan.plan_memory`, the numbers of `ds-rlhf memory`) of the configured run on a GPU of min(C, T) bytes;
   when it does not fit, one `ConfigError` line naming the biggest contributors and the settings that would shrink
   them. Without a visible GPU it plans for a GPU of exactly C (what the run would need there);
 - `vllm_memory_fraction`: with the cap, `rollout.gpu_memory_utilization` is vLLM's share *of the cap*; vLLM itself
@@ -25,7 +25,7 @@ Three parts, all derived from the cap C and the device's total memory T:
   limit while training and NVML read 24.97 / 25.03 GiB. Every time the fraction is set it is lowered by what the
   device holds outside this process's allocator, measured then (NVML where pynvml is installed, as `nvidia-smi`
   and the benchmarks read it, else CUDA's free memory), plus `HEADROOM` for buffers created later, but by no more
-  than the plan's reserve (`memory_plan.DEFAULT_RESERVE_GB`, 2 GiB on GPUs, which stands for the same bytes): the
+  than the plan's reserve (`plan.DEFAULT_RESERVE_GB`, 2 GiB on GPUs, which stands for the same bytes): the
   preflight already checked that the plan fits the cap less that reserve, and neither measurement can tell this
   process's bytes from another process's on the same GPU (a card shared with others), which must not shrink the
   cap to nothing. The bytes measured are printed (`[rl] run.max_gpu_memory_gb=...`), with a warning when they

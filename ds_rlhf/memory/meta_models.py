@@ -1,5 +1,5 @@
 """The roles of a run as modules on PyTorch's `meta` device: exact shapes and parameter counts from each model's
-`config.json`, no storage, no weights read (for `memory_plan.py`)."""
+`config.json`, no storage, no weights read (for `plan.py`)."""
 
 from __future__ import annotations
 

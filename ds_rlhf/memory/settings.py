@@ -1,4 +1,4 @@
-"""What a memory plan (`memory_plan.py`) reads from the run's config before it plans, resolved as the trainer
+"""What a memory plan (`plan.py`) reads from the run's config before it plans, resolved as the trainer
 would: the ZeRO stage, offload, optimizer and buckets of the resolved ds_config (and the frozen roles' stage), the
 tokens per micro-batch and the sequence length, and the rollout backend (from installed metadata, vLLM not
 imported). No model is read or loaded here."""

@@ -7,7 +7,7 @@
 Any trainer setting can follow as `--section.key value` (as for the trainer). The plan is per rank: parameters,
 gradients, optimizer states (by ZeRO stage, offload and world size), activations of one micro-batch, the rollout
 engine's weights and KV cache, and the device peak of the rollout and train phases against the device's memory.
-Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is computed: `memory_plan.py`.
+Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is computed: `memory/plan.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Building what an RL run needs from its config, once: engines per role, the rollout engine, weight sync, the
-prompt loader and the reward stage. Nothing here runs per step (that is `rl_step.py`)."""
+prompt loader and the reward stage. Nothing here runs per step (that is `rl.py`)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
                                       **cfg.rollout.vllm_options())
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
-            # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory_cap)
+            # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory/cap.py)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
     sync = _weight_sync(ctx, actor, rollout, sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)

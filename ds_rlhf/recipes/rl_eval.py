@@ -29,7 +29,7 @@ per-source sums, so every rank returns the same metrics over the whole eval set.
 of rows (padding with repeats that are generated but not counted) so that no rank calls `generate` with nothing.
 
 In a run: `RunEvaluation` holds what the `rl.eval_*` settings configure (rows, reward, sampling) and the trainer
-(`rl_trainer.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
+(`rl.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
 The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`, importable from here) is
 `best_checkpoint.py`.
 """

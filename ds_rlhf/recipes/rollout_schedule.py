@@ -227,7 +227,7 @@ class RolloutSchedule:
     def next_batch(self, step: int, total_steps: int) -> tuple[RolloutBatch | ScoredBatch, dict | None]:
         """The batch step `step` (0-based, the weights after `step` updates) trains on, and the report of a sync
         made meanwhile (async mode) or None. With dynamic sampling the batch comes scored (a `ScoredBatch`: the
-        rounds needed rewards to choose prompts), and `rl_step.run_step` skips its reward stage."""
+        rounds needed rewards to choose prompts), and `rl.RLTrainer.train_step` skips its reward stage."""
         if self.dynamic:  # synchronous mode only (RLConfig refuses it with async generation)
             batch = self._dynamic_batch(step)
             report, self._confirmed = self._confirmed, None

@@ -1,6 +1,6 @@
 """The best checkpoint of an RL run by one eval metric: `BestCheckpointTracker` says whether an evaluation
 (`rl_eval.evaluate`) is the best so far, `keep_best` keeps that step's checkpoint as `run_dir/checkpoints/best`.
-The trainer (`rl_trainer.RLTrainer`) uses both; both stay importable from `rl_eval`."""
+The trainer (`recipes.rl.RLTrainer`) uses both; both stay importable from `rl_eval`."""
 
 from __future__ import annotations
 
