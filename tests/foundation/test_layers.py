@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ds_rlhf"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+CYCLES = "import cycles (modules that import each other, directly or around a loop)"
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,8 @@ def violations(package: Path = PACKAGE, architecture: Path = ARCHITECTURE) -> di
     edges: dict[str, set[str]] = {}
     for imp in imports:
         edges.setdefault(imp.importer, set()).add(imp.target)
-    loops = [" -> ".join(c) for c in cycles(edges)]
-    return {"modules in no layer": unplaced, "imports of a higher layer": upward, "import cycles": loops,
+    loops = [", ".join(c) for c in cycles(edges)]
+    return {"modules in no layer": unplaced, "imports of a higher layer": upward, CYCLES: loops,
             "function-local imports of ds_rlhf modules": local}
 
 
@@ -182,7 +183,8 @@ def test_rules_catch_each_kind(tmp_path):
     assert found["modules in no layer"] == []
     assert [v.split(": ", 1)[1] for v in found["imports of a higher layer"]] == [
         "ds_rlhf.low.a imports ds_rlhf.high, a layer above it"]
-    assert found["import cycles"] == ["ds_rlhf.high -> ds_rlhf.low.a"]
+    assert found[CYCLES] == [
+        "ds_rlhf.high, ds_rlhf.low.a"]
     assert [v.split(": ", 1)[1] for v in found["function-local imports of ds_rlhf modules"]] == [
         "ds_rlhf.low.c imports ds_rlhf.low.a inside a function (move it to the top)"]
 
