@@ -17,7 +17,7 @@ from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
 from ds_rlhf.distributed import all_reduce_mean
-from ds_rlhf.memory.cap import apply_trainer_cap
+from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.run.checkpoints import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
 from ds_rlhf.run.monitor import RunMonitor
@@ -78,7 +78,8 @@ class SupervisedTrainer:
                                       resume_fallback=cfg.run.resume_fallback, log=ctx.print)
         # the checkpoint to resume is verified (every file's sha256) before the model loads
         resume_from = self.ckpt.resolve(cfg.run.resume)
-        apply_trainer_cap(cfg, ctx.dist.device, "colocated")  # run.max_gpu_memory_gb: this process's allocator cap
+        # run.max_gpu_memory_gb: this process's allocator cap
+        memory_cap.apply_trainer_cap(cfg, ctx.dist.device, "colocated")
         store = open_store(cfg.data.train, tokenizer=ctx.tokenizer, expect_kind=task.store_kind)
         train_idx, eval_idx = split_indices(len(store), 0.0 if cfg.data.eval else cfg.data.eval_fraction,
                                             cfg.run.seed)
