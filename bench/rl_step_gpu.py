@@ -104,7 +104,7 @@ def full_head(on: bool) -> None:
     """Benchmark-only switch: `on` scores every position through the log-prob head (instead of the
     response positions only), `off` puts back the call that was there before the first switch (the trainer's own, or a
     bench's own patch of it such as train_step_gpu's --head-chunk). For side-by-side figures on one machine."""
-    from ds_rlhf.trainer import rl_update
+    from ds_rlhf.recipes import policy_update as rl_update
 
     if not _TRAINER_LOGPROBS:
         _TRAINER_LOGPROBS.append(rl_update.sequence_logprobs)
@@ -246,7 +246,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     import torch
 
     from ds_rlhf.config import parse_config
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     t0 = time.time()
     extra, switches = split_bench_keys(extra)

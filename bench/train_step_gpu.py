@@ -1,4 +1,4 @@
-"""Training-phase benchmark: `ppo_update` (GRPO, one epoch) on a synthetic trajectory, no rollout engine.
+"""Training-phase benchmark: `policy_update` (GRPO, one epoch) on a synthetic trajectory, no rollout engine.
 
 It isolates what `bench/rl_step_gpu.py` reports as `time/train`: the same actor engine (DeepSpeed, the ds_config
 given), the same micro-batching and log-prob head, 256 samples of 128 prompt + 256 response tokens by default.
@@ -26,8 +26,8 @@ def synthetic_trajectory(cfg, n: int, prompt: int, response: int, vocab: int, de
     """n samples of random token ids (8 per prompt), random rewards, GRPO advantages."""
     import torch
 
+    from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
     from ds_rlhf.rollout.base import RolloutSample
-    from ds_rlhf.trainer.trajectory import pad_trajectory, with_advantages
 
     gen = torch.Generator().manual_seed(0)
     samples = [RolloutSample(prompt_index=i // 8, sample_index=i % 8,
@@ -43,7 +43,8 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
     import functools
 
     from ds_rlhf.algos import logprobs
-    from ds_rlhf.trainer import policy_forward, rl_update
+    from ds_rlhf.engines import policy_forward
+    from ds_rlhf.recipes import policy_update as rl_update
 
     if backward == "fp32":
         logprobs._low_precision = lambda weight: False
@@ -102,8 +103,8 @@ def main() -> None:
 
     from ds_rlhf.config import parse_config
     from ds_rlhf.engines.builder import build_actor
-    from ds_rlhf.trainer.rl_update import ppo_update
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.recipes.policy_update import policy_update
+    from ds_rlhf.run.context import setup_run
 
     _patch_head(args.head_backward, args.head_chunk, args.head_eager)
     full_head(args.full_head)
@@ -134,14 +135,14 @@ def main() -> None:
     results = []
     for budget in budgets:
         cfg.data.micro_batch_tokens = budget
-        ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
+        policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
         sync()
         times = []
         if step_times is not None:
             step_times.clear()
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+            policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
             sync()
             times.append(time.perf_counter() - t0)
         best = min(times)
@@ -158,7 +159,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            ppo_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+            policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
     out = Path(args.out)

@@ -18,7 +18,7 @@ from ds_rlhf.data.formats import DataPrepError
 from ds_rlhf.data.store import StoreFormatError, StoreMismatchError
 from ds_rlhf.entrypoints.main import runtime_env_defaults
 from ds_rlhf.rewards.scoring import BadRewardError
-from ds_rlhf.trainer.run_dir import RunDirError
+from ds_rlhf.run.run_dir import RunDirError
 
 USAGE = """
 Settings: --config file.yaml|json, then --section.key value (or --key value when the key is unique).

@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
+from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     ConfigError,
     DataConfig,
@@ -83,9 +85,6 @@ def _field_rules(cls) -> dict[str, dict]:
 
 def registry_of(rule: dict):
     """The algorithm registry a `choices="<kind>"` rule reads (`algos.registry.ALL`), its built-in entries loaded."""
-    import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
-    from ds_rlhf.algos.registry import ALL
-
     return ALL[rule["choices"]]
 
 
@@ -328,7 +327,6 @@ def _choice_lines(rule: dict) -> list[str]:
     """--help lines for a registry-backed choice: every registered name with its one-line doc."""
     if not isinstance(rule.get("choices"), str):
         return []
-    from ds_rlhf.algos.registry import ALL
 
     choices_of(rule)  # imports the built-in entries
     return [f"      {line}" for line in ALL[rule["choices"]].describe()]

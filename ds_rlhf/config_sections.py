@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from ds_rlhf.ds_config_file import load_ds_config
+
 if TYPE_CHECKING:
     from ds_rlhf.config import Config
 
@@ -64,8 +67,6 @@ class ModelConfig:
                               "16) or --model.quantize_base none")
         stage, source = cfg.zero_stage, "--zero_stage 3"
         if stage < 0:
-            from ds_rlhf.engines.ds_config import load_ds_config
-
             source = f"ds_config {cfg.ds_config} (zero_optimization.stage 3)"
             try:
                 stage = load_ds_config(cfg.ds_config).get("zero_optimization", {}).get("stage", -1)
@@ -279,8 +280,6 @@ class RLConfig:
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
 
     def check(self, cfg: Config) -> None:
-        from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-
         r = cfg.rollout
         # No rule for temperature / top_p / top_k with the mismatch correction (rl.mismatch tis/mis): both rollout
         # backends return the log-probs of the distribution they sampled from (temperature, then top-k / top-p),

@@ -29,12 +29,11 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from ds_rlhf.config import Config
+from ds_rlhf.config import Config
+from ds_rlhf.cpu_fused_adam import install as install_cpu_fused_adam
 
 # torch.distributed / launcher variables: a child process that must form its own process group (a test's
 # subprocess, the disaggregated vLLM server) starts without them, or it would join (or collide with) ours.
@@ -73,7 +72,6 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = _no_shm_op
         # FusedAdam's CPU op is DeepSpeed's CPU Adam step, JIT-built (~90 s); served in torch ops instead
         # (cpu_fused_adam.py: the same update, FusedAdam itself unchanged)
-        from ds_rlhf.cpu_fused_adam import install as install_cpu_fused_adam
 
         install_cpu_fused_adam()
     if dist.is_initialized():
@@ -120,8 +118,6 @@ class DistInfo:
 
 def apply_accelerate_env(cfg: Config) -> None:
     """Take DeepSpeed settings from an `accelerate launch` DeepSpeed plugin where the user gave none."""
-    from ds_rlhf.config import Config
-
     default = Config()
     config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if config_file and config_file != "none" and cfg.ds_config == default.ds_config:
@@ -142,8 +138,6 @@ def init_distributed(cfg: Config) -> DistInfo:
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from ds_rlhf.distributed import ensure_distributed
 
     if cfg.local_rank >= 0:  # the `deepspeed` launcher's --local_rank, when its env var is missing
         os.environ.setdefault("LOCAL_RANK", str(cfg.local_rank))

@@ -36,9 +36,10 @@ import torch
 from ds_rlhf.distributed import ensure_distributed
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.ds_config import check_optimizer_compat, config_precision, find_auto, log_resolved_config
-from ds_rlhf.engines.models import CriticModel, RewardModel, load_causal_lm
+from ds_rlhf.engines.models import CriticModel, RewardModel, as_dtype, load_causal_lm
 from ds_rlhf.engines.onebit_adam import OneBitAdam, onebit_from_config
 from ds_rlhf.engines.roles import RoleInfo, register_role
+from ds_rlhf.engines.shared_base import AdapterOffReference
 
 __all__ = ["build_actor", "build_critic", "build_engine", "build_reference", "build_reward", "build_shared_reference",
            "ensure_distributed"]
@@ -170,8 +171,6 @@ def partition_zero3(model: torch.nn.Module, ds_config: dict) -> None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import CASTABLE_DTYPES
 
-    from ds_rlhf.engines.models import as_dtype
-
     precision = config_precision(ds_config)
     dtype = as_dtype(precision)
     if precision != "fp32":  # fp32 runs: DeepSpeed casts nothing either
@@ -226,8 +225,6 @@ def build_reference(model_path, ds_config: dict, *, attn_impl: str = "auto", off
 
 def build_shared_reference(actor):
     """The reference of `model.share_base`: the actor's module with its LoRA adapters disabled (no second copy)."""
-    from ds_rlhf.engines.shared_base import AdapterOffReference
-
     reference = AdapterOffReference(actor)
     logger.info("reference: the actor's base model with its LoRA adapters disabled (model.share_base)")
     return reference

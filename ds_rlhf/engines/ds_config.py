@@ -12,16 +12,15 @@ run can be reproduced from the checkpoint alone.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ds_rlhf.config import ConfigError
+from ds_rlhf.ds_config_file import find_ds_config, load_ds_config, packaged_ds_configs  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -31,36 +30,6 @@ RESOLVED_NAME = "ds_config.resolved.json"
 # DeepSpeed's own defaults, used for bucket sizes when the model's hidden size is not known.
 _DS_BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                        "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000}
-
-
-def packaged_ds_configs() -> Path:
-    """The directory of the configs shipped with the package (``ds_rlhf/ds_configs``; the checkout's top-level
-    ``ds_configs`` is a link to it)."""
-    return Path(str(resources.files("ds_rlhf") / "ds_configs"))
-
-
-def find_ds_config(path: str | os.PathLike) -> Path:
-    """The DeepSpeed config file ``path`` names: the path as given (relative to the current directory), else the
-    packaged config of that name, so ``ds_configs/zero2.json``, ``zero2.json`` and ``zero2`` work from any directory
-    and from an installed wheel. A missing suffix means ``.json``."""
-    given = Path(path)
-    candidates = [given] if given.suffix else [given, given.with_suffix(".json")]
-    if not given.is_absolute() and (len(given.parts) == 1 or given.parts[0] == "ds_configs"):
-        packaged = packaged_ds_configs()
-        candidates += [packaged.joinpath(*c.parts[1:] if c.parts[0] == "ds_configs" else c.parts) for c in candidates]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    names = sorted(p.stem for p in packaged_ds_configs().glob("*.json"))
-    raise FileNotFoundError(f"DeepSpeed config not found: {path} (not a file here, nor a packaged config: "
-                            f"{', '.join(names)})")
-
-
-def load_ds_config(path_or_dict: str | os.PathLike | dict) -> dict:
-    """A deep copy of a config dict, or the parsed JSON file (found by `find_ds_config`)."""
-    if isinstance(path_or_dict, dict):
-        return copy.deepcopy(path_or_dict)
-    return json.loads(find_ds_config(path_or_dict).read_text())
 
 
 def pick_precision(requested: str = "auto") -> str:

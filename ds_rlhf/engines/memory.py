@@ -16,6 +16,9 @@ recomputed. The LM head adds logits in the compute dtype plus an fp32 copy for t
 
 from __future__ import annotations
 
+from ds_rlhf.engines.ds_config import config_precision
+from ds_rlhf.engines.roles import role_info
+
 OPTIMIZERS = ("adam", "adamw", "onebit_adam", "none")
 
 
@@ -98,9 +101,6 @@ def memory_breakdown(model_or_engine, *, zero_stage: int, world_size: int, optim
 
 def _engine_precision(model_or_engine) -> str:
     """The precision of an engine's ds_config (its registered role), "fp32" for a plain module."""
-    from ds_rlhf.engines.ds_config import config_precision
-    from ds_rlhf.engines.roles import role_info
-
     info = role_info(model_or_engine)
     return config_precision(info.ds_config) if info else "fp32"
 

@@ -179,3 +179,10 @@ def _gguf_model_dir(path: Path, key: str) -> str:
     """A `.gguf` file as a model directory: converted once (bf16) into `$DS_RLHF_CACHE/gguf/`, keyed by the file's
     sha256, by `engines/gguf_import.py` (which fixes the special tokens up from the chat template), and reused."""
     return str(cached_conversion(path, default_cache_dir() / "gguf", "bf16"))
+
+
+def resolve_model_path(spec: str, key: str = "model.path") -> str:
+    """The local directory of a model spec: a local HF directory, a Hub id (`org/name[@revision]`, from the HF
+    cache; downloaded only when online), or `tiny` / `tiny:<preset>`. `key` names the
+    setting in the one-line `ConfigError` a bad spec raises."""
+    return resolve_model_source(spec, key)

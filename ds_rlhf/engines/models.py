@@ -6,7 +6,7 @@
   an exported critic loads as a reward model and vice versa.
 - reward: ``RewardModel`` wraps ``*ForSequenceClassification`` (its trained ``score`` head required; an RM run's
   fresh head starts at zero) and scores each row's last attended token; callers end each sequence at the score
-  token first (``rm_scoring.score_ids``, through ``trainer.batching.pad_scored``).
+  token first (``rm_scoring.score_ids``, through ``recipes.batching.pad_scored``).
 
 ``quantize="nf4" | "int8"`` (``model.quantize_base``, LoRA only) loads the actor's / critic's frozen base linear
 layers through bitsandbytes (``quantized.py``); the adapters, heads, embeddings and norms stay in floating point.
@@ -103,7 +103,7 @@ def apply_seqcls_lora(seqcls: nn.Module, lora: dict) -> None:
     """A LoRA reward model (`model.lora_rank` in an RM run): peft adapters on a `*ForSequenceClassification`'s
     backbone (the transformer), its `score` head trained in full (one hidden-size row). The frozen backbone then
     needs no gradients or Adam states, as for the LoRA actor; the RM export merges the adapters and writes them
-    unmerged beside it as well (`trainer/rm.py`)."""
+    unmerged beside it as well (`recipes/rm.py`)."""
     prefix = seqcls.base_model_prefix
     setattr(seqcls, prefix, apply_lora(getattr(seqcls, prefix), lora, None))
     for p in seqcls.score.parameters():

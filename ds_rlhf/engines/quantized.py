@@ -30,6 +30,8 @@ import os
 import torch
 from torch import nn
 
+from ds_rlhf.config import ConfigError
+
 QUANT_MODES = ("none", "nf4", "int8")
 KEEP_FULL = ["lm_head", "score"]  # heads stay in the compute dtype (transformers skips the tied/output embedding)
 NF4_BLOCK = 64  # bitsandbytes' default 4-bit block size
@@ -49,8 +51,6 @@ def check_mode(mode: str) -> None:
 def check_ds_config(mode: str | None, ds_config: dict) -> None:
     """Refuse ZeRO-3 with a quantized base, on the resolved ds_config (the schema's rule, `ModelConfig.check`,
     sees only --zero_stage and a readable ds_config file); one line naming the keys."""
-    from ds_rlhf.config import ConfigError
-
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if enabled(mode) and stage == 3:
         raise ConfigError(f"model.quantize_base={mode} needs ZeRO stage 0, 1 or 2, got zero_optimization.stage 3: "

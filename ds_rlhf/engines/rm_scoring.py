@@ -14,8 +14,8 @@ EOS when it has no chat template (or the template closes a turn with plain text)
 - a sequence that then does not end with the score token (a truncated response) gets it appended.
 
 The rule is a function of the tokenizer only (`score_rule`), so every use with the same tokenizer reads the same
-position. RM training and evaluation (`trainer/rm.py`) and RL's reward stage (`trainer/reward_stage.py`) pad the
-sequences with `trainer.batching.pad_scored`.
+position. RM training and evaluation (`recipes/rm.py`) and RL's reward stage (`recipes/reward_stage.py`) pad the
+sequences with `recipes.batching.pad_scored`.
 
 The exported reward model reads the same position in plain Hugging Face transformers:
 `*ForSequenceClassification` scores the rightmost token that is not `config.pad_token_id` (the attention mask plays

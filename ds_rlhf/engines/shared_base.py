@@ -3,7 +3,7 @@ actor's own module with its LoRA adapters switched off, instead of a second copy
 
 With LoRA the actor's base weights never change, so "the base model" and "the actor with its adapters disabled"
 compute the same function. `AdapterOffReference` is what `RLParts.reference` holds in that mode: an object that
-`trainer/rl_update.py:forward_logprobs` and `trainer/policy_forward.py:sequence_logprobs` use like a model.
+`recipes/policy_update.py:forward_logprobs` and `engines/policy_forward.py:sequence_logprobs` use like a model.
 `sequence_logprobs` calls `unwrap(model, peft=True)` (this object: it is no wrapper and has no `get_base_model`),
 then `get_decoder()` and `get_output_embeddings()`; the decoder given here runs the actor's decoder inside peft's
 `disable_adapter()`, in eval mode and without autograd, then puts the actor's mode back. The head (peft's

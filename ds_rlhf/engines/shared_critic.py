@@ -27,7 +27,10 @@ from pathlib import Path
 
 from torch import nn
 
+from ds_rlhf.config import ConfigError
+from ds_rlhf.engines.builder import build_engine
 from ds_rlhf.engines.models import CriticModel, apply_lora, unwrap
+from ds_rlhf.engines.roles import role_info
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +111,6 @@ def shared_critic_model(actor, lora: dict, head_from: str | Path | None = None) 
 
 def check_shared_critic_stage(stage, where: str) -> None:
     """Refuse ZeRO-3 for a critic on the shared base (one line, naming the keys and the fixes)."""
-    from ds_rlhf.config import ConfigError
-
     if stage == 3:
         raise ConfigError(
             "model.share_base=true with a critic (rl.algo=ppo) puts the critic's LoRA adapters on the actor's base, "
@@ -127,9 +128,6 @@ def owned_parameters(model: nn.Module, base: nn.Module) -> list[tuple[str, nn.Pa
 def build_shared_critic(actor, ds_config: dict, *, lora: dict, head_from: str | Path | None = None):
     """The critic engine of `model.share_base`: `shared_critic_model` in its own DeepSpeed engine (`ds_config`:
     the critic's, with its learning rate). `actor` must be built (its engine has cast the base to its dtype)."""
-    from ds_rlhf.engines.builder import build_engine
-    from ds_rlhf.engines.roles import role_info
-
     actor_info = role_info(actor)
     for where, cfg in (("the actor's ds_config has", actor_info.ds_config if actor_info else {}),
                        ("the critic's ds_config has", ds_config)):

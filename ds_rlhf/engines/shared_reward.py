@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_rlhf.engines.builder import build_engine, frozen_config
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.shared_critic import actor_decoder, base_view
 
@@ -91,8 +92,6 @@ def shared_reward_model(actor, rm_path: str | Path) -> RewardModel:
 
 def build_shared_reward(actor, rm_path: str | Path, ds_config: dict):
     """The frozen reward engine of `model.share_base` for an RM that `shared_reward_refusal` accepts."""
-    from ds_rlhf.engines.builder import build_engine, frozen_config
-
     model = shared_reward_model(actor, rm_path)
     logger.info("reward model: %s's LoRA adapters + score head on the actor's base (model.share_base)", rm_path)
     return build_engine(model, frozen_config(ds_config), role="reward", trainable=False)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
 from ds_rlhf.engines.engine_io import (
     CheckpointRefused,
     excluded_frozen,
@@ -36,6 +37,10 @@ from ds_rlhf.engines.engine_io import (
     weights_only_loads,
     write_export,
 )
+from ds_rlhf.engines.model_source import resolve_model_path
+from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, as_dtype, load_causal_lm, lora_settings
+from ds_rlhf.run.checkpoints import MARKER, CheckpointManager
+from ds_rlhf.run.run_dir import STEP_DIR, complete_checkpoints, step_of
 
 ROLES = ("actor", "sft", "rm", "critic")  # engine directories our trainers write (RL actor/critic, SFT, RM)
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -79,7 +84,6 @@ def locate(ckpt_dir: Path, role: str = "") -> tuple[Path, str, Path | None]:
     if _tag_dir(ckpt_dir) is not None:  # .../step_X/actor
         return _tag_dir(ckpt_dir), role or ckpt_dir.name, ckpt_dir.parent
     if (ckpt_dir / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        from ds_rlhf.trainer.run_dir import complete_checkpoints
 
         done = complete_checkpoints(ckpt_dir / "checkpoints")
         if not done:
@@ -115,8 +119,6 @@ def run_config(step_dir: Path | None) -> dict:
 
 def verify(step_dir: Path | None) -> str:
     """Check the checkpoint's COMPLETE manifest (sizes, sha256) before anything unpickles its files."""
-    from ds_rlhf.trainer.run_checkpoints import MARKER, CheckpointManager
-
     if step_dir is None or not (step_dir / MARKER).is_file():
         return "not verified (no COMPLETE manifest beside it)"
     problem = CheckpointManager(step_dir.parent.parent, log=lambda text: print(text, file=sys.stderr)).verify(step_dir)
@@ -159,9 +161,6 @@ def _model_section(cfg: dict, model: str) -> SimpleNamespace:
 
 def build_module(role: str, cfg: dict, model_path: str):
     """The role's module as the trainer built it (same class, same LoRA wrapping: same state-dict names), in fp32."""
-    from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, load_causal_lm, lora_settings
-    from ds_rlhf.trainer.run_context import resolve_model_path
-
     lora = lora_settings(_model_section(cfg, ""))
     if role == "rm":
         model = RewardModel.from_pretrained(model_path, dtype="fp32", attn_impl="eager", new_head=True)
@@ -219,10 +218,6 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
     """Export one checkpoint (see the module docstring); returns OUT_DIR."""
     from transformers import AutoTokenizer
 
-    from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-    from ds_rlhf.engines.models import as_dtype
-    from ds_rlhf.trainer.run_context import resolve_model_path
-
     check_out_dir(Path(out_dir), overwrite)
     tag_dir, role, step_dir = locate(Path(ckpt_dir), role)
     cfg = run_config(step_dir)
@@ -270,8 +265,6 @@ def export_checkpoint(ckpt_dir, out_dir, *, lora: str = "merge", tokenizer: str 
 
 
 def _step(step_dir: Path | None) -> int | None:
-    from ds_rlhf.trainer.run_dir import STEP_DIR, step_of
-
     return step_of(step_dir) if step_dir is not None and STEP_DIR.match(step_dir.name) else None
 
 

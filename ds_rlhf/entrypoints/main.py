@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_rlhf import __version__
+
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code (None means 0).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-sft": ("ds_rlhf.entrypoints.train:main_sft", "supervised fine-tuning on an `sft` store (step 1)"),
@@ -25,17 +27,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep-sft": ("ds_rlhf.entrypoints.prep:main_sft", "SFT demonstrations -> `sft` store with assistant-only masks"),
     "prep-preferences": ("ds_rlhf.entrypoints.prep:main_preferences", "chosen/rejected pairs (HH-RLHF, "
                                                                       "UltraFeedback) -> `preference` store"),
-    "doctor": ("ds_rlhf.tools.doctor:main", "is this machine ready? versions vs the pinned set, GPUs, vLLM, "
+    "doctor": ("ds_rlhf.ops.doctor:main", "is this machine ready? versions vs the pinned set, GPUs, vLLM, "
                                             "DeepSpeed builds, I/O, NCCL"),
-    "memory": ("ds_rlhf.tools.memory_cli:main", "per-role memory plan of a config, before loading any weight"),
-    "report": ("ds_rlhf.tools.report:main", "PNG plots and an HTML summary of a run directory"),
+    "memory": ("ds_rlhf.ops.memory:main", "per-role memory plan of a config, before loading any weight"),
+    "report": ("ds_rlhf.ops.report:main", "PNG plots and an HTML summary of a run directory"),
     "convert-gguf": ("ds_rlhf.entrypoints.convert:main", "a GGUF model file (llama.cpp, quantized) -> Hugging Face "
                                                          "safetensors directory with fixed-up special tokens"),
     "export": ("ds_rlhf.entrypoints.export:main", "a DeepSpeed checkpoint (any ZeRO stage, LoRA merged or as an "
                                                   "adapter) -> Hugging Face directory"),
-    "autotune": ("ds_rlhf.tools.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
+    "autotune": ("ds_rlhf.ops.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
                                                 "measured with short trial runs within a time budget"),
-    "bench": ("ds_rlhf.tools.bench_cli:main", "run a bench/ benchmark (rollout, sync, rl-step, engines, data): "
+    "bench": ("ds_rlhf.ops.bench:main", "run a bench/ benchmark (rollout, sync, rl-step, engines, data): "
                                               "a table and JSON"),
 }
 
@@ -84,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), end="")
         return 0 if argv else 2
     if argv[0] == "--version":
-        from ds_rlhf import __version__
-
         print(f"{PROG} {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

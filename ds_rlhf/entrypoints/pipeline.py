@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from ds_rlhf.data.synthetic import write_addition_datasets
+from ds_rlhf.engines.tiny_models import build_tiny_model
+
 
 def _run(step: str, cmd: list[str], log_dir: Path) -> float:
     print(f"\n=== {step}: {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
@@ -94,9 +97,6 @@ def _summary(args, out: Path, logs: Path, times: dict, t_start: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-
-    from ds_rlhf.data.synthetic import write_addition_datasets
-    from ds_rlhf.engines.tiny_models import build_tiny_model
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

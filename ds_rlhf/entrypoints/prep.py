@@ -6,10 +6,10 @@ input. The logic and the options live in `ds_rlhf.data.prep`.
 
 from __future__ import annotations
 
+from ds_rlhf.data.prep import cli
+
 
 def _cli(name: str, argv: list[str] | None) -> int:
-    from ds_rlhf.data.prep import cli
-
     return cli(name, argv)
 
 

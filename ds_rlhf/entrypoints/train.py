@@ -8,6 +8,10 @@ setting with its defaults on --help (without importing the trainer), else parses
 from __future__ import annotations
 
 from ds_rlhf.cli import run_entry
+from ds_rlhf.recipes.rl import RLTrainer
+from ds_rlhf.recipes.rm import RewardModelTask
+from ds_rlhf.recipes.sft import SFTTask
+from ds_rlhf.recipes.supervised import SupervisedTrainer
 
 SFT_DOC = """Supervised fine-tuning (step 1): next-token loss on assistant tokens of an `sft` store, packed batches.
 
@@ -46,22 +50,14 @@ PPO_DEFAULTS = {"rl": {"algo": "grpo"}, "run": {"output_dir": "runs/ppo"}}
 
 
 def run_sft(cfg):
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
-
     return SupervisedTrainer(cfg, SFTTask()).train()
 
 
 def run_rm(cfg):
-    from ds_rlhf.trainer.rm import RewardModelTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
-
     return SupervisedTrainer(cfg, RewardModelTask(margin=cfg.optim.rm_margin)).train()
 
 
 def run_ppo(cfg):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
-
     return RLTrainer(cfg).train()
 
 

@@ -11,8 +11,9 @@ from ds_rlhf.rewards.builtin import (
     shaped_math_reward,
 )
 from ds_rlhf.rewards.calling import detect_style
-from ds_rlhf.rewards.loading import STYLES, load_reward_fn
+from ds_rlhf.rewards.loading import STYLES
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec, parse_weights
+from ds_rlhf.rewards.reward_set import load_rewards as load_reward_fn
 from ds_rlhf.rewards.scoring import BadRewardError, RewardReport, score_samples
 
 __all__ = ["BUILTIN_REWARDS", "STYLES", "BadRewardError", "RewardFn", "RewardReport", "RewardSet", "RewardSpec",

@@ -19,15 +19,8 @@ def split_style(spec: str) -> tuple[str, str | None]:
 
 
 def load_reward_fn(spec: str):
-    """`gsm8k` / `format` / `math_shaped` / `math_verify`, or `path/to/file.py:function_name`.
-
-    A spec naming several functions (`gsm8k,my.py:f`) gives an in-process RewardSet with weights 1, which
-    `score_samples` accepts like a function.
-    """
-    if "," in spec:
-        from ds_rlhf.rewards.reward_set import RewardSet
-
-        return RewardSet.from_spec(spec)
+    """`gsm8k` / `format` / `math_shaped` / `math_verify`, or `path/to/file.py:function_name` (one function;
+    `ds_rlhf.rewards.load_reward_fn` also takes several, `reward_set.load_rewards`)."""
     spec = split_style(spec)[0]
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]

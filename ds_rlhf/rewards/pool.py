@@ -19,6 +19,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ds_rlhf.rewards.calling import Outcome, detect_style, invoke, make_call
+from ds_rlhf.rewards.loading import load_reward_fn
 
 START_TIMEOUT_S = 300.0  # default: a worker that cannot import its reward functions in this long is an error
 NOTE_AFTER_S = 5.0  # a worker still importing after this long: one progress line says what it waits for
@@ -27,8 +28,6 @@ NOTE_AFTER_S = 5.0  # a worker still importing after this long: one progress lin
 def _worker_main(conn, members) -> None:
     """members: [(source, style or None)], source a spec string (loaded here, by path) or a picklable callable."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from ds_rlhf.rewards.loading import load_reward_fn
-
     try:
         fns = [load_reward_fn(src) if isinstance(src, str) else src for src, _ in members]
         styles = [style or detect_style(fn) for fn, (_, style) in zip(fns, members)]

@@ -126,3 +126,9 @@ class RewardSet:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def load_rewards(spec: str):
+    """The reward of a spec: one function (`loading.load_reward_fn`), or for a spec naming several (`gsm8k,my.py:f`)
+    an in-process RewardSet with weights 1, which `score_samples` accepts like a function."""
+    return RewardSet.from_spec(spec) if "," in spec else load_reward_fn(spec)

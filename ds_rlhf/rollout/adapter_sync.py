@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_rlhf.distributed import world
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout.base import RolloutError
@@ -95,8 +96,6 @@ class AdapterDir:
     written atomically: tensors and config go to a hidden temporary directory that is then renamed to `v<version>`."""
 
     def __init__(self, root: str | os.PathLike | None = None, *, per_rank: bool = False) -> None:
-        from ds_rlhf.distributed import world
-
         self._tmp = tempfile.TemporaryDirectory(prefix="ds_rlhf_lora_") if root is None else None
         self.root = Path(self._tmp.name if self._tmp is not None else root)
         if root is not None and per_rank:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import logging
 
+from ds_rlhf.rollout import remote, server_process, sharded, vllm_adapter  # module attributes: tests replace them
 from ds_rlhf.rollout.base import RolloutEngine
+from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS
+from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -22,15 +26,14 @@ def resolve_backend(backend: str = "auto") -> str:
         raise ValueError(f"unknown rollout backend {backend!r}: expected 'auto', 'vllm' or 'hf'")
     if backend != "auto":
         return backend
-    from ds_rlhf.rollout.vllm_adapter import check_vllm_version, vllm_version
 
-    version = vllm_version()
+    version = vllm_adapter.vllm_version()
     if version is None:
         log.warning("vLLM is not importable here: falling back to the Hugging Face generate backend (much slower "
                     "rollouts). Install vLLM, or pass backend='hf' to silence this warning.")
         return "hf"
     try:
-        check_vllm_version(version)
+        vllm_adapter.check_vllm_version(version)
     except RuntimeError as e:
         log.warning("%s Falling back to the Hugging Face generate backend.", e)
         return "hf"
@@ -62,26 +65,21 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     if backend == "hf":
         if placement != "colocated":
             raise ValueError("the HF generate backend only runs colocated (in the trainer's process)")
-        from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS
 
         unused = {k: kw.pop(k) for k in list(kw) if k in ENGINE_OPTIONS}
         if unused:
             log.warning("the HF generate backend ignores the vLLM engine options %s",
                         ", ".join(f"rollout.{k}={v}" for k, v in unused.items()))
-        from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 
         return HFRolloutEngine(str(model_path), **common, **kw)
     vllm_kw = dict(common, gpu_memory_utilization=gpu_memory_utilization, enable_sleep=enable_sleep)
     if placement == "colocated":
-        from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
-
         return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
-    from ds_rlhf.rollout.remote import RemoteVLLMEngine  # sidecar: the same engine, on the trainer's own GPU
 
     client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
     client = {k: kw.pop(k) for k in client_keys if k in kw}
     if n_engines == 1:
-        return RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
+        return remote.RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
     return _sharded(n_engines, str(model_path), client, vllm_kw, kw)
 
 
@@ -89,20 +87,16 @@ def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> 
     """`n` sidecar servers spawned at once (each imports vLLM meanwhile: `server_process.py`), their engines built
     one after the other (vLLM measures free memory at start-up), then one engine over them; a failed start closes
     the servers already running and those not yet started."""
-    from ds_rlhf.rollout.remote import RemoteVLLMEngine
-    from ds_rlhf.rollout.server_process import spawn_servers
-    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
-
     log_paths = [f"{client['log_path']}.{i}" if client.get("log_path") else None for i in range(n)]
-    processes = spawn_servers(n, devices=client.get("devices"), log_paths=log_paths,
+    processes = server_process.spawn_servers(n, devices=client.get("devices"), log_paths=log_paths,
                               host=client.get("host", "127.0.0.1"))
     engines: list = []
     try:
         for i in range(n):
             own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i)
-            engines.append(RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]), process=processes[i],
-                                            **own, **kw))
-        return ShardedRolloutEngine(engines)
+            engines.append(remote.RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]),
+                                                   process=processes[i], **own, **kw))
+        return sharded.ShardedRolloutEngine(engines)
     except BaseException:
         for e in engines:
             e.close()

@@ -17,6 +17,8 @@ from multiprocessing.connection import Client
 
 import torch
 
+from ds_rlhf.rollout.vllm_adapter import preload
+from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
 
 _IPC: dict = {}  # the trainer's shared CUDA buffer (sidecar placement), mapped once
@@ -25,8 +27,6 @@ _IPC: dict = {}  # the trainer's shared CUDA buffer (sidecar placement), mapped 
 def _handle(engine, cmd: str, args: tuple):
     """One command; returns (engine, reply)."""
     if cmd == "start":
-        from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
-
         model_path, kwargs = args
         tp = kwargs.get("tensor_parallel_size") or 1
         kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
@@ -88,8 +88,6 @@ def _preload() -> None:
     here fails again in 'start', whose traceback goes back to the client."""
     t0 = time.perf_counter()
     try:
-        from ds_rlhf.rollout.vllm_adapter import preload
-
         preload()
     except Exception as e:  # noqa: BLE001  reported by 'start' (see above)
         print(f"[rollout server] importing vLLM failed ({type(e).__name__}); 'start' will say why", flush=True)

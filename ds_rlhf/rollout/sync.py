@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout import adapter_sync
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
 from ds_rlhf.rollout.canary import SyncCanary
@@ -172,8 +173,6 @@ class WeightSync:
 
     def _send_adapter(self) -> dict:
         """The base once where needed, then the adapters as the next version of the engine's LoRA adapter."""
-        from ds_rlhf.engines.models import unwrap
-
         module = unwrap(self.engine)
         base_bytes, gathered = 0, 0
         if self.adapter_version == 0:

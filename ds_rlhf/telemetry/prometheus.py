@@ -8,7 +8,6 @@ interface, for a Prometheus server on another host) or $DS_RLHF_METRICS_ADDR whe
 Every name starts with `ds_rlhf_`, and the GPU series use dcgm-exporter's label `gpu` (the NVML index), so this
 endpoint runs beside dcgm-exporter (whose default port is 9400: give this one another) without a clash, and a
 dashboard can join the two on `gpu`:
-
     ds_rlhf_step                               steps finished (the `step` of the last record)
     ds_rlhf_total_steps                        steps planned (0 = unknown)
     ds_rlhf_last_step_timestamp_seconds        unix time of the last record (alert on a stalled run)
@@ -41,6 +40,8 @@ import math
 import os
 import sys
 import threading
+
+from ds_rlhf.telemetry.system import _nvml
 
 PREFIX = "ds_rlhf_"
 ADDR_ENV = "DS_RLHF_METRICS_ADDR"
@@ -80,8 +81,6 @@ class GpuCollector:
 
     def _handle(self):
         if self._nvml is None:
-            from ds_rlhf.telemetry.system import _nvml
-
             self._nvml = _nvml()
         return self._nvml
 

@@ -7,8 +7,8 @@ import torch
 
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from ds_rlhf.config import ConfigError, RLConfig, help_text, parse_config
+from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
 from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.trajectory import pad_trajectory, with_advantages
 
 
 @pytest.fixture

@@ -85,8 +85,8 @@ def train_sft(tmp_path, model_path, store, *extra, steps: int = 40, every: int =
     initialisation repeats one token greedily; a few dozen steps make its continuations varied (a real check)."""
     from ds_rlhf.engines.engine_io import gather_state_dict
     from ds_rlhf.engines.models import merge_lora_state_dict, unwrap
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.sft import SFTTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     run = tmp_path / "run"
     cfg = parse_config(["--model.path", str(model_path), "--data.train", str(store), "--data.eval_fraction", "0",
@@ -248,8 +248,8 @@ def test_export_every_writes_step_directories(zero2_run, tiny_model_path, tmp_pa
     loadable directory, swapped in atomically."""
     from transformers import AutoModelForCausalLM
 
-    from ds_rlhf.trainer.rl_build import export_if_due
-    from ds_rlhf.trainer.run_context import resolve_model_path
+    from ds_rlhf.engines.model_source import resolve_model_path
+    from ds_rlhf.recipes.rl_build import export_if_due
 
     _, _, tok = zero2_run
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(str(tiny_model_path)), dtype=torch.float32)

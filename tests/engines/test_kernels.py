@@ -83,7 +83,7 @@ def test_the_config_key_takes_only_the_three_choices(tmp_path):
 
 def test_preflight_refuses_liger_where_it_cannot_run_before_any_model_loads(tiny_model_path):
     """On this CPU machine `--model.kernels liger` is one ConfigError from the run's preflight, naming the device."""
-    from ds_rlhf.trainer.preflight import check_kernels
+    from ds_rlhf.run.preflight import check_kernels
 
     check_kernels(parse_config(["--model.path", str(tiny_model_path)]))  # auto: nothing to check
     with pytest.raises(ConfigError, match="CUDA device"):

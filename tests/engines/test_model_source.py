@@ -12,8 +12,8 @@ from huggingface_hub import constants
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.engines import model_source
 from ds_rlhf.engines.model_source import ModelSourceError, resolve_model_source
+from ds_rlhf.run.preflight import check_model_sources, check_rl_run
 from ds_rlhf.testing.hub_cache import place_in_hub_cache
-from ds_rlhf.trainer.preflight import check_model_sources, check_rl_run
 from tests.trainer.stores import prompt_store
 
 REPO = "ds-rlhf-test/tiny-chat"

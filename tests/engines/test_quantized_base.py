@@ -124,7 +124,7 @@ def test_quantized_actor_trains_adapters_only(tiny_model_path, dist_single, mode
 
 def test_shared_reference_gives_the_quantized_base_logprobs(tiny_model_path, dist_single):
     from ds_rlhf.engines.builder import build_engine, build_shared_reference
-    from ds_rlhf.trainer.policy_forward import sequence_logprobs
+    from ds_rlhf.engines.policy_forward import sequence_logprobs
 
     actor = build_engine(_actor(tiny_model_path, "nf4"), resolved("zero2", stage=2), role="actor")
     reference = build_shared_reference(actor)
@@ -240,7 +240,7 @@ def llama8b(tmp_path_factory) -> str:
 
 
 def _plan(path, mode, *extra):
-    from ds_rlhf.tools.memory_plan import GiB, plan_memory
+    from ds_rlhf.memory.plan import GiB, plan_memory
 
     cfg = parse_config(["--model.path", path, "--model.lora_rank", "16", "--model.dtype", "bf16", "--zero_stage",
                         "2", "--rollout.backend", "vllm", "--rl.algo", "ppo", "--rl.kl_coef", "0.05",
@@ -271,7 +271,7 @@ def test_memory_plan_counts_the_base_quantized(llama8b):
 
 
 def test_memory_plan_fails_a_zero3_quantized_plan(llama8b):
-    from ds_rlhf.tools.memory_plan import GiB, plan_memory
+    from ds_rlhf.memory.plan import GiB, plan_memory
 
     cfg = parse_config(["--model.path", llama8b, "--model.lora_rank", "16", "--model.quantize_base", "nf4",
                         "--zero_stage", "2", "--rollout.backend", "hf"])

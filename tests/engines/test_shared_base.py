@@ -7,7 +7,7 @@ import torch
 
 from ds_rlhf.engines.builder import build_actor, build_reference, build_shared_reference
 from ds_rlhf.engines.models import unwrap
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from tests.engines.workers import lm_batch, resolved, train_lm
 
 LORA = {"r": 8, "lora_alpha": 32}

@@ -8,8 +8,8 @@ import torch
 from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.builder import build_actor, build_critic, build_shared_reference
 from ds_rlhf.engines.models import unwrap
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.engines.shared_critic import actor_decoder, build_shared_critic, owned_parameters
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
 from tests.engines.workers import lm_batch, resolved, train_critic, train_lm
 
 LORA = {"r": 8, "lora_alpha": 32}

@@ -12,9 +12,9 @@ import torch
 
 from ds_rlhf.engines.builder import build_actor
 from ds_rlhf.engines.models import RewardModel, unwrap
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
 from tests.engines.workers import lm_batch, resolved, train_lm
 
 LORA = {"r": 8, "lora_alpha": 32}
@@ -90,7 +90,7 @@ def test_other_rms_stay_separate(tiny_model_path, tiny_reward_path, rm_adapter, 
 
 def test_reward_stage_says_which_rm_it_built(tiny_model_path, tiny_reward_path, rm_adapter, dist_single, tmp_path):
     from ds_rlhf.config import parse_config
-    from ds_rlhf.trainer.rl_build import _reward_stage
+    from ds_rlhf.recipes.rl_build import _reward_stage
 
     actor = build_actor(tiny_model_path, resolved("zero2", stage=0), attn_impl="sdpa", lora=LORA)
     said = {}

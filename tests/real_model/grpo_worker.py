@@ -20,9 +20,9 @@ from real_model_kit import hf_greedy
 from ds_rlhf.config import parse_config
 from ds_rlhf.distributed import ensure_distributed
 from ds_rlhf.engines.models import unwrap
+from ds_rlhf.recipes import rl as rl_step
+from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.rollout import SamplingSpec
-from ds_rlhf.trainer import rl_step
-from ds_rlhf.trainer.rl_trainer import RLTrainer
 
 
 def main() -> None:

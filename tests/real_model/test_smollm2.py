@@ -183,14 +183,14 @@ def test_grpo_export_generates_the_trainers_greedy_tokens(grpo_run, smollm2_path
 
 # ---- SFT and RM -------------------------------------------------------------------------------------------------
 def _supervised(task, argv):
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     return SupervisedTrainer(parse_config(argv), task).train()
 
 
 @pytest.mark.slow
 def test_sft_one_step(smollm2_path, gsm8k_rows, tmp_path, dist_single):
-    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.recipes.sft import SFTTask
 
     store = tmp_path / "sft"
     assert ds_rlhf(["prep-sft", "--tokenizer", str(smollm2_path), "--input", str(gsm8k_rows), "--output", str(store),
@@ -208,7 +208,7 @@ def test_sft_one_step(smollm2_path, gsm8k_rows, tmp_path, dist_single):
 
 @pytest.mark.slow
 def test_rm_one_step(smollm2_path, hh_rows, tmp_path, dist_single):
-    from ds_rlhf.trainer.rm import RewardModelTask
+    from ds_rlhf.recipes.rm import RewardModelTask
 
     store = tmp_path / "pref"
     assert ds_rlhf(["prep-preferences", "--tokenizer", str(smollm2_path), "--input", str(hh_rows), "--output",

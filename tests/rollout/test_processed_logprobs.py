@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from rollout_helpers import PROBE, TOL, reference_logprobs, response_logits, restore_checkpoint_weights
 
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, make_rollout_engine
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12]]
 # (temperature, top_p, top_k). The tiny model is near-uniform over its 512 tokens, so top_p 0.9 and top_k 20 cut
@@ -93,7 +93,7 @@ def test_rl_step_with_temperature_and_the_correction(vllm_rollout, tiny_model_pa
     """Temperature 0.7 with rl.mismatch tis is accepted and trains; the rollout's log-probs equal the trainer's
     temperature-scaled ones (mismatch KL ~ 0: same weights before the first update, float32)."""
     from ds_rlhf.config import parse_config
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
     from tests.trainer.stores import prompt_store
 
     store = prompt_store(tmp_path, tiny_model_path, lengths=(4, 8, 6, 5))

@@ -174,7 +174,7 @@ def test_the_trainer_builds_its_engine_with_the_configured_options(tiny_model_pa
                                                                    dist_single):
     """RL runs: rl_build.build_parts hands the config's vLLM options to the engine it builds (vLLM backend)."""
     from ds_rlhf.data.synthetic import write_addition_datasets
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=16, n_sft=8, n_pref=8,
                                      max_operand=20)

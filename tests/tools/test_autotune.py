@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.tools import autotune
-from ds_rlhf.tools.autotune import default_knobs, parse_budget, run_search
+from ds_rlhf.ops import autotune
+from ds_rlhf.ops.autotune import default_knobs, parse_budget, run_search
 
 FAKE_TRAINER = r'''
 import json, sys, time

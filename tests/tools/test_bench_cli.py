@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ds_rlhf.ops import bench as bench_cli
+from ds_rlhf.ops.bench import BENCH_DIR, BENCHES, table_of
 from ds_rlhf.testing.multiproc import clean_env
-from ds_rlhf.tools import bench_cli
-from ds_rlhf.tools.bench_cli import BENCH_DIR, BENCHES, table_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXE = Path(sys.executable).parent / "ds-rlhf"

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from ds_rlhf.entrypoints.main import main as umbrella
-from ds_rlhf.tools import checks, doctor, system_checks
-from ds_rlhf.tools.checks import FAIL, OK, WARN, Check
+from ds_rlhf.ops import doctor
+from ds_rlhf.run import checks, system_checks
+from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_rlhf.tools.health import health_warnings, idle_cause, phase_times, replay
+from ds_rlhf.run.health import health_warnings, idle_cause, phase_times, replay
 
 
 def rec(step, rollout=2.0, train=1.0, sync=0.2, reward=0.1, other=0.1, tokens=1000.0, gpu=90.0):
@@ -97,7 +97,7 @@ def test_no_signal_falls_back_to_a_zero_reward_std_and_skips_records_without_rew
 def test_frac_zero_std_is_the_share_of_prompt_groups_without_reward_spread():
     from types import SimpleNamespace
 
-    from ds_rlhf.trainer.reward_stage import zero_std_stats
+    from ds_rlhf.recipes.reward_stage import zero_std_stats
 
     samples = [SimpleNamespace(prompt_index=p) for p in (0, 0, 1, 1, 2, 2, 3)]
     scores = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]  # groups 0 and 2 flat, 1 spread, 3 has one sample (not counted)

@@ -10,8 +10,8 @@ import pytest
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines.memory import activation_bytes
-from ds_rlhf.tools import memory_cli
-from ds_rlhf.tools.memory_plan import GiB, kv_bytes_per_token, plan_memory
+from ds_rlhf.memory.plan import GiB, kv_bytes_per_token, plan_memory
+from ds_rlhf.ops import memory as memory_cli
 
 # In a fresh process: load the model as the trainer's actor is loaded (fp32), take one AdamW step, then report
 # (a) the bytes of every parameter, gradient and optimizer-state tensor (unique storages) and (b) the growth of
@@ -21,7 +21,7 @@ MEASURE = r"""
 import gc, json, sys
 import torch
 from ds_rlhf.engines.models import load_causal_lm
-from ds_rlhf.trainer.run_context import resolve_model_path
+from ds_rlhf.engines.model_source import resolve_model_path
 torch.set_num_threads(1)
 
 def rss():

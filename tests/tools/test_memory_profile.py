@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ds_rlhf.config import parse_config
+from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.telemetry import PhaseTimer
-from ds_rlhf.tools.memory_profile import MemoryProfiler
 
 
 def test_phases_are_measured_and_an_unplanned_share_is_flagged_once(tiny_model_path):
@@ -37,7 +37,7 @@ def test_phases_are_measured_and_an_unplanned_share_is_flagged_once(tiny_model_p
 @pytest.mark.slow
 def test_profile_memory_in_an_rl_run(tiny_model_path, tmp_path):
     from ds_rlhf.data.synthetic import write_addition_datasets
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=32, n_sft=8, n_pref=8, seed=0,
                                      max_operand=9)

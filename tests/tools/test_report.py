@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ds_rlhf.entrypoints.main import main as umbrella
-from ds_rlhf.tools.report import load_run, write_report
+from ds_rlhf.ops.report import load_run, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

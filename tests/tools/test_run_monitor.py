@@ -11,7 +11,7 @@ import pytest
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.distributed import free_port
-from ds_rlhf.tools.run_monitor import RunMonitor, exit_status, is_oom, read_status
+from ds_rlhf.run.monitor import RunMonitor, exit_status, is_oom, read_status
 
 
 def _cfg(tmp_path, *extra):
@@ -121,7 +121,7 @@ def test_metrics_endpoint_is_fed_and_closed_at_finish(tmp_path):
 
 
 def test_report_status_reads_status_json(tmp_path):
-    from ds_rlhf.tools.report import run_status
+    from ds_rlhf.ops.report import run_status
 
     monitor = _monitor(tmp_path)
     assert run_status(tmp_path, [{"step": 3}], {"run": {"steps": 10}}, []).startswith("stopped at step 3 of 10 without")

@@ -29,7 +29,7 @@ def rl_argv(out, stores, steps=3, *extra):
 
 
 def test_rl_run_writes_environment_and_status_and_serves_live_metrics(small_stores, dist_single, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     port = free_port()
     trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 3, "--run.metrics_port", str(port))))
@@ -62,7 +62,7 @@ def test_rl_run_writes_environment_and_status_and_serves_live_metrics(small_stor
 
 
 def test_rl_run_that_fails_says_so_in_status_json(small_stores, dist_single, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 3)))
     train_step = trainer.train_step
@@ -81,8 +81,8 @@ def test_rl_run_that_fails_says_so_in_status_json(small_stores, dist_single, tmp
 
 
 def test_sft_run_times_data_and_writes_status(small_stores, dist_single, tmp_path):
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.sft import SFTTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     cfg = parse_config(["--model.path", "tiny", "--data.train", str(small_stores["sft"]), "--run.output_dir",
                         str(tmp_path), "--run.steps", "2", "--optim.batch_size", "8", "--optim.micro_batch_size", "8",
@@ -131,7 +131,7 @@ def test_signal_after_the_last_step_still_exits_143_with_the_final_checkpoint(sm
     mid-save."""
     import signal
 
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     trainer = RLTrainer(parse_config(rl_argv(tmp_path, small_stores, 2)))
     before = signal.getsignal(signal.SIGTERM)

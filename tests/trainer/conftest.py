@@ -45,7 +45,7 @@ def addition_stores(tiny_model_path, tmp_path_factory):
 
 
 def run_supervised(task, argv):
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     trainer = SupervisedTrainer(parse_config(argv), task)
     return trainer, trainer.train()
@@ -53,7 +53,7 @@ def run_supervised(task, argv):
 
 @pytest.fixture(scope="session")
 def sft_run(tiny_model_path, addition_stores, tmp_path_factory, dist_single):
-    from ds_rlhf.trainer.sft import SFTTask
+    from ds_rlhf.recipes.sft import SFTTask
 
     return built_once(tmp_path_factory, "sft_run", lambda out: run_supervised(SFTTask(), [
         "--model.path", str(tiny_model_path), "--data.train", str(addition_stores["sft"]),
@@ -64,7 +64,7 @@ def sft_run(tiny_model_path, addition_stores, tmp_path_factory, dist_single):
 
 @pytest.fixture(scope="session")
 def rm_run(sft_run, addition_stores, tmp_path_factory, dist_single):
-    from ds_rlhf.trainer.rm import RewardModelTask
+    from ds_rlhf.recipes.rm import RewardModelTask
 
     return built_once(tmp_path_factory, "rm_run", lambda out: run_supervised(RewardModelTask(), [
         "--model.path", str(sft_run[0] / "export"), "--data.train", str(addition_stores["preference"]),

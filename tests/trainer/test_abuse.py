@@ -23,11 +23,11 @@ from ds_rlhf.data.prep import prep_sft
 from ds_rlhf.data.synthetic import write_addition_datasets
 from ds_rlhf.engines.engine_io import DEEPSPEED_TYPES, load_torch_file
 from ds_rlhf.entrypoints.main import main as ds_rlhf
-from ds_rlhf.trainer.checkpoint_files import MARKER, hash_file
-from ds_rlhf.trainer.run_context import setup_run
-from ds_rlhf.trainer.run_dir import RunDirError, foreign_entries
-from ds_rlhf.trainer.sft import SFTTask
-from ds_rlhf.trainer.supervised import SupervisedTrainer
+from ds_rlhf.recipes.sft import SFTTask
+from ds_rlhf.recipes.supervised import SupervisedTrainer
+from ds_rlhf.run.checkpoint_files import MARKER, hash_file
+from ds_rlhf.run.context import setup_run
+from ds_rlhf.run.run_dir import RunDirError, foreign_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

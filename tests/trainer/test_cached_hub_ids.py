@@ -13,8 +13,8 @@ from huggingface_hub import constants
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines import model_source
 from ds_rlhf.engines.model_source import resolve_model_source
+from ds_rlhf.run.context import load_run_tokenizer
 from ds_rlhf.testing.hub_cache import place_in_hub_cache
-from ds_rlhf.trainer.run_context import load_run_tokenizer
 
 REPO = "ds-rlhf-test/cached-tiny"
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.trainer.preflight import check_rl_run, check_supervised_run
+from ds_rlhf.run.preflight import check_rl_run, check_supervised_run
 from tests.trainer.stores import prompt_store, rl_config
 
 
@@ -127,7 +127,7 @@ def test_an_explicit_ds_config_value_overriding_the_run_is_recorded():
 def test_file_rewards_run_in_a_worker_pool_by_default(tmp_path):
     """A user reward that sleeps cannot hang the run: by default file rewards run in workers with a timeout
     (built-in rules stay in-process)."""
-    from ds_rlhf.trainer.rl_build import reward_functions
+    from ds_rlhf.recipes.rl_build import reward_functions
 
     path = tmp_path / "r.py"
     path.write_text("def f(prompt, response, ground_truth, metadata):\n    return 1.0\n")
@@ -143,10 +143,10 @@ def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
     """on_bad_reward=zero with every reward bad stops the run instead of training on zeros forever."""
     from types import SimpleNamespace
 
+    from ds_rlhf.recipes.reward_stage import RewardStage
+    from ds_rlhf.recipes.trajectory import RolloutBatch
+    from ds_rlhf.rewards import BadRewardError
     from ds_rlhf.rollout.base import RolloutSample
-    from ds_rlhf.trainer.reward_stage import RewardStage
-    from ds_rlhf.trainer.rewards import BadRewardError
-    from ds_rlhf.trainer.trajectory import RolloutBatch
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

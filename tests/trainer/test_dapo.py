@@ -94,8 +94,8 @@ def _sample(prompt_index, j, n_resp, finish):
 def test_overlong_mask_zeroes_truncated_rows_but_keeps_their_scores_in_the_baseline():
     from ds_rlhf.algos.advantages import group_advantages
     from ds_rlhf.algos.registry import POLICY_LOSSES
-    from ds_rlhf.trainer.rl_update import _share
-    from ds_rlhf.trainer.trajectory import pad_trajectory, with_advantages
+    from ds_rlhf.recipes.policy_update import _share
+    from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
 
     samples = [_sample(0, 0, 3, "stop"), _sample(0, 1, 6, "length"), _sample(0, 2, 2, "stop"),
                _sample(1, 0, 6, "length"), _sample(1, 1, 4, "stop")]
@@ -173,9 +173,9 @@ def settled_reward(prompt, response, ground_truth, metadata):
 
 def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_reward, settled_only=False):
     from ds_rlhf.data.loader import StoreLoader
+    from ds_rlhf.recipes.reward_stage import RewardStage
+    from ds_rlhf.recipes.rollout_schedule import RolloutSchedule
     from ds_rlhf.telemetry import PhaseTimer
-    from ds_rlhf.trainer.reward_stage import RewardStage
-    from ds_rlhf.trainer.rollout_schedule import RolloutSchedule
 
     store = tmp_path / "prompts"
     if not store.exists():
@@ -253,7 +253,7 @@ def test_dynamic_sampling_tests_the_raw_reward_not_the_shaped_one(tmp_path, tiny
 
 
 def test_reward_stage_shapes_scores_with_the_soft_penalty(tmp_path, tiny_model_path, tiny_tokenizer):
-    from ds_rlhf.trainer.trajectory import RolloutBatch
+    from ds_rlhf.recipes.trajectory import RolloutBatch
 
     ctx, parts, _ = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.overlong_buffer", "4",
                            "--rl.overlong_penalty", "0.5", "--rl.dynamic_sampling", "false")
@@ -281,7 +281,7 @@ def test_dynamic_sampling_stops_at_the_round_bound(tmp_path, tiny_model_path, ti
 def test_every_rank_runs_the_rounds_the_neediest_rank_needs(tmp_path, tiny_model_path, tiny_tokenizer, monkeypatch):
     """Another rank is still short (agree_max says 1): this rank keeps generating until the bound, with all ranks,
     and still trains on exactly prompts_per_step prompts."""
-    import ds_rlhf.trainer.rollout_schedule as schedule_module
+    import ds_rlhf.recipes.rollout_schedule as schedule_module
 
     asked = []
     monkeypatch.setattr(schedule_module, "agree_max", lambda value, device: asked.append(value) or 1)
@@ -321,7 +321,7 @@ DAPO_SWITCHES = ["--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_max_rou
 @pytest.mark.extended
 @pytest.mark.slow
 def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
     from tests.trainer.test_rl_e2e import rl_args
 
     history = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 12,
@@ -345,7 +345,7 @@ def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_
 def test_dapo_resume_from_a_checkpoint_is_exact(sft_run, addition_stores, vllm_colocated, tmp_path):
     """Steps 3-4 resumed from step 2's checkpoint equal the uninterrupted run's: the loader position after the
     extra rounds' draws is in the checkpoint."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
     from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
 
     model = sft_run[0] / "export"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ds_rlhf.recipes.batching import split_micro
+from ds_rlhf.recipes.trajectory import pad_trajectory as build_experience
 from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.batching import split_micro
-from ds_rlhf.trainer.trajectory import pad_trajectory as build_experience
 
 
 def _samples():

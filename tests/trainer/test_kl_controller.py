@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ds_rlhf.algos.kl import AdaptiveKLController
-from ds_rlhf.trainer.rl_step import update_kl_controller
+from ds_rlhf.recipes.rl import update_kl_controller
 
 
 def _reference_update(beta: float, kl: float, target: float, horizon: float, n: int) -> float:

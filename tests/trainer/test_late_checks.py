@@ -13,12 +13,12 @@ from transformers import AutoTokenizer
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.data.store import open_store, tokenizer_fingerprint
 from ds_rlhf.data.writer import write_store
-from ds_rlhf.trainer import rl_build
-from ds_rlhf.trainer.preflight import check_rl_run
-from ds_rlhf.trainer.rl_trainer import RLTrainer
-from ds_rlhf.trainer.run_checkpoints import CheckpointCorrupt
-from ds_rlhf.trainer.sft import SFTTask
-from ds_rlhf.trainer.supervised import SupervisedTrainer, drop_long, longest_sequence
+from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes.rl import RLTrainer
+from ds_rlhf.recipes.sft import SFTTask
+from ds_rlhf.recipes.supervised import SupervisedTrainer, drop_long, longest_sequence
+from ds_rlhf.run.checkpoints import CheckpointCorrupt
+from ds_rlhf.run.preflight import check_rl_run
 from tests.trainer.stores import prompt_store, rl_config
 
 SHORT, LONG, MAX_LEN = 24, 100, 64

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.tools.memory_cap import check_memory_cap, trainer_memory_fraction, vllm_memory_fraction
-from ds_rlhf.tools.memory_plan import GiB
+from ds_rlhf.memory.cap import check_memory_cap, trainer_memory_fraction, vllm_memory_fraction
+from ds_rlhf.memory.plan import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "ds_configs" / "low_memory_24g.yaml")
@@ -103,7 +103,7 @@ def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_sto
     raised by the trainer's preflight before any process group or weight."""
     import transformers
 
-    from ds_rlhf.trainer import rl_trainer
+    from ds_rlhf.recipes import rl as rl_trainer
 
     def no_loading(*_, **__):
         raise AssertionError("a model started loading before the cap was checked")
@@ -162,7 +162,7 @@ def test_share_base_critic_refuses_zero3_before_loading(monkeypatch):
 
     import transformers
 
-    from ds_rlhf.trainer import rl_build
+    from ds_rlhf.recipes import rl_build
 
     def no_loading(*_, **__):
         raise AssertionError("a model started loading before the ZeRO stage was checked")
@@ -192,7 +192,7 @@ def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_col
     from ds_rlhf.engines.models import unwrap
     from ds_rlhf.engines.shared_base import AdapterOffReference
     from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
     from tests.trainer.test_rl_e2e import _mean, rl_args
 
     trainer = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "ppo", 14,
@@ -225,9 +225,9 @@ def test_supervised_runs_apply_the_cap(tiny_model_path, tmp_path, monkeypatch, d
     """SFT and RM (one SupervisedTrainer): the allocator cap is applied when the run builds (a no-op on CPU, so
     the call is recorded)."""
     from ds_rlhf.data.synthetic import write_addition_datasets
-    from ds_rlhf.tools import memory_cap
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.memory import cap as memory_cap
+    from ds_rlhf.recipes.sft import SFTTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     calls = []
     monkeypatch.setattr(memory_cap, "apply_trainer_cap", lambda cfg, device, placement: calls.append(
@@ -245,7 +245,7 @@ def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_r
     """`rollout.lora_sync adapter` through the trainer (build_parts' wiring): every step's sync sends the LoRA
     adapters only, the canary passes, and vLLM's sampling log-probs are the trainer's (the KL between them ~ 0)
     while the adapters move the policy away from the base (a reward that varies on the random tiny model's text)."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     cfg = parse_config(["--model.path", "tiny", "--data.train", str(addition_stores["prompts"]), "--run.output_dir",
                         str(tmp_path), "--run.steps", "3", "--rl.algo", "grpo", "--rl.reward_fn",
@@ -279,8 +279,8 @@ def test_the_cap_follows_a_sleeping_vllm_pool(monkeypatch):
     """PyTorch's allocator keeps counting vLLM's sleep-mode pool while vLLM has unmapped it (8B PPO on the H200:
     23.05 GiB 'allocated by PyTorch' with 5.97 GiB on the device, an OOM under the 24 GiB cap). The trainer's
     fraction is raised by the unmapped bytes while the colocated engine sleeps and restored when it wakes."""
+    from ds_rlhf.memory import cap as memory_cap
     from ds_rlhf.rollout.vllm_engine import unmapped_bytes
-    from ds_rlhf.tools import memory_cap
 
     total, set_to = int(140 * GiB), []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
@@ -310,7 +310,7 @@ def test_the_cap_leaves_room_for_what_the_allocator_does_not_hold(monkeypatch):
     process's allocator (NVML's used bytes, else CUDA's total - free, minus the mapped reserved bytes) and a
     headroom come off the cap, but never more than the plan's 2 GiB reserve: another process's bytes look the same,
     and must not shrink the cap to nothing. Bytes the allocator counts but vLLM has unmapped are not on the device."""
-    from ds_rlhf.tools import memory_cap
+    from ds_rlhf.memory import cap as memory_cap
 
     total, set_to = int(140 * GiB), []
     state = {"nvml": 2 * GiB, "free": total - int(1.5 * GiB), "reserved": 1 * GiB}

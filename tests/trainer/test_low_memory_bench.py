@@ -76,7 +76,7 @@ def test_phase_arguments_are_the_recipe_plus_valid_overrides(bench, tmp_path):
 
 
 def test_plan_summary_and_failure_reasons(bench, tiny_model_path):
-    from ds_rlhf.tools.memory_plan import plan_memory
+    from ds_rlhf.memory.plan import plan_memory
 
     cfg = parse_config(["--config", str(ROOT / "ds_configs" / "low_memory_24g.yaml"), "--model.path",
                         str(tiny_model_path)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.trainer.placement import parse_devices, resolve_placement
+from ds_rlhf.run.placement import parse_devices, resolve_placement
 
 
 def _resolve(argv, world=4, local=4, gpus=8, visible=None, monkeypatch=None):

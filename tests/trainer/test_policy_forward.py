@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_rlhf.trainer.policy_forward import sequence_logprobs
+from ds_rlhf.engines.policy_forward import sequence_logprobs
 
 
 def _naive(model, ids, attn):
@@ -43,7 +43,7 @@ def test_packed_rows_do_not_attend_to_each_other(tiny_model_path):
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, packed["input_ids"], None, position_ids=packed["position_ids"])
         singles = [sequence_logprobs(model, torch.tensor([s]), None)[0][0] for s in seqs]
-    # position t predicts t+1; the positions that straddle a boundary are never trained (see trainer/sft.py)
+    # position t predicts t+1; the positions that straddle a boundary are never trained (see recipes/sft.py)
     starts = [0, 5, 8]
     for s, seq, single in zip(starts, seqs, singles):
         assert torch.allclose(logp[0, s : s + len(seq) - 1], single, atol=1e-5)

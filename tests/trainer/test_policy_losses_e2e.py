@@ -10,7 +10,7 @@ import torch
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines.models import unwrap
-from ds_rlhf.trainer.rl_trainer import RLTrainer
+from ds_rlhf.recipes.rl import RLTrainer
 
 LOSSES = {"gspo": ["--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4", "--rl.loss_agg", "seq-mean-token-mean"],
           "gspo-token": ["--rl.clip_low", "3e-4", "--rl.clip_high", "4e-4"],

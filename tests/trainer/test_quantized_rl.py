@@ -30,7 +30,7 @@ def _packed(module) -> int:
 
 def test_ppo_with_an_nf4_shared_base(small_stores, dist_single, tmp_path):
     from ds_rlhf.engines.models import unwrap
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     cfg = parse_config([*COMMON, "--data.train", str(small_stores["prompts"]), "--run.output_dir", str(tmp_path),
                         "--run.steps", "2", "--rl.algo", "ppo", "--rl.reward_fn", "math_shaped", "--model.share_base",
@@ -52,8 +52,8 @@ def test_ppo_with_an_nf4_shared_base(small_stores, dist_single, tmp_path):
 
 
 def test_sft_with_an_nf4_base_and_the_zero3_refusal(small_stores, dist_single, tmp_path):
-    from ds_rlhf.trainer.sft import SFTTask
-    from ds_rlhf.trainer.supervised import SupervisedTrainer
+    from ds_rlhf.recipes.sft import SFTTask
+    from ds_rlhf.recipes.supervised import SupervisedTrainer
 
     args = [*COMMON, "--data.train", str(small_stores["sft"]), "--run.output_dir", str(tmp_path), "--run.steps", "2",
             "--optim.batch_size", "8", "--optim.micro_batch_size", "8", "--optim.lr", "1e-2"]

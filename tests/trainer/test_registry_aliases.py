@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ds_rlhf.config import SECTIONS, Config, parse_config, registry_of
-from ds_rlhf.trainer.rl_update import _agg_mode
+from ds_rlhf.recipes.policy_update import _agg_mode
 
 
 def _registry_keys() -> dict[str, dict]:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ds_rlhf.trainer.rewards import (
+from ds_rlhf.rewards import (
     BadRewardError,
     extract_final_number,
     gsm8k_reward,

@@ -37,7 +37,7 @@ def _mean(xs):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_reward_rises(algo, sft_run, addition_stores, vllm_colocated, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     extra = ["--optim.critic_lr", "1e-3"] if algo == "ppo" else []
     history = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, algo, 14, extra)),
@@ -58,7 +58,7 @@ def test_reward_rises(algo, sft_run, addition_stores, vllm_colocated, tmp_path):
 
 @pytest.mark.slow
 def test_reward_model_export_drives_ppo(rm_run, sft_run, addition_stores, vllm_colocated, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     rm_export = rm_run[0] / "export"
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "ppo", 2,
@@ -104,7 +104,7 @@ def test_kill_9_then_resume_with_two_sidecar_engines_matches(sft_run, addition_s
 def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys) -> None:
     """An uninterrupted 6-step run; the same run as a fresh process SIGKILLed mid-step 5, then resumed here; the
     two metric streams must match (`rollout`: the engine the in-process runs share, None: each builds its own)."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     RLTrainer(parse_config(rl_args(straight, model, stores, steps=6, extra=common)), rollout=rollout).train()
@@ -145,7 +145,7 @@ def flaky(prompt, response, ground_truth, metadata):
 def test_every_algorithm_trains_and_bad_rewards_are_dropped(algo, sft_run, addition_stores, vllm_colocated,
                                                             tmp_path):
     """Each estimator runs end to end with a user reward function whose bad samples are dropped, not averaged in."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(FLAKY_REWARD)
@@ -167,7 +167,7 @@ def test_every_algorithm_trains_and_bad_rewards_are_dropped(algo, sft_run, addit
 def test_async_generation_still_learns(sft_run, addition_stores, vllm_colocated, tmp_path):
     """One step off-policy (each batch generated with the weights before the previous update, TIS-corrected):
     the reward rises by at least 80% of the synchronous run's rise in the same number of steps."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     rises, histories = {}, {}
     for mode in ("sync", "async"):
@@ -191,7 +191,7 @@ def test_sidecar_generates_while_the_trainer_trains(engines, sft_run, addition_s
     """vLLM in its own process (the sidecar placement; on CPU a second process on the same cores): step k+1's
     batch is generated while step k trains, and the run learns on it; with rollout.sidecar_engines=2 two server
     processes each generate half of every batch."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 3,
                    ["--rollout.async_generation", "true", "--rollout.placement", "sidecar",
@@ -220,7 +220,7 @@ def test_synchronous_sidecar_hands_the_weights_over_and_the_next_batch_is_on_pol
     the trainer hands the weights over without waiting. The server loads them before it generates the next batch
     (it runs its commands in order), so every batch is on-policy: vLLM's log-probs of the sampled tokens are the
     trainer's. The canary is checked when that batch is collected and reported with the step that trains on it."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 3, ["--rollout.placement", "sidecar"])
     history = RLTrainer(parse_config(args)).train()
@@ -233,7 +233,7 @@ def test_synchronous_sidecar_hands_the_weights_over_and_the_next_batch_is_on_pol
 
 @pytest.mark.slow
 def test_export_every_writes_hugging_face_dirs_during_training(sft_run, addition_stores, vllm_colocated, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 2, ["--run.export_every", "1"])
     RLTrainer(parse_config(args), rollout=vllm_colocated).train()

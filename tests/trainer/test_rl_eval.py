@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
-from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
-from ds_rlhf.trainer import rl_eval
-from ds_rlhf.trainer.rl_eval import (
+from ds_rlhf.recipes import rl_eval
+from ds_rlhf.recipes.rl_eval import (
     BestCheckpointTracker,
     evaluate,
     keep_best,
     load_eval_rows,
     pass_at_k,
 )
+from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
+from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
 
 
 # ---- fakes ------------------------------------------------------------------------------------------------------
@@ -335,8 +335,8 @@ def _fake_checkpoint(root, step: int, payload: bytes):
 
 
 def test_keep_best_links_replaces_and_survives_rotation(tmp_path):
-    from ds_rlhf.trainer.run_checkpoints import CheckpointManager
-    from ds_rlhf.trainer.run_dir import complete_checkpoints
+    from ds_rlhf.run.checkpoints import CheckpointManager
+    from ds_rlhf.run.run_dir import complete_checkpoints
 
     first = _fake_checkpoint(tmp_path, 2, b"weights-2")
     (tmp_path / "checkpoints" / ".tmp_best_999").mkdir()  # left by a killed keep_best

@@ -16,9 +16,9 @@ import torch
 
 from ds_rlhf.config import Config, ConfigError, help_text, parse_config
 from ds_rlhf.rollout.base import RolloutSample
+from ds_rlhf.run.preflight import check_rl_run
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.telemetry.samples import ROW_KEYS, read_samples
-from ds_rlhf.trainer.preflight import check_rl_run
 from tests.trainer.stores import prompt_store, rl_config
 from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
 
@@ -128,7 +128,7 @@ def _ctx(on_bad="drop"):
 
 
 def _batch():
-    from ds_rlhf.trainer.trajectory import RolloutBatch
+    from ds_rlhf.recipes.trajectory import RolloutBatch
 
     rows = [{"input_ids": [ord("a")], "prompt_text": "a?", "ground_truth": "1", "row_id": 0, "data_source": "s"},
             {"input_ids": [ord("b")], "prompt_text": "b?", "ground_truth": "2", "row_id": 1, "data_source": "s"}]
@@ -145,8 +145,8 @@ def _exact(prompt, response, ground_truth, metadata):
 
 
 def test_reward_stage_keeps_the_kept_samples_texts_and_components():
+    from ds_rlhf.recipes.reward_stage import RewardStage
     from ds_rlhf.rewards import RewardSet, RewardSpec
-    from ds_rlhf.trainer.reward_stage import RewardStage
 
     fns = RewardSet([RewardSpec(_exact, name="exact"), RewardSpec(lambda p, r, g, m: 0.5, 2.0, name="half")])
     scored = RewardStage(_ctx("drop"), fn=fns)(_batch(), step=0)
@@ -158,10 +158,10 @@ def test_reward_stage_keeps_the_kept_samples_texts_and_components():
 
 
 def test_sample_rows_one_per_prompt_first_with_the_masked_mean_advantage():
+    from ds_rlhf.recipes.reward_stage import RewardStage
+    from ds_rlhf.recipes.rl import sample_rows
+    from ds_rlhf.recipes.trajectory import pad_trajectory
     from ds_rlhf.rewards import RewardSet, RewardSpec
-    from ds_rlhf.trainer.reward_stage import RewardStage
-    from ds_rlhf.trainer.rl_step import sample_rows
-    from ds_rlhf.trainer.trajectory import pad_trajectory
 
     ctx = _ctx("drop")
     scored = RewardStage(ctx, fn=RewardSet([RewardSpec(_exact, name="exact")]))(_batch(), step=0)
@@ -183,7 +183,7 @@ def test_sample_rows_one_per_prompt_first_with_the_masked_mean_advantage():
 
 # ---- the run directory ------------------------------------------------------------------------------------------
 def test_overwrite_and_set_aside_handle_samples_jsonl(tmp_path):
-    from ds_rlhf.trainer.run_dir import prepare_run_dir
+    from ds_rlhf.run.run_dir import prepare_run_dir
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)
@@ -221,7 +221,7 @@ def _eval_args(stores):
 
 @pytest.mark.slow
 def test_grpo_run_evaluates_keeps_the_best_and_logs_samples(sft_run, addition_stores, vllm_colocated, tmp_path):
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 4,
                    [*_eval_args(addition_stores), "--run.tensorboard", "true", "--rl.eval_greedy", "false",
@@ -276,7 +276,7 @@ def test_resume_with_eval_on_matches_a_straight_run(mode, sft_run, addition_stor
     Sync mode: a run of 2 steps, then a run of 4 resumed from it. Async mode: a run of 4 steps stopped after its
     checkpoint at step 2 (a run of 2 steps never generates step 3's batch, so its continuation would train on a
     batch generated one update later than the straight run's: a property of the schedule, not of evaluation)."""
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     model = sft_run[0] / "export"
     training = ["--optim.lr", "3e-4", "--run.save_every", "2", "--rollout.async_generation", str(mode == "async")]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ds_rlhf.config import RLConfig
+from ds_rlhf.recipes.trajectory import pad_trajectory as build_experience
+from ds_rlhf.recipes.trajectory import shaped_token_rewards as token_rewards
+from ds_rlhf.recipes.trajectory import with_advantages
 from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.trajectory import pad_trajectory as build_experience
-from ds_rlhf.trainer.trajectory import shaped_token_rewards as token_rewards
-from ds_rlhf.trainer.trajectory import with_advantages
 
 
 def _exp(scores, groups=(0, 0, 1, 1)):

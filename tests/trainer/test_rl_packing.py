@@ -1,7 +1,7 @@
 """Packed RL micro-batches (`data.rl_packing`): one padding-free row per micro-batch gives the padded rows' numbers.
 
 Every comparison runs the same rows both ways on the fp32 tiny model: log-probs, entropy, critic values, the
-actor's parameter gradients, and whole `ppo_update`s (metrics and the weights they leave).
+actor's parameter gradients, and whole `policy_update`s (metrics and the weights they leave).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import pytest
 import torch
 
 from ds_rlhf.config import Config, ConfigError
-from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.packed_batch import pack_rows
-from ds_rlhf.trainer.rl_update import (
+from ds_rlhf.recipes.packed_batch import pack_rows
+from ds_rlhf.recipes.policy_update import (
     actor_micro_step,
     forward_logprobs,
     forward_values,
     micro_logprobs,
     micro_values,
-    ppo_update,
+    policy_update,
 )
-from ds_rlhf.trainer.trajectory import pad_trajectory, with_advantages
+from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
+from ds_rlhf.rollout.base import RolloutSample
 
 # (prompt, response) lengths: ragged, one response of a single token, one row as long as the batch.
 SHAPES = [(3, 5), (6, 1), (2, 9), (5, 4), (4, 7), (7, 2), (3, 3), (2, 6)]
@@ -48,7 +48,7 @@ def _cfg(packing: bool, budget: int = 40, **rl) -> Config:
 
 
 def _as_engine(module, lr: float = 0.05):
-    """The slice of DeepSpeedEngine that `ppo_update` calls, on a plain module (SGD)."""
+    """The slice of DeepSpeedEngine that `policy_update` calls, on a plain module (SGD)."""
     opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=lr)
     module.backward = lambda loss, scale_wrt_gas=True: loss.backward()
     module.step = lambda: (opt.step(), opt.zero_grad())
@@ -181,7 +181,7 @@ def _run(actor, critic, packing: bool, rl: dict, budget: int = 40):
         traj = traj.replace(old_logp=forward_logprobs(actor, traj, cfg))
     if critic is not None:
         traj = with_advantages(traj.replace(values=forward_values(critic, traj, cfg)), cfg.rl, 0.0)
-    result = ppo_update(actor, critic, traj, cfg, kl_coef=0.0, generator=torch.Generator().manual_seed(3))
+    result = policy_update(actor, critic, traj, cfg, kl_coef=0.0, generator=torch.Generator().manual_seed(3))
     return result, actor, traj
 
 

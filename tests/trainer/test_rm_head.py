@@ -10,7 +10,7 @@ from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.engines import models
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.rm_head import check_reward_model_dir
-from ds_rlhf.trainer.preflight import check_model_sources
+from ds_rlhf.run.preflight import check_model_sources
 
 
 def test_reward_model_without_a_trained_score_head_is_refused(tiny_model_path, tiny_reward_path, monkeypatch):

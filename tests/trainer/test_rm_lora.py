@@ -25,7 +25,7 @@ def lora_rm(sft_run, addition_stores, tmp_path_factory, dist_single):
     """The LoRA RM run, once per test run (across xdist workers): its directory, and what the tests need of the
     trained model (its trainable names and sizes, its scores of IDS) recorded beside it."""
     from ds_rlhf.engines.models import unwrap
-    from ds_rlhf.trainer.rm import RewardModelTask
+    from ds_rlhf.recipes.rm import RewardModelTask
 
     def build(out):
         trainer, summary = run_supervised(RewardModelTask(), [
@@ -111,7 +111,7 @@ def test_grpo_with_the_lora_rm_adapter_on_a_shared_base(lora_rm, addition_stores
     from ds_rlhf.config import parse_config
     from ds_rlhf.engines.models import unwrap
     from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
-    from ds_rlhf.trainer.rl_trainer import RLTrainer
+    from ds_rlhf.recipes.rl import RLTrainer
 
     adapter = lora_rm["out"] / "export_adapter"
     cfg = parse_config([

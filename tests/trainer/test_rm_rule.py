@@ -17,10 +17,10 @@ from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.engines.engine_io import write_export
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.rm_scoring import REWARD_INFO, ScoreRule, score_ids, score_rule, score_text
+from ds_rlhf.recipes.reward_stage import RewardStage
+from ds_rlhf.recipes.rm import RewardModelTask
+from ds_rlhf.recipes.trajectory import RolloutBatch
 from ds_rlhf.rollout.base import RolloutSample
-from ds_rlhf.trainer.reward_stage import RewardStage
-from ds_rlhf.trainer.rm import RewardModelTask
-from ds_rlhf.trainer.trajectory import RolloutBatch
 
 MESSAGES = [{"role": "user", "content": "what is the sum of 12 plus 7"},
             {"role": "assistant", "content": "the sum is 19 and the answer is 19"}]

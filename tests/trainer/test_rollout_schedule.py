@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
+from ds_rlhf.recipes.rollout_schedule import RolloutSchedule, merge_reports
 from ds_rlhf.rollout.base import RolloutEngine, RolloutTicket
 from ds_rlhf.telemetry import PhaseTimer
-from ds_rlhf.trainer.rollout_schedule import RolloutSchedule, merge_reports
 
 
 class Engine(RolloutEngine):

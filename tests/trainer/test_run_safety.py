@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.trainer.run_checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoints import CheckpointManager
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,14 +89,14 @@ def test_1_prune_never_deletes_the_checkpoint_just_saved(tmp_path):
 
 
 def test_1_fresh_run_into_a_directory_with_checkpoints_is_refused(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     _save_steps(tmp_path, [7, 8])
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)))
     (tmp_path / "config.json").write_text('{"old": true}')
     with pytest.raises(Exception) as info:
         setup_run(_cfg(tiny_model_path, tmp_path), "rl")
-    from ds_rlhf.trainer.run_dir import RunDirError
+    from ds_rlhf.run.run_dir import RunDirError
 
     assert isinstance(info.value, RunDirError)
     message = str(info.value)
@@ -107,7 +107,7 @@ def test_1_fresh_run_into_a_directory_with_checkpoints_is_refused(tiny_model_pat
 
 
 def test_1_overwrite_removes_the_old_checkpoints_and_metrics(tiny_model_path, dist_single, tmp_path, capsys):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     _save_steps(tmp_path, [7, 8])
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 8}) + "\n")
@@ -119,7 +119,7 @@ def test_1_overwrite_removes_the_old_checkpoints_and_metrics(tiny_model_path, di
 
 
 def test_1_leftover_metrics_without_checkpoints_are_set_aside(tiny_model_path, dist_single, tmp_path, capsys):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     ctx = setup_run(_cfg(tiny_model_path, tmp_path), "rl")
@@ -149,7 +149,7 @@ def test_2_negative_keep_last_is_refused(tmp_path):
 # ---- 3: two runs on one directory ---------------------------------------------------------------------------------
 HOLD_LOCK = """
 import sys, time
-from ds_rlhf.trainer.run_dir import acquire_run_lock
+from ds_rlhf.run.run_dir import acquire_run_lock
 acquire_run_lock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(600)
@@ -167,8 +167,8 @@ def _holder(run_dir):
 
 
 def test_3_second_run_on_the_same_directory_is_refused(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
-    from ds_rlhf.trainer.run_dir import RunDirError
+    from ds_rlhf.run.context import setup_run
+    from ds_rlhf.run.run_dir import RunDirError
 
     holder = _holder(tmp_path)
     try:
@@ -278,7 +278,7 @@ def small_disk(tmp_path, monkeypatch):
             subprocess.run(["umount", "-l", str(disk)], check=False)
         return
     try:
-        import ds_rlhf.trainer.run_checkpoints as rc
+        import ds_rlhf.run.checkpoints as rc
 
         monkeypatch.setattr(rc, "_free_bytes", lambda path: 2 << 20)
     except (ImportError, AttributeError) as exc:
@@ -334,7 +334,7 @@ def test_15_rng_and_trainer_state_load_with_weights_only_and_resume_exactly(tmp_
 
 
 def test_15_rng_files_of_older_checkpoints_still_load(tmp_path):
-    from ds_rlhf.trainer.run_checkpoints import set_rng_state
+    from ds_rlhf.run.checkpoints import set_rng_state
 
     mgr = _save_steps(tmp_path, [1])
     old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -361,7 +361,7 @@ def test_resume_latest_with_nothing_to_resume_says_so(tmp_path):
 
 
 def test_resume_from_a_bad_path_fails_in_one_line(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     bad = tmp_path / "nope" / "step_00000003"
     with pytest.raises(FileNotFoundError) as info:

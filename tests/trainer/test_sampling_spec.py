@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from ds_rlhf.config import parse_config
+from ds_rlhf.recipes.rollout_schedule import sampling_spec
 from ds_rlhf.rollout.base import SamplingSpec, batch_seed
-from ds_rlhf.trainer.rl_step import sampling_spec
 
 
 def _ctx(*args, rank=0, world=1):
@@ -38,9 +38,9 @@ def test_batch_seed_mixes_every_group_and_needs_batch_seeding_everywhere():
 
 
 def test_generation_metrics_are_the_engines_time_and_tokens_per_second():
+    from ds_rlhf.recipes.rl import generation_metrics
+    from ds_rlhf.recipes.trajectory import RolloutBatch
     from ds_rlhf.rollout.base import RolloutSample
-    from ds_rlhf.trainer.rl_step import generation_metrics
-    from ds_rlhf.trainer.trajectory import RolloutBatch
 
     samples = [RolloutSample(0, j, [1, 2], [5] * (3 + j), [-1.0] * (3 + j), "length") for j in range(2)]
     # the engine's call made 28 tokens (three other ranks' too) in 0.5 s: per-engine tokens/s, not this rank's 7

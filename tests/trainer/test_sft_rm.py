@@ -21,7 +21,7 @@ def test_masked_tokens_carry_no_loss(tiny_model_path, addition_stores):
     from transformers import AutoModelForCausalLM
 
     from ds_rlhf.data.store import open_store
-    from ds_rlhf.trainer.sft import masked_nll_sum
+    from ds_rlhf.recipes.sft import masked_nll_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     store = open_store(addition_stores["sft"])

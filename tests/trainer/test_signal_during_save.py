@@ -10,10 +10,10 @@ import pytest
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.data.synthetic import write_addition_datasets
+from ds_rlhf.recipes.rl import RLTrainer
+from ds_rlhf.recipes.sft import SFTTask
+from ds_rlhf.recipes.supervised import SupervisedTrainer
 from ds_rlhf.telemetry.logger import read_metrics
-from ds_rlhf.trainer.rl_trainer import RLTrainer
-from ds_rlhf.trainer.sft import SFTTask
-from ds_rlhf.trainer.supervised import SupervisedTrainer
 
 
 def test_sigterm_during_a_periodic_save_stops_after_that_save(tiny_model_path, dist_single, tmp_path):

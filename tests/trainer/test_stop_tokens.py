@@ -16,14 +16,14 @@ import torch
 
 from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.recipes.batching import pad_right
+from ds_rlhf.recipes.rl_eval import RunEvaluation, evaluate
+from ds_rlhf.recipes.rm import pair_scores
+from ds_rlhf.recipes.rollout_schedule import sampling_spec
+from ds_rlhf.recipes.trajectory import pad_trajectory
 from ds_rlhf.rollout import stops as stops_module
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.stops import end_of_turn_id, generation_eos_ids, stop_token_ids
-from ds_rlhf.trainer.batching import pad_right
-from ds_rlhf.trainer.rl_eval import RunEvaluation, evaluate
-from ds_rlhf.trainer.rl_step import sampling_spec
-from ds_rlhf.trainer.rm import pair_scores
-from ds_rlhf.trainer.trajectory import pad_trajectory
 from tests.trainer.stores import prompt_store
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

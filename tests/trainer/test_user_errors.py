@@ -27,9 +27,9 @@ from ds_rlhf.data.store import StoreMismatchError
 from ds_rlhf.data.writer import write_store
 from ds_rlhf.engines.ds_config import pick_precision, resolve_ds_config
 from ds_rlhf.engines.models import load_causal_lm
+from ds_rlhf.recipes.rl import check_rollout_precision
 from ds_rlhf.rollout.vllm_adapter import vllm_version
 from ds_rlhf.testing.multiproc import clean_env
-from ds_rlhf.trainer.rl_trainer import check_rollout_precision
 from tests.trainer.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,7 +223,7 @@ def test_a_tokenizer_mismatch_between_model_and_store_is_one_line_on_the_command
 
 
 def test_a_corrupt_tokenizer_json_names_the_file(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_path, model)
@@ -233,7 +233,7 @@ def test_a_corrupt_tokenizer_json_names_the_file(tiny_model_path, dist_single, t
 
 
 def test_a_model_path_that_is_not_a_model_names_it(dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     (tmp_path / "notamodel").mkdir()
     (tmp_path / "notamodel" / "readme.txt").write_text("hi")
@@ -243,7 +243,7 @@ def test_a_model_path_that_is_not_a_model_names_it(dist_single, tmp_path):
 
 
 def test_an_output_dir_that_cannot_be_written_names_it(tiny_model_path, dist_single, tmp_path):
-    from ds_rlhf.trainer.run_context import setup_run
+    from ds_rlhf.run.context import setup_run
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

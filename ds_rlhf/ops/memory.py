@@ -1,0 +1,113 @@
+"""`ds-rlhf memory`: will this run fit? The per-role memory plan of a config, before any weight is loaded.
+
+    ds-rlhf memory --config run.yaml                      # this machine's device (first GPU, else host RAM)
+    ds-rlhf memory --config run.yaml --gpu-memory-gb 80   # plan for another card
+    ds-rlhf memory --config run.yaml --world-size 8 --rollout.gpu_memory_utilization 0.4 --json
+
+Any trainer setting can follow as `--section.key value` (as for the trainer). The plan is per rank: parameters,
+gradients, optimizer states (by ZeRO stage, offload and world size), activations of one micro-batch, the rollout
+engine's weights and KV cache, and the device peak of the rollout and train phases against the device's memory.
+Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is computed: `memory/plan.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
+
+COLUMNS = (("weights", "params"), ("grads", "grads"), ("optim", "optimizer_states"), ("activ", "activations"),
+           ("bucket", "buffers"), ("KV", "kv_cache"), ("device", "device_total"), ("host", "host"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-rlhf memory", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--config", help="the run's config (YAML/JSON); default: the schema's defaults")
+    p.add_argument("--kind", choices=("rl", "sft", "rm"), default="rl", help="which trainer the config is for")
+    p.add_argument("--gpu-memory-gb", type=float, help="plan for a GPU of this many GiB (default: this machine's)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: cuda when --gpu-memory-gb is given or a GPU is visible")
+    p.add_argument("--world-size", type=int, help="ranks (default: $WORLD_SIZE, else the visible GPUs, else 1)")
+    p.add_argument("--reserve-gb", type=float, help="kept free per rank (default 2 on GPUs, 1 on CPU)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _host_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def target_device(args) -> tuple[str, int, str, int]:
+    """(device, bytes per rank, device name, world size) from the arguments and this machine."""
+    import torch
+
+    local_gpu = torch.cuda.is_available()
+    device = args.device if args.device != "auto" else ("cuda" if args.gpu_memory_gb or local_gpu else "cpu")
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or (
+        torch.cuda.device_count() if device == "cuda" and local_gpu else 1)
+    if args.gpu_memory_gb:
+        return device, int(args.gpu_memory_gb * GiB), f"{args.gpu_memory_gb:g} GiB GPU", world
+    if device == "cuda":
+        if not local_gpu:
+            raise SystemExit("ds-rlhf memory: --device cuda without a visible GPU needs --gpu-memory-gb")
+        props = torch.cuda.get_device_properties(0)
+        return device, int(props.total_memory), props.name, world
+    return device, _host_ram() // world, f"host RAM / {world} rank(s)", world
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    s = plan.settings
+    zero = f"ZeRO-{s.zero_stage}" + (" + optimizer offload" if s.offload_optimizer else "") + (
+        " + weight offload" if s.offload_param else "")
+    rollout = s.rollout
+    if s.rollout != "none":
+        rollout += f" {s.placement}" + (", sleeps while training" if s.sleep and s.device == "cuda" else "")
+    head = (f"memory plan ({s.kind}) per rank: {s.world_size} rank(s) on {s.device} ({s.device_name}, "
+            f"{fmt_bytes(s.capacity)}), {s.precision}, {zero}, {s.optimizer}, micro-batch {s.tokens} tokens "
+            f"(sequences of {s.seq_len}), gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
+            f"rollout {rollout}")
+    rows = [["role", "#params", *[c for c, _ in COLUMNS], "notes"]]
+    for r in plan.roles:
+        values = {**{k: getattr(r, k) for _, k in COLUMNS}}
+        rows.append([r.role, f"{r.num_params / 1e6:.1f}M", *[fmt_bytes(values[k]) if values[k] else "-"
+                                                              for _, k in COLUMNS], r.detail])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [head, ""] + ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                          + "  " + row[-1] for row in rows]
+    lines.append("")
+    for phase, value in plan.phases.items():
+        lines.append(f"{phase:>8} phase peak: {fmt_bytes(value)} + reserve {fmt_bytes(s.reserve)} = "
+                     f"{fmt_bytes(value + s.reserve)} of {fmt_bytes(s.capacity)}")
+    if plan.host_per_rank:
+        lines.append(f"host memory per rank: {fmt_bytes(plan.host_per_rank)} (x ranks per node)")
+    lines += [f"note: {n}" for n in plan.notes]
+    headroom = s.capacity - plan.peak - s.reserve
+    lines.append(f"\n{'FITS' if plan.fits else 'DOES NOT FIT'}: peak {fmt_bytes(plan.peak)} ("
+                 f"{max(plan.phases, key=plan.phases.get)} phase), headroom {fmt_bytes(headroom)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+
+    try:
+        cfg = parse_config((["--config", args.config] if args.config else []) + rest)
+        device, capacity, name, world = target_device(args)
+        reserve = None if args.reserve_gb is None else int(args.reserve_gb * GiB)
+        plan = plan_memory(cfg, kind=args.kind, device=device, capacity=capacity, device_name=name,
+                           world_size=world, reserve=reserve)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"ds-rlhf memory: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The optimisation half of an RL step: PPO epochs over mini-batches of token-budget micro-batches.
+
+Each micro-batch's loss is aggregated within the micro-batch and then weighted by its share of the mini-batch
+(tokens for token-mean, sequences otherwise), so accumulating any number of micro-batches gives exactly the
+mini-batch's loss. DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
+micro-batch, `step()` once per mini-batch.
+
+With `data.rl_packing` each micro-batch runs as one padding-free packed row (`recipes/packed_batch.py`): the token
+budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so
+the loss maths are the same as for padded rows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
+from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
+from ds_rlhf.config import Config, RLConfig
+from ds_rlhf.distributed import agree_max
+from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.recipes.batching import split_micro
+from ds_rlhf.recipes.packed_batch import pack_rows
+from ds_rlhf.recipes.trajectory import Trajectory
+
+
+class _Mean:
+    """Weighted running means of scalar metrics."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+
+    def add(self, metrics: dict, weight: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v) * weight
+            self.weights[k] += weight
+
+    def result(self) -> dict[str, float]:
+        """Every metric seen, 0.0 for those seen only with weight 0 (a rank whose every token is masked, e.g. by
+        `rl.overlong_mask`, still reports the same keys: the ranks average them in one collective)."""
+        return {k: self.sums[k] / self.weights[k] if self.weights[k] > 0 else 0.0 for k in self.sums}
+
+
+def single_update(rl: RLConfig) -> bool:
+    """One optimizer update per rollout batch (one epoch, one mini-batch): that update's own forward pass gives
+    the pre-update policy's log-probs, so no separate old-policy pass is needed. Decided from settings only, never
+    from a rank's sample count, so every rank takes the same (collective) path."""
+    return rl.ppo_epochs == 1 and rl.mini_batch_size == 0
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    metrics: dict[str, float]
+    trainer_logp: torch.Tensor  # [B, L-1] the pre-update policy's log-probs (for the mismatch metrics)
+
+
+def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_rows: int,
+                  packed: bool = False) -> list[list[int]]:
+    """Split trajectory rows `rows` into micro-batches (lists of row indices; possibly empty, see split_micro: the
+    caller then runs its first row with zero weight to keep the collectives in step). The token budget costs a
+    padded micro-batch as rows x longest, a `packed` one as its real tokens."""
+    groups = split_micro(traj.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows,
+                         padded=not packed, device=traj.input_ids.device)
+    return [[rows[i] for i in group] for group in groups]
+
+
+def rl_packing(cfg: Config) -> bool:
+    """`data.rl_packing`, with the schema's rule for it (`DataConfig.check`: packing needs a token budget)
+    re-checked, for configs built without `parse_config`."""
+    cfg.data.check(cfg)
+    return cfg.data.rl_packing
+
+
+def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = False):
+    """Log-probs (and entropy, or None) of micro-batch `mb` under `model`, both `[b, w-1]`: its padded rows with
+    their attention mask, or with `data.rl_packing` one packed row gathered back to that layout. Positions outside
+    `mb.action_mask` read 0 (every consumer masks them)."""
+    temperature = cfg.rollout.temperature
+    scored = mb.action_mask > 0  # the losses read the response positions only: the head scores just those
+    if not cfg.data.rl_packing:
+        return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
+                                 with_entropy=with_entropy, score_mask=scored)
+    packed = pack_rows(mb.input_ids, mb.attention_mask)
+    logp, entropy = sequence_logprobs(model, packed.input_ids, None, position_ids=packed.position_ids,
+                                      temperature=temperature, with_entropy=with_entropy,
+                                      score_mask=packed.packed_mask(scored))
+    return packed.unpack(logp), (packed.unpack(entropy) if entropy is not None else None)
+
+
+def micro_values(critic, mb: Trajectory, cfg: Config) -> torch.Tensor:
+    """The critic's values `[b, w-1]` of micro-batch `mb` (position t: the state before token t+1), padded or
+    packed like `micro_logprobs`."""
+    if not cfg.data.rl_packing:
+        return critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+    packed = pack_rows(mb.input_ids, mb.attention_mask)
+    return packed.unpack(critic(input_ids=packed.input_ids, position_ids=packed.position_ids)[:, :-1])
+
+
+DR_GRPO_AGG = "seq-mean-token-sum-norm"  # the canonical name the config stores for it and its aliases
+
+
+def _agg_mode(cfg: Config) -> tuple[str, float | None]:
+    if cfg.rl.loss_agg == DR_GRPO_AGG:  # Dr.GRPO: divide by a constant, the generation budget
+        return DR_GRPO_AGG, float(cfg.rollout.max_new_tokens)
+    return cfg.rl.loss_agg, None
+
+
+def _share(mb: Trajectory, mode: str, total_tokens: float, total_seqs: int) -> float:
+    if mode == "token-mean":
+        return float(mb.action_mask.sum()) / max(total_tokens, 1.0)
+    return len(mb) / max(total_seqs, 1)
+
+
+def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: float):
+    """Forward, loss and backward for one micro-batch; returns (metrics, detached log-probs)."""
+    mode, const = _agg_mode(cfg)
+    rl = cfg.rl
+    mask = mb.action_mask
+    logp, entropy = micro_logprobs(actor, mb, cfg, with_entropy=True)
+    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)
+    entry = POLICY_LOSSES.get(rl.policy_loss)
+    options = {arg: getattr(rl, key) for arg, key in entry.meta.get("options", {}).items()}  # e.g. SAPO's tau
+    loss, metrics = entry.fn(
+        logp, old, mb.advantages, mask, clip_low=rl.clip_low, clip_high=rl.clip_high,
+        dual_clip=rl.dual_clip or None, agg=mode, const_norm=const, is_weights=is_weights, **options)
+    metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    if rl.kl_in == "loss" and kl_coef > 0:
+        kl, _ = kl_loss(logp, mb.ref_logp, mask, rl.kl_estimator, agg=mode, const_norm=const)
+        loss = loss + kl_coef * kl
+        metrics["actor/kl_loss"] = kl.detach()
+    if rl.entropy_coef > 0:
+        loss = loss - rl.entropy_coef * entropy_bonus(entropy, mask, mode, const)
+    metrics["actor/entropy"] = aggregate(entropy, mask, "token-mean").detach()
+    metrics["actor/loss"] = loss.detach()
+    actor.backward(loss * share, scale_wrt_gas=False)
+    return metrics, logp.detach()
+
+
+def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict:
+    mode, const = _agg_mode(cfg)
+    values = micro_values(critic, mb, cfg)
+    loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
+                               clip=cfg.rl.value_clip or None, agg=mode if mode != DR_GRPO_AGG else "token-mean")
+    critic.backward(loss * share, scale_wrt_gas=False)
+    return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
+
+
+def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
+               generator: torch.Generator) -> UpdateResult:
+    """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
+    pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single
+    update's own forward pass (`single_update`)."""
+    n = len(exp)
+    record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
+    mini = cfg.rl.mini_batch_size or n
+    mode, _ = _agg_mode(cfg)
+    packed = rl_packing(cfg)
+    stats, steps = _Mean(), 0
+    actor.train()
+    if critic is not None:
+        critic.train()
+    for _ in range(cfg.rl.ppo_epochs):
+        order = torch.randperm(n, generator=generator).tolist() if (cfg.rl.ppo_epochs > 1 or mini < n) \
+            else list(range(n))
+        # Same number of mini-batches on every rank (ranks can hold different sample counts after drops).
+        n_mini = agree_max(-(-n // mini), exp.input_ids.device)
+        per = -(-n // n_mini)
+        for k in range(n_mini):
+            rows = order[k * per : (k + 1) * per]
+            total_tokens = float(exp.action_mask[rows].sum())
+            for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
+                                       max_rows=cfg.optim.micro_batch_size, packed=packed):
+                share = None if micro else 0.0  # an empty micro-batch: run a row with zero weight
+                micro = micro or [0]
+                mb = exp.select(micro)
+                share = _share(mb, mode, total_tokens, len(rows)) if share is None else share
+                metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share)
+                stats.add(metrics, share)
+                if record is not None and share > 0:
+                    record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
+                if critic is not None:
+                    stats.add(critic_micro_step(critic, mb, cfg, share), share)
+            actor.step()
+            if critic is not None:
+                critic.step()
+            steps += 1
+    out = stats.result()
+    out["actor/optimizer_steps"] = steps
+    out["actor/lr"] = actor.get_lr()[0] if hasattr(actor, "get_lr") else cfg.optim.lr
+    return UpdateResult(metrics=out, trainer_logp=record if record is not None else exp.old_logp)
+
+
+@torch.no_grad()
+def forward_logprobs(model, exp: Trajectory, cfg: Config) -> torch.Tensor:
+    """Log-probs of every row under `model` (old policy or reference), micro-batched like training."""
+    model.eval()
+    out = torch.zeros_like(exp.action_mask)
+    rows = list(range(len(exp)))
+    for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
+        mb = exp.select(micro or [0])
+        logp, _ = micro_logprobs(model, mb, cfg)
+        if not micro:
+            continue
+        out[torch.as_tensor(micro, device=out.device), : logp.shape[1]] = logp.to(out.dtype) * mb.action_mask
+    return out
+
+
+@torch.no_grad()
+def forward_values(critic, exp: Trajectory, cfg: Config) -> torch.Tensor:
+    """The critic's values of every row, micro-batched like training."""
+    critic.eval()
+    out = torch.zeros_like(exp.action_mask)
+    for micro in micro_batches(exp, list(range(len(exp))), max_tokens=cfg.data.micro_batch_tokens,
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
+        mb = exp.select(micro or [0])
+        values = micro_values(critic, mb, cfg)
+        if not micro:
+            continue
+        out[torch.as_tensor(micro, device=out.device), : values.shape[1]] = values.to(out.dtype) * mb.action_mask
+    return out

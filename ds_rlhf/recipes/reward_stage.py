@@ -1,0 +1,167 @@
+"""The reward stage of an RL step: RolloutBatch -> ScoredBatch.
+
+Scores rollout samples with the reward model or the reward function(s), applies the bad-reward policy (fail /
+zero / drop, see `rewards.py`), computes the reward metrics, then shapes the scores (DAPO's soft overlong penalty,
+`rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their spread; the
+`reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It builds
+nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
+
+The reward model reads each prompt + response at its score token, by the rule RM training read its pairs with
+(`engines/rm_scoring.py`, from the run's tokenizer): a response stopped at the end-of-turn token is scored there, a
+truncated one gets the end-of-turn token appended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_rlhf.algos.shaping import group_spread, overlong_penalty
+from ds_rlhf.distributed import agree_max
+from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
+from ds_rlhf.recipes.batching import pad_scored
+from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch
+from ds_rlhf.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.run.context import RunContext
+
+
+def score_stats(scores: list[float]) -> dict:
+    """reward/mean, std, max, min of raw sequence rewards (zeros for none)."""
+    t = torch.tensor(scores, dtype=torch.float64) if scores else torch.zeros(1, dtype=torch.float64)
+    return {"reward/mean": float(t.mean()), "reward/std": float(t.std()) if len(t) > 1 else 0.0,
+            "reward/max": float(t.max()), "reward/min": float(t.min())}
+
+
+ZERO_SPREAD_TOL = 1e-6  # as dynamic sampling's informative_groups: a spread at most this is no spread
+
+
+def zero_std_stats(samples, scores: list[float]) -> dict:
+    """`reward/frac_zero_std`: the share of prompt groups (two or more kept samples) whose raw rewards are all
+    equal, so their group-relative advantages are zero; empty when no prompt has two samples."""
+    if not samples:
+        return {}
+    ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    spread, count = group_spread(torch.tensor(scores, dtype=torch.float64), ids, int(ids.max()) + 1)
+    grouped = count >= 2
+    if not bool(grouped.any()):
+        return {}
+    return {"reward/frac_zero_std": float((spread[grouped] <= ZERO_SPREAD_TOL).double().mean())}
+
+
+_SUMMED = ("reward/bad", "reward/dropped")
+
+
+def merge_reward_metrics(rounds: list[ScoredBatch]) -> dict:
+    """The reward metrics of several scoring rounds of one step (dynamic sampling) as if their samples had been
+    scored together: mean/std/max/min over every kept sample's raw reward, counts summed, exact match weighted by
+    the round's samples, other means by its kept samples."""
+    out: dict = {}
+    weights: dict[str, float] = {}
+    for scored in rounds:
+        for key, value in scored.metrics.items():
+            if key in _SUMMED:
+                out[key] = out.get(key, 0.0) + float(value)
+            elif key == "reward/bad_total":
+                out[key] = float(value)
+            else:
+                w = float(len(scored.rollout.samples) if key == "reward/exact_match" else len(scored.samples))
+                out[key] = out.get(key, 0.0) + float(value) * w
+                weights[key] = weights.get(key, 0.0) + w
+    for key, w in weights.items():
+        out[key] = out[key] / w if w > 0 else 0.0
+    out.update(score_stats([v for scored in rounds for v in scored.raw()]))
+    return out
+
+
+class RewardStage:
+    """Scores rollout samples with the reward model or a reward function and applies the bad-reward policy."""
+
+    def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
+        if (fn is None) == (model is None):
+            raise ValueError("RewardStage needs exactly one of a reward function and a reward model")
+        self.ctx, self.fn, self.model = ctx, fn, model
+        self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
+        self.bad_total = 0
+
+    def __call__(self, batch: RolloutBatch, step: int) -> ScoredBatch:
+        samples, rows = batch.samples, batch.rows
+        tok = self.ctx.tokenizer
+        texts = [tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]  # decoded once per step
+        if self.model is not None:
+            scores = self._model_scores(samples)
+            keep = [True] * len(samples)
+            bad, components = [], {}
+        else:
+            items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "", "response": text,
+                      "ground_truth": rows[s.prompt_index].get("ground_truth"),
+                      "metadata": {"data_source": rows[s.prompt_index].get("data_source"),
+                                   "finish_reason": s.finish_reason},
+                      "id": f"step{step}/rank{self.ctx.dist.rank}/row{rows[s.prompt_index].get('row_id')}"
+                            f"/sample{s.sample_index}"} for s, text in zip(samples, texts)]
+            report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
+            scores, keep, bad, components = report.scores, report.keep, report.bad, report.components
+        self._stop_if_all_bad(bad, len(samples))
+        self.bad_total += len(bad)
+        for sample_id, reason in bad[:3]:
+            print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.rl.on_bad_reward})")
+        exact = self._exact_match(samples, texts, rows)
+        kept = [s for s, k in zip(samples, keep) if k]
+        kept_scores = [v for v, k in zip(scores, keep) if k]
+        metrics = {**score_stats(kept_scores), **zero_std_stats(kept, kept_scores), "reward/bad": float(len(bad)),
+                   "reward/bad_total": float(self.bad_total), "reward/dropped": float(len(samples) - len(kept))}
+        if self.model is None and isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1:
+            metrics.update(report.means())  # reward/<function> for each of several functions
+        if exact is not None:
+            metrics["reward/exact_match"] = exact
+        shaped, shaping = self._shape(kept, kept_scores)
+        metrics.update(shaping)
+        return ScoredBatch(rollout=batch, samples=kept, scores=shaped, metrics=metrics,
+                           texts=[t for t, k in zip(texts, keep) if k],
+                           components={name: [v for v, k in zip(values, keep) if k]
+                                       for name, values in components.items()},
+                           raw_scores=kept_scores)
+
+    def _shape(self, samples, raw: list[float]) -> tuple[list[float], dict]:
+        """The shaped scores (raw + DAPO's soft overlong penalty, `rl.overlong_buffer`) and their metrics. The raw
+        scores stay beside them: dynamic sampling and the reward metrics read those."""
+        rl, budget = self.ctx.cfg.rl, self.ctx.cfg.rollout.max_new_tokens
+        if rl.overlong_buffer <= 0 or not samples:
+            return list(raw), {}
+        penalty = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), budget,
+                                   rl.overlong_buffer, rl.overlong_penalty)
+        shaped = (torch.tensor(raw, dtype=torch.float64) + penalty.double()).tolist()
+        return shaped, {"reward/overlong_penalty": float(penalty.mean()),
+                        "reward/overlong_frac": float((penalty < 0).float().mean()),
+                        "reward/shaped_mean": sum(shaped) / len(shaped)}
+
+    def close(self) -> None:
+        if isinstance(self.fn, RewardSet):
+            self.fn.close()
+
+    def _stop_if_all_bad(self, bad: list, n: int) -> None:
+        """A step whose every reward is bad has nothing to learn from (any policy): stop, on every rank together."""
+        everything_bad = int(n > 0 and len(bad) == n)
+        if agree_max(everything_bad, self.ctx.dist.device):
+            where = f"all {n} samples on this rank" if everything_bad else "every sample on another rank"
+            example = f"; e.g. {bad[0][0]}: {bad[0][1]}" if bad else ""
+            raise BadRewardError(f"every reward of this step was bad ({where}){example}: stopping "
+                                 "(fix the reward function; no policy can train on this)")
+
+    def _exact_match(self, samples, texts: list[str], rows: list[dict]) -> float | None:
+        """GSM8K-style exact-match rate, logged whenever the prompts carry ground truth (monitoring only)."""
+        truths = [rows[s.prompt_index].get("ground_truth") for s in samples]
+        if not samples or any(t is None for t in truths):
+            return None
+        return sum(gsm8k_reward("", text, truth, {}) for text, truth in zip(texts, truths)) / len(samples)
+
+    @torch.no_grad()
+    def _model_scores(self, samples) -> list[float]:
+        if self._rule is None:
+            self._rule = score_rule(self.ctx.tokenizer)
+        seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+        bs = max(1, self.ctx.cfg.optim.micro_batch_size)
+        out = []
+        for i in range(0, len(seqs), bs):
+            ids, attn = pad_scored(seqs[i : i + bs], self._rule, self.ctx.tokenizer.pad_token_id, self.ctx.dist.device)
+            out.extend(self.model(input_ids=ids, attention_mask=attn).float().cpu().tolist())
+        return out

@@ -1,0 +1,381 @@
+"""The RL recipe: the loop (`RLTrainer`: `run.steps` steps, checkpoints every `run.save_every` steps and at the end,
+exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation before training and
+every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, a few samples every `run.sample_log_every`
+steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHITECTURE.md's table follows:
+    1  rollout      prompt rows -> RolloutBatch (`rollout_schedule.py`: in lockstep, or one step ahead)
+    2  rewards      RolloutBatch -> ScoredBatch (`reward_stage.py`, with shaping)
+    2b              dynamic sampling (`rl.dynamic_sampling`): rounds of 1 and 2 hand over a ScoredBatch
+    3  trajectory   ScoredBatch -> Trajectory (pad, old / reference log-probs, values, advantages)
+    4  update       Trajectory -> UpdateResult (`policy_update.py`)
+    5  publish      the new weights to the rollout engine (`RolloutSchedule.after_update`)
+    6  metrics      the step's metrics, averaged over ranks; the KL controller moves; sample rows when due
+
+Each stage takes values and returns a new value; none writes into another's. Building the parts is `rl_build.py`;
+held-out evaluation is `rl_eval.py`; the formulas live in `ds_rlhf.algos`. The operator extras (environment.json,
+status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from ds_rlhf.algos.mismatch import mismatch_metrics
+from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.memory.profile import MemoryProfiler
+from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
+from ds_rlhf.recipes.rl_build import RLParts
+from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
+from ds_rlhf.recipes.rollout_schedule import RolloutSchedule, merge_reports
+from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
+from ds_rlhf.rollout.factory import resolve_backend
+from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.context import RunContext, setup_run
+from ds_rlhf.run.monitor import RunMonitor
+from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
+from ds_rlhf.run.signals import GracefulStop
+from ds_rlhf.telemetry import PhaseTimer, system_stats
+from ds_rlhf.telemetry.logger import truncate_metrics
+from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
+
+PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
+                 "eval/pass@1")
+
+
+class TimedDraws:
+    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout schedule draws
+    inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds move from
+    `time/rollout` to `time/data` and `time/step` still counts them once."""
+
+    def __init__(self, it: Iterator[list[dict]], timer: PhaseTimer):
+        self.it, self.timer = it, timer
+
+    def __iter__(self) -> TimedDraws:
+        return self
+
+    def __next__(self) -> list[dict]:
+        with self.timer.phase("data"):
+            return next(self.it)
+
+
+def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
+    """vLLM on CPU syncs weights only in float32: refuse another precision before any model is built (vLLM would
+    refuse it only after the actor is loaded and the engine has started)."""
+    if ctx.dist.device.type == "cpu" and ctx.precision != "fp32" and resolve_backend(cfg.rollout.backend) == "vllm":
+        raise ConfigError(f"model.dtype={cfg.model.dtype} ({ctx.precision}) with the vLLM rollout on CPU: vLLM's CPU "
+                          "backend takes weight syncs only in float32; use --model.dtype fp32 (or auto), or "
+                          "--rollout.backend hf")
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, rollout=None):
+        self.cfg = cfg
+        check_rl_run(cfg)  # inputs on disk, before any process group, engine or vLLM starts
+        self.ctx: RunContext = setup_run(cfg, "rl")
+        self.monitor = RunMonitor.for_run(self.ctx, "rl", cfg.run.steps)  # status.json says how a run ended
+        try:
+            self._build(rollout)
+        except BaseException as exc:
+            self.monitor.finish(exc, step=0)
+            raise
+
+    def _build(self, rollout) -> None:
+        cfg = self.cfg
+        if rollout is None:
+            check_rollout_precision(cfg, self.ctx)
+        self.ckpt = CheckpointManager(self.ctx.run_dir, rank=self.ctx.dist.rank, keep_last=cfg.run.keep_last,
+                                      resume_fallback=cfg.run.resume_fallback, log=self.ctx.print)
+        # the checkpoint to resume is verified (every file's sha256) before any model or vLLM engine loads
+        resume_from = self.ckpt.resolve(cfg.run.resume)
+        self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
+        rl = cfg.rl
+        self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
+                       else FixedKLController(rl.kl_coef))
+        self.evaluation = RunEvaluation(self.ctx, self.parts.reward.fn) if rl_eval_on(cfg) else None
+        self.best = BestCheckpointTracker(rl.best_metric, rl.best_mode) if rl.best_metric else None
+        self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(cfg.run.seed)
+        self.timer = PhaseTimer(sync_cuda=self.ctx.dist.device.type == "cuda")
+        self.memory = None
+        if cfg.run.profile_memory:  # --run.profile_memory: measured peak per phase vs the plan
+            self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
+            self.timer.observer = self.memory
+        self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
+        self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=0)
+        if resume_from is not None:
+            self._restore(resume_from)
+        # Sync before the first rollout: after a resume the engine holds the weights on disk, not the restored ones,
+        # and a shared engine may hold another run's weights. It also proves the sync path before any training.
+        self.last_sync = self.schedule.first_sync(self.step)
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        state = {"loader": self.parts.loader.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                 "generator": self.generator.get_state(), "rollout": self.schedule.state_dict()}
+        if self.best is not None:
+            state["best"] = self.best.state_dict()
+        return state
+
+    def _restore(self, path) -> None:
+        state = self.ckpt.load(path, self.parts.engines_to_checkpoint())
+        self.step = int(state["step"])
+        self.parts.loader.load_state_dict(state["loader"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.generator.set_state(state["generator"])
+        self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=self.step)
+        self.schedule.load_state_dict(state.get("rollout", {}))
+        if self.best is not None and state.get("best") is not None:
+            self.best.load_state_dict(state["best"])
+        if self.ctx.dist.is_main:
+            truncate_metrics(self.ctx.run_dir, self.step)
+            truncate_samples(self.ctx.run_dir, self.step)
+        self.ctx.print(f"[rl] resumed from {path} at step {self.step}")
+
+    def _save(self) -> None:
+        path = self.ckpt.save(self.step, self.parts.engines_to_checkpoint(), self._trainer_state())
+        if self.best is not None and self.best.best_step == self.step and self.ctx.dist.is_main:
+            info = {"step": self.step, "metric": self.best.metric_key, "mode": self.best.mode,
+                    "value": self.best.best_value}
+            best = keep_best(self.ctx.run_dir, path, info=info)
+            self.ctx.print(f"[rl] best {self.best.metric_key} = {self.best.best_value:.4g} at step {self.step}: "
+                           f"{best}")
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """One RL step, stages 1-6 (the module docstring; docs/ARCHITECTURE.md's table). Returns the step's metrics
+        averaged over ranks; writes the step's sample rows when the sample log is due."""
+        t0 = time.perf_counter()
+        cfg, ctx, parts, timer, step = self.cfg, self.ctx, self.parts, self.timer, self.step
+        kl_coef = self.kl_ctl.value
+        # 1 rollout: this step's prompt rows, generated with the weights of `batch.weights_version`
+        # 2b dynamic sampling: the schedule runs rounds of 1 and 2 itself and hands over a ScoredBatch
+        batch, report = self.schedule.next_batch(step, cfg.run.steps)
+        # 2 rewards (and shaping), unless the batch came scored (2b)
+        if isinstance(batch, ScoredBatch):
+            scored = batch
+        else:
+            with timer.phase("reward"):
+                scored = parts.reward(batch, step=step)
+        # 3 trajectory: padded rows, old / reference log-probs, values, advantages
+        traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
+        # 4 update: the policy (and critic) optimizer steps
+        with timer.phase("train"):
+            update = policy_update(parts.actor, parts.critic, traj, cfg, kl_coef=kl_coef, generator=self.generator)
+        # 5 publish: the new weights to the rollout engine (when the schedule syncs after this update)
+        report = merge_reports(report, self.schedule.after_update(step + 1))
+        # 6 metrics: this rank's, then averaged over ranks; the KL controller moves; sample rows when due
+        metrics = step_metrics(ctx, scored, traj, update, kl_coef)
+        metrics["rollout/staleness"] = step - scored.rollout.weights_version
+        metrics.update(generation_metrics(scored.rollout))
+        if report is not None:
+            self.last_sync = report
+            metrics.update({f"sync/{k}": v for k, v in report.items() if isinstance(v, int | float)})
+        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics.update(timer.pop())
+        if self.memory is not None:
+            metrics.update(self.memory.step_metrics())
+        metrics["time/wall"] = time.perf_counter() - t0
+        metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
+        metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
+        metrics = all_reduce_mean(metrics, ctx.dist.device)
+        metrics.update(system_stats(ctx.dist.local_rank))
+        update_kl_controller(self.kl_ctl, metrics, ctx.dist.world_size)
+        rows = sample_rows(ctx, scored, traj, cfg.run.sample_log_k) if self.sample_logger is not None \
+            and self.sample_logger.due(step + 1) else []
+        if rows:
+            self.sample_logger.maybe_log(step + 1, rows)
+        return metrics
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out `eval/...` metrics of the weights after `self.step` updates (collective: every rank).
+
+        The rollout engine must be idle: with `rollout.async_generation` the next step's batch is in flight here,
+        so it is collected first and kept as a finished ticket (`RolloutSchedule.state_dict` does exactly that, as
+        a checkpoint needs it), and the schedule then trains on it as it would have. In async mode the engine
+        also still holds the weights before the last update: it is synced now, which is the sync the schedule
+        would make before its next submit anyway (`RLConfig` refuses evaluation with `rollout.max_staleness` > 1,
+        where it would not), so every later batch is generated with the same weights as without evaluation; its
+        time is the next step's `time/sync`. `rl_eval.evaluate` restores every RNG, so training and its resume
+        are exactly as without evaluation.
+        """
+        self.schedule.settle()  # waits for the generation in flight (if any) and checks the last sync: idle after it
+        if self.schedule.engine_version != self.step:
+            self.last_sync = self.schedule.sync(self.step)
+        return self.evaluation.run(self.parts.rollout)
+
+    def _eval_due(self) -> bool:
+        every = self.cfg.run.eval_every
+        return self.evaluation is not None and every > 0 and self.step % every == 0
+
+    def _new_best(self, metrics: dict) -> bool:
+        """Whether this step's evaluation is the best so far by `rl.best_metric` (then this step is saved)."""
+        if self.best is None or not any(k.startswith("eval/") for k in metrics):
+            return False
+        if self.best.metric_key not in metrics and self.best.best_step is None:
+            self.ctx.print(f"[rl] warning: rl.best_metric={self.best.metric_key!r} is not among the eval metrics "
+                           f"({', '.join(sorted(k for k in metrics if k.startswith('eval/')))}): no best checkpoint")
+        return self.best.update(self.step, metrics)
+
+    # ---- loop --------------------------------------------------------------------------------------------
+    def _loop_step(self, logger, stop) -> dict:
+        """One step of the loop: train, evaluate when due, log, then save on a signal, when due or on a new best."""
+        cfg = self.cfg
+        metrics = self.train_step()
+        self.step += 1
+        if self._eval_due():
+            metrics.update(self.evaluate())
+        new_best = self._new_best(metrics)
+        metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
+        logger.log(self.step, metrics)
+        if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
+            self._save()
+            stop.exit(signum, announce=self.ctx.print)
+        due = cfg.run.save_every and self.step % cfg.run.save_every == 0
+        saved = bool((due or new_best) and self.step < cfg.run.steps)  # the last step is saved by train()
+        if saved:
+            self._save()
+        exported = rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        # a signal that came during that save or export: stop now, not after the next step
+        if (saved or exported is not None) and (signum := stop.pending()):
+            if not saved:
+                self._save()
+            stop.exit(signum, announce=self.ctx.print)
+        return metrics
+
+    def train(self) -> list[dict]:
+        cfg, ctx = self.cfg, self.ctx
+        before = cfg.run.eval_before_train and self.evaluation is not None and self.step == 0
+        # the step-0 evaluation is logged like a step: start the progress bar one below so it ends at run.steps
+        logger = ctx.metrics_logger(total_steps=cfg.run.steps, start_step=-1 if before else self.step,
+                                    desc=f"rl[{cfg.rl.algo}]", postfix_keys=PROGRESS_KEYS)
+        self.monitor.set_printer(logger.print)
+        history = []
+        error: BaseException | None = None
+        # the handlers cover the whole run, the final save, export and shut-down included: a signal after the last
+        # step waits for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
+        with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
+            try:
+                self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
+                                                  cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
+                                                  wandb_run=logger.wandb_run)
+                if before:  # the baseline: logged at step 0, not a candidate for the best checkpoint
+                    logger.log(0, self.evaluate())
+                while self.step < cfg.run.steps:
+                    history.append(self._loop_step(logger, stop))
+                self._save()
+                if cfg.run.export_hf:
+                    rl_build.export(self.ctx, self.parts)
+                if stop.signum:  # it came during the final save or export, which are done: status.json says stopped
+                    stop.exit(stop.signum, announce=ctx.print)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                try:
+                    if self.sample_logger is not None:
+                        self.sample_logger.close()
+                    logger.close()
+                    if self.evaluation is not None:
+                        self.evaluation.close()
+                    self.parts.close()
+                finally:
+                    self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
+                    ctx.close()  # releases the run directory's lock
+            if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
+                stop.exit(stop.signum, announce=ctx.print)
+        return history
+
+
+# ---- the step's stages ---------------------------------------------------------------------------------
+def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_coef: float,
+                    timer: PhaseTimer) -> Trajectory:
+    """Pad the kept samples, add the forward passes the settings need, then the advantages."""
+    cfg = ctx.cfg
+    traj = pad_trajectory(scored.samples, scored.scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device,
+                          weights_version=scored.rollout.weights_version, mask_truncated=cfg.rl.overlong_mask)
+    with timer.phase("old_logp"):
+        if not single_update(cfg.rl):  # several updates per rollout batch need the pre-update policy's log-probs
+            traj = traj.replace(old_logp=forward_logprobs(parts.actor, traj, cfg))
+    with timer.phase("reference"):
+        if parts.reference is not None:
+            traj = traj.replace(ref_logp=forward_logprobs(parts.reference, traj, cfg))
+    with timer.phase("critic"):
+        if parts.critic is not None:
+            traj = traj.replace(values=forward_values(parts.critic, traj, cfg))
+    return with_advantages(traj, cfg.rl, kl_coef)
+
+
+def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update: UpdateResult,
+                 kl_coef: float) -> dict:
+    mask = traj.action_mask
+    lens = traj.response_lens.float()
+    out = {**scored.metrics, **update.metrics,
+           "response/len_mean": lens.mean(), "response/len_max": lens.max(), "response/len_p50": lens.median(),
+           "rollout/tail_decode_frac": tail_decode_fraction(lens),
+           "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
+           "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+    if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
+        out["response/loss_masked_frac"] = (mask.sum(1) == 0).float().mean()
+    out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))
+    if traj.ref_logp is not None:
+        kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, "k1")
+        out["kl/mean"] = (kl * mask).sum() / mask.sum().clamp(min=1)
+    return out
+
+
+def tail_decode_fraction(lens: torch.Tensor) -> torch.Tensor:
+    """The share of a batch's decode iterations that run after half of its samples have finished: 1 - median / max
+    response length. Samples start together and decode one token per iteration, so this is the part of the rollout
+    spent waiting for the longest samples (exactly so where an iteration's cost does not depend on how many
+    sequences are still running, as with a small model's CUDA-graph decode)."""
+    longest = lens.max().clamp(min=1)
+    return 1 - lens.median() / longest
+
+
+def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) -> list[dict]:
+    """Up to `k` kept samples as `telemetry.samples.SampleLogger` rows: every prompt's first sample before any
+    prompt's second. `advantage` is the masked mean of the sample's token advantages."""
+    samples, rows = scored.samples, scored.rollout.rows
+    chosen = sorted(range(len(samples)), key=lambda i: (samples[i].sample_index, i))[:k]
+    if not chosen:
+        return []
+    index = torch.tensor(chosen, device=traj.action_mask.device)
+    mask = traj.action_mask[index]
+    advantages = ((traj.advantages[index] * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    out = []
+    for i, advantage in zip(chosen, advantages):
+        s, row = samples[i], rows[samples[i].prompt_index]
+        out.append({"prompt": row.get("prompt_text") or ctx.tokenizer.decode(s.prompt_ids, skip_special_tokens=True),
+                    "response": scored.texts[i], "reward": float(scored.scores[i]),
+                    "reward_components": {name: values[i] for name, values in scored.components.items()},
+                    "ground_truth": row.get("ground_truth"), "advantage": float(advantage),
+                    "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
+                    "sample_index": s.sample_index, "prompt_index": s.prompt_index,
+                    "finish_reason": s.finish_reason})
+    return out
+
+
+
+def generation_metrics(batch: RolloutBatch) -> dict:
+    """`rollout/generate_seconds` and `rollout/generate_tokens_per_s`: the engine's own time for the call(s) that
+    made this batch (every dynamic-sampling round) and the response tokens per second it generated in them, all
+    ranks' where one engine served several (tensor-parallel, a server): per engine, comparable with plain vLLM's.
+    With overlap the trainer waits less than that. Empty when unknown (a batch restored from a checkpoint)."""
+    if batch.generation is None or batch.generation[0] <= 0:
+        return {}
+    seconds, tokens = batch.generation
+    return {"rollout/generate_seconds": seconds, "rollout/generate_tokens_per_s": tokens / seconds}
+
+
+def update_kl_controller(kl_ctl, metrics: dict, world_size: int) -> float:
+    """Move the KL coefficient after a step: Ziegler et al. 2019's n is the number of samples the step trained
+    on over all ranks (`metrics` are already averaged over ranks). Returns the new coefficient."""
+    samples = int(round(float(metrics.get("rollout/samples", 0.0)) * world_size))
+    return kl_ctl.update(float(metrics.get("kl/mean", 0.0)), n_steps=samples)

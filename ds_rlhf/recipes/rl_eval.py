@@ -1,0 +1,351 @@
+"""Held-out evaluation during RL: generate on a prompt store the policy never trains on, score, report pass@k.
+
+`evaluate` uses the run's own rollout engine (`RolloutEngine.generate`, so it sees the weights of the last sync)
+and the run's reward function(s) (`rewards.scoring.score_samples`). It touches no training state: no optimizer, no
+training data loader, and every RNG a resume restores (Python, NumPy, torch CPU, the current CUDA device) is put
+back as it was, so a run with evaluation resumes exactly like one without.
+
+Metrics (each also per data source as `eval/<source>/<name>`; a prompt's n samples are its n responses, c of them
+correct, "correct" meaning reward >= `threshold`):
+
+- `eval/reward_mean`: the mean reward over all samples (every prompt has n, so also the mean of prompt means).
+- `eval/pass@k`: the mean over prompts of the unbiased estimator 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+  "Evaluating Large Language Models Trained on Code"): the chance that k samples drawn without replacement from
+  the n contain a correct one. `eval/pass@1` is the mean of c / n.
+- `eval/mean@k`: the mean over prompts of the average reward of the prompt's *first* k samples (the first k of n
+  are as random as any k: samples are independent draws). `mean@n` equals `reward_mean`.
+- overall only: `eval/reward/<function>` (each reward function's own mean score, and
+  `eval/reward/<function>/<metric>` for the extra metrics of a function that returns a dict), `eval/prompts`,
+  `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0), `eval/response_len_mean`,
+  `eval/truncated_frac`, `eval/seconds`.
+
+Greedy evaluation (`greedy=True`) decodes at temperature 0 with one sample per prompt (vLLM refuses n > 1 at
+temperature 0, and greedy samples would be identical anyway), so only k = 1 is reported. A k larger than the
+samples per prompt is skipped.
+
+With several ranks each rank evaluates its shard (`load_eval_rows(rank=, world_size=)`) and `evaluate` gathers the
+per-source sums, so every rank returns the same metrics over the whole eval set. It is collective, like
+`RolloutEngine.generate`: every rank calls it at the same step. `load_eval_rows` gives every rank the same number
+of rows (padding with repeats that are generated but not counted) so that no rank calls `generate` with nothing.
+
+In a run: `RunEvaluation` holds what the `rl.eval_*` settings configure (rows, reward, sampling) and the trainer
+(`rl.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
+The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`, importable from here) is
+`best_checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from ds_rlhf.config import ConfigError
+from ds_rlhf.data.store import open_store
+from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.loading import split_style
+from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.rewards.scoring import score_samples
+from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.stops import run_stop_token_ids
+from ds_rlhf.rollout.stops import stop_token_ids as tokenizer_stop_ids
+from ds_rlhf.run.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
+
+PAD_KEY = "eval_pad"  # rows added by load_eval_rows so every rank has as many: generated, never counted
+_OVERALL = ""  # the tally key of the whole eval set
+
+
+# ---- the estimators ---------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a product (no huge binomials).
+
+    C(n-c, k) / C(n, k) = prod_{i=0}^{k-1} (n-c-i) / (n-i) = prod_{j=n-c+1}^{n} (1 - k/j).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    miss = 1.0
+    for j in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / j
+    return 1.0 - miss
+
+
+def prompt_stats(rewards: Sequence[float], threshold: float, ks: Sequence[int]) -> dict[str, float]:
+    """One prompt's `reward_mean`, `pass@k` and `mean@k` (k in `ks`, each <= len(rewards)) from its n rewards."""
+    n = len(rewards)
+    c = sum(1 for r in rewards if r >= threshold)
+    out = {"reward_mean": sum(rewards) / n}
+    for k in ks:
+        out[f"pass@{k}"] = pass_at_k(n, c, k)
+        out[f"mean@{k}"] = sum(rewards[:k]) / k
+    return out
+
+
+# ---- loading the held-out prompts -------------------------------------------------------------------------------
+def load_eval_rows(store_dir: str | os.PathLike, tokenizer, max_prompts: int = 0, *, rank: int = 0,
+                   world_size: int = 1, max_prompt_len: int = 0, overlong: str = "error") -> list[dict]:
+    """This rank's eval prompt rows: the store's first `max_prompts` rows (0 = all), rank r taking r, r + world, ...
+
+    The store must be a prompts store tokenized with `tokenizer` (`open_store(expect_kind="prompts")` refuses
+    others). With `max_prompt_len` > 0, longer prompts raise (`overlong="error"`) or are left out, said in a warning
+    (`"drop"`). Every rank gets ceil(rows / world_size) rows; the shorter shards are topped up with repeats of
+    their own first row marked `eval_pad=True`, which `evaluate` generates (so every rank calls `generate`) but
+    does not count.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if overlong not in ("error", "drop"):
+        raise ValueError(f"overlong must be 'error' or 'drop', got {overlong!r}")
+    with open_store(store_dir, tokenizer=tokenizer, expect_kind="prompts") as store:
+        total = len(store)
+        indices = list(range(total if max_prompts <= 0 else min(total, max_prompts)))
+        if max_prompt_len > 0:
+            lengths = store.column_lengths("input_ids")
+            long = [i for i in indices if lengths[i] > max_prompt_len]
+            if long and overlong == "error":
+                raise ValueError(f"{store_dir}: {len(long)} of {len(indices)} eval prompts are longer than "
+                                 f"{max_prompt_len} tokens (e.g. row {long[0]}, {int(lengths[long[0]])} tokens); "
+                                 "drop them or raise the limit")
+            if long:
+                warnings.warn(f"{store_dir}: leaving out {len(long)} of {len(indices)} eval prompts longer than "
+                              f"{max_prompt_len} tokens", stacklevel=2)
+                indices = [i for i in indices if lengths[i] <= max_prompt_len]
+        if not indices:
+            raise ValueError(f"{store_dir}: no eval prompts (store rows {total}, max_prompts {max_prompts})")
+        per_rank = -(-len(indices) // world_size)
+        mine = indices[rank::world_size]
+        rows = store.rows(mine) if mine else []
+        if not rows:  # fewer prompts than ranks: this rank only pads
+            rows = [{**store.row(indices[0]), PAD_KEY: True}]
+    for row in rows:
+        row["input_ids"] = list(row["input_ids"])
+        row.setdefault("row_id", row.get("index"))
+    while len(rows) < per_rank:
+        rows.append({**rows[0], PAD_KEY: True})
+    return rows
+
+
+# ---- evaluation -------------------------------------------------------------------------------------------------
+def eval_spec(*, greedy: bool, samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
+              seed: int | None, stop_token_ids: Sequence[int] = (), top_k: int = -1) -> SamplingSpec:
+    """The SamplingSpec of an evaluation: greedy = temperature 0, n = 1, no seed (argmax draws nothing)."""
+    if greedy:
+        return SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=-1,
+                            stop_token_ids=tuple(stop_token_ids), seed=None)
+    if temperature <= 0:
+        raise ValueError(f"sampled evaluation needs temperature > 0 (got {temperature}); use greedy=True")
+    return SamplingSpec(n=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, stop_token_ids=tuple(stop_token_ids), seed=seed)
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Put back every RNG a checkpoint saves (Python, NumPy, torch CPU, the current CUDA device if initialised)."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+
+
+def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
+             reward_fn: RewardSet | Callable, samples_per_prompt: int = 1, greedy: bool = False,
+             max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+             seed: int | None = 0, k_values: Sequence[int] = (1,), threshold: float = 1.0,
+             stop_token_ids: Sequence[int] | None = None, on_bad_reward: str = "zero",
+             sleep_after: bool = False) -> dict[str, float]:
+    """Generate for `eval_rows`, score each response, return the `eval/...` metrics (see the module docstring).
+
+    Rows are prompt-store rows (`input_ids`, `prompt_text`, `ground_truth`, `data_source`); rows with `eval_pad`
+    are generated but not counted. `reward_fn`: a RewardSet, a reward function of any supported calling style, or
+    a spec string such as "gsm8k" (as `score_samples` takes them). `stop_token_ids` defaults to the tokenizer's
+    EOS and its chat template's end-of-turn token (`rollout.stops.stop_token_ids` without a model directory;
+    `RunEvaluation` passes the run's training stop ids). A bad reward is scored 0 and counted in `eval/bad`
+    (`on_bad_reward="fail"` raises instead). The engine is woken first (a no-op when awake) and put to sleep after
+    only with `sleep_after`. Collective over ranks (see above).
+    """
+    t0 = time.perf_counter()
+    stops = tokenizer_stop_ids(tokenizer) if stop_token_ids is None else tuple(stop_token_ids)
+    spec = eval_spec(greedy=greedy, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops)
+    ks = sorted(k for k in set(k_values) | {1} if 1 <= k <= spec.n)
+    with preserved_rng():
+        rollout_engine.wake()
+        samples = rollout_engine.generate([list(r["input_ids"]) for r in eval_rows], spec)
+        if sleep_after:
+            rollout_engine.sleep()
+        if len(samples) != len(eval_rows) * spec.n:
+            raise RuntimeError(f"rollout engine returned {len(samples)} samples for {len(eval_rows)} prompts x "
+                               f"n={spec.n}")
+        counted = [s for s in samples if not eval_rows[s.prompt_index].get(PAD_KEY)]
+        rewards, bad, parts = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
+    tally = _tally(counted, rewards, bad, eval_rows, threshold, ks, spec)
+    _tally_parts(tally, parts)
+    metrics = _metrics(_merge(_all_gather(tally)))
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    return metrics
+
+
+def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
+           on_bad: str) -> tuple[list[float], list[bool], dict[str, list[float | None]]]:
+    """Each sample's reward, whether it was bad, and each reward function's own score and dict metrics per sample
+    (`RewardReport.components` and `extras`, None where absent)."""
+    items = []
+    for s in samples:
+        row = rows[s.prompt_index]
+        items.append({"prompt": row.get("prompt_text") or "",
+                      "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                      "ground_truth": row.get("ground_truth"),
+                      "metadata": {"data_source": row.get("data_source"), "finish_reason": s.finish_reason},
+                      "id": f"eval/row{row.get('row_id', row.get('index', s.prompt_index))}/sample{s.sample_index}"})
+    report = score_samples(reward_fn, items, on_bad)
+    bad_ids = {sid for sid, _ in report.bad}
+    return ([float(v) for v in report.scores], [it["id"] in bad_ids for it in items],
+            {**report.components, **report.extras})
+
+
+def _tally_parts(tally: dict[str, dict[str, float]], parts: dict[str, list[float | None]]) -> None:
+    """Add each reward part's sum and count over the samples that have it to the overall tally (mergeable over
+    ranks), so `eval/reward/<function>` and `eval/reward/<function>/<metric>` report their means."""
+    acc = tally.setdefault(_OVERALL, {})
+    for name, values in parts.items():
+        present = [v for v in values if v is not None]
+        acc[f"part_sum:{name}"] = acc.get(f"part_sum:{name}", 0.0) + float(sum(present))
+        acc[f"part_n:{name}"] = acc.get(f"part_n:{name}", 0.0) + float(len(present))
+
+
+def _tally(samples, rewards, bad, rows, threshold, ks, spec) -> dict[str, dict[str, float]]:
+    """Per data source ("" = all): sums of the per-prompt stats and of the per-sample counts, mergeable over ranks."""
+    by_prompt: dict[int, list[int]] = {}
+    for pos, s in enumerate(samples):
+        by_prompt.setdefault(s.prompt_index, []).append(pos)
+    tally: dict[str, dict[str, float]] = {}
+    for prompt_index, positions in by_prompt.items():
+        positions.sort(key=lambda p: samples[p].sample_index)
+        stats = prompt_stats([rewards[p] for p in positions], threshold, ks)
+        stats["prompts"] = 1.0
+        stats["samples"] = float(len(positions))
+        stats["bad"] = float(sum(bad[p] for p in positions))
+        stats["response_len"] = float(sum(len(samples[p].response_ids) for p in positions))
+        stats["truncated"] = float(sum(samples[p].finish_reason == "length" for p in positions))
+        source = str(rows[prompt_index].get("data_source") or "unknown")
+        for key in (_OVERALL, source):
+            acc = tally.setdefault(key, {})
+            for name, value in stats.items():
+                acc[name] = acc.get(name, 0.0) + value
+    return tally
+
+
+def _all_gather(tally: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [tally]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, tally)
+    return out
+
+
+def _merge(tallies: list[dict]) -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, float]] = {}
+    for tally in tallies:
+        for source, sums in tally.items():
+            acc = merged.setdefault(source, {})
+            for name, value in sums.items():
+                acc[name] = acc.get(name, 0.0) + value
+    return merged
+
+
+_PER_PROMPT = ("reward_mean",)  # plus every pass@k / mean@k
+
+
+def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for source in sorted(merged):
+        sums = merged[source]
+        prompts = sums.get("prompts", 0.0)
+        if not prompts:
+            continue
+        prefix = "eval/" if source == _OVERALL else f"eval/{source}/"
+        for name, value in sums.items():
+            if name in _PER_PROMPT or name.startswith(("pass@", "mean@")):
+                out[prefix + name] = value / prompts
+        out[prefix + "prompts"] = prompts
+        if source == _OVERALL:
+            for name, total in sums.items():
+                if name.startswith("part_sum:") and sums.get("part_n:" + name[9:]):
+                    out["eval/reward/" + name[9:]] = total / sums["part_n:" + name[9:]]
+            samples = max(sums["samples"], 1.0)
+            out.update({"eval/samples": sums["samples"], "eval/bad": sums["bad"],
+                        "eval/response_len_mean": sums["response_len"] / samples,
+                        "eval/truncated_frac": sums["truncated"] / samples})
+    return out
+
+
+# ---- evaluation as an RL run configures it ---------------------------------------------------------------------
+def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable, bool]:
+    """The eval reward: a RewardSet from `rl.eval_reward_fn` (started here; the bool says the caller must close
+    it), else the training reward stage's functions `training_fn` (not ours to close)."""
+    rl = cfg.rl
+    if not rl.eval_reward_fn:
+        if training_fn is None:
+            raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
+        return training_fn, False
+
+    user = any(split_style(p.strip())[0] not in BUILTIN_REWARDS for p in rl.eval_reward_fn.split(",") if p.strip())
+    workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user else 0)
+    try:
+        return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
+                                   mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout), True
+    except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
+        raise ConfigError(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: {type(exc).__name__}: "
+                          f"{exc}") from None
+
+
+class RunEvaluation:
+    """Held-out evaluation of an RL run: its eval rows (`data.eval`, this rank's shard, loaded once), its reward
+    (`eval_reward_fn`) and its `rl.eval_*` settings; `run(engine)` evaluates whatever weights the engine holds.
+
+    The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
+    weights; responses stop at the training rollouts' stop ids (`rollout.stops.run_stop_token_ids`). `close()`
+    stops an eval reward's workers (a reward shared with training is closed by training).
+    """
+
+    def __init__(self, ctx, training_fn: RewardSet | Callable | None):
+        cfg, dist = ctx.cfg, ctx.dist
+        rl = cfg.rl
+        self.rows = load_eval_rows(cfg.data.eval, ctx.tokenizer, rl.eval_max_prompts, rank=dist.rank,
+                                   world_size=dist.world_size, max_prompt_len=cfg.data.max_prompt_len,
+                                   overlong=cfg.data.overlong_prompts)
+        self.tokenizer = ctx.tokenizer
+        self.reward, self._owns_reward = eval_reward_fn(cfg, training_fn)
+        self.options = dict(samples_per_prompt=rl.eval_samples, greedy=rl.eval_greedy,
+                            max_new_tokens=rl.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+                            temperature=rl.eval_temperature, top_p=rl.eval_top_p,
+                            seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003,
+                            k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero",
+                            stop_token_ids=run_stop_token_ids(ctx))
+
+    def run(self, engine: RolloutEngine) -> dict[str, float]:
+        """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step)."""
+        return evaluate(engine, self.rows, tokenizer=self.tokenizer, reward_fn=self.reward, **self.options)
+
+    def close(self) -> None:
+        if self._owns_reward and isinstance(self.reward, RewardSet):
+            self.reward.close()
+
+
+__all__ = ["BestCheckpointTracker", "RunEvaluation", "eval_reward_fn", "eval_spec", "evaluate", "keep_best",
+           "load_eval_rows", "pass_at_k", "preserved_rng", "prompt_stats"]
