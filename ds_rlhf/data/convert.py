@@ -26,6 +26,12 @@ PROMPT_KEYS = ("prompt", "messages", "question", "problem", "query", "input", "i
 LABEL_KEYS = ("reward_model.ground_truth", "label", "ground_truth", "answer", "solution")
 MESSAGES_KEYS = ("messages", "conversations", "conversation")
 PROMPT_MESSAGES = "prompt_messages"  # key in a prompt row's `extra`: the chat messages of a conversational prompt
+
+
+def row_prompt_messages(row: dict) -> list[dict] | None:
+    """The chat messages a prompt store row was rendered from, or None for a text prompt."""
+    extra = row.get("extra")
+    return json.loads(extra).get(PROMPT_MESSAGES) if extra else None
 PAIR_KEYS = (("prompt", "response"), ("prompt", "completion"), ("question", "answer"), ("instruction", "output"),
              ("input", "output"), ("prompt", "chosen"))
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -13,15 +13,19 @@ truncated one gets the end-of-turn token appended.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ds_rlhf.algos.shaping import group_spread, overlong_penalty
+from ds_rlhf.data.convert import row_prompt_messages
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
 from ds_rlhf.recipes.batching import pad_scored
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch
 from ds_rlhf.rewards import BadRewardError, RewardFn, gsm8k_reward, score_samples
 from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.run.context import RunContext
 
 
@@ -73,6 +77,22 @@ def merge_reward_metrics(rounds: list[ScoredBatch]) -> dict:
     return out
 
 
+def reward_items(samples: list[RolloutSample], rows: list[dict], texts: list[str],
+                 id_of: Callable[[RolloutSample, dict], str]) -> list[dict]:
+    """What a reward function is given per sample (`rewards.calling`): the prompt text, the response, the ground
+    truth, metadata, an id and, for a conversational prompt, its chat messages."""
+    items = []
+    for s, text in zip(samples, texts):
+        row = rows[s.prompt_index]
+        item = {"prompt": row.get("prompt_text") or "", "response": text, "ground_truth": row.get("ground_truth"),
+                "metadata": {"data_source": row.get("data_source"), "finish_reason": s.finish_reason},
+                "id": id_of(s, row)}
+        if (messages := row_prompt_messages(row)) is not None:
+            item["prompt_messages"] = messages
+        items.append(item)
+    return items
+
+
 class RewardStage:
     """Scores rollout samples with the reward model or a reward function and applies the bad-reward policy."""
 
@@ -92,12 +112,8 @@ class RewardStage:
             keep = [True] * len(samples)
             bad, components = [], {}
         else:
-            items = [{"prompt": rows[s.prompt_index].get("prompt_text") or "", "response": text,
-                      "ground_truth": rows[s.prompt_index].get("ground_truth"),
-                      "metadata": {"data_source": rows[s.prompt_index].get("data_source"),
-                                   "finish_reason": s.finish_reason},
-                      "id": f"step{step}/rank{self.ctx.dist.rank}/row{rows[s.prompt_index].get('row_id')}"
-                            f"/sample{s.sample_index}"} for s, text in zip(samples, texts)]
+            items = reward_items(samples, rows, texts, lambda s, row: f"step{step}/rank{self.ctx.dist.rank}/row"
+                                 f"{row.get('row_id')}/sample{s.sample_index}")
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
             scores, keep, bad, components = report.scores, report.keep, report.bad, report.components
         self._stop_if_all_bad(bad, len(samples))

@@ -48,6 +48,7 @@ import torch
 
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.store import open_store
+from ds_rlhf.recipes.reward_stage import reward_items
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.loading import split_style
 from ds_rlhf.rewards.reward_set import RewardSet
@@ -202,14 +203,9 @@ def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
            on_bad: str) -> tuple[list[float], list[bool], dict[str, list[float | None]]]:
     """Each sample's reward, whether it was bad, and each reward function's own score and dict metrics per sample
     (`RewardReport.components` and `extras`, None where absent)."""
-    items = []
-    for s in samples:
-        row = rows[s.prompt_index]
-        items.append({"prompt": row.get("prompt_text") or "",
-                      "response": tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                      "ground_truth": row.get("ground_truth"),
-                      "metadata": {"data_source": row.get("data_source"), "finish_reason": s.finish_reason},
-                      "id": f"eval/row{row.get('row_id', row.get('index', s.prompt_index))}/sample{s.sample_index}"})
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    items = reward_items(samples, rows, texts, lambda s, row: "eval/row"
+                         f"{row.get('row_id', row.get('index', s.prompt_index))}/sample{s.sample_index}")
     report = score_samples(reward_fn, items, on_bad)
     bad_ids = {sid for sid, _ in report.bad}
     return ([float(v) for v in report.scores], [it["id"] in bad_ids for it in items],

@@ -4,6 +4,7 @@ TRL's conversational form (message lists) for chat prompts; in-process and throu
 from __future__ import annotations
 
 import asyncio
+import json
 import textwrap
 
 import pytest
@@ -14,6 +15,7 @@ CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user",
 
 FUNCS = '''
 import asyncio
+import json
 
 
 async def async_sample(prompt, response, ground_truth, metadata):
@@ -128,3 +130,30 @@ def test_other_styles_keep_strings_for_chat_prompts():
 
     score_samples(ours, _items(["5"], chat=True), "fail")
     assert seen == [("<|user|>2+3=<|assistant|>", "5")]
+
+
+CHAT_CHECK = '''
+def chat_form(prompts, completions, **kwargs):
+    """1 where TRL's conversational form arrived: the prompt's messages, the completion as one assistant message."""
+    return [float(isinstance(p, list) and p[-1] == {"role": "user", "content": "2+3="}
+                  and isinstance(c, list) and c[0]["role"] == "assistant") for p, c in zip(prompts, completions)]
+'''
+
+
+def test_a_conversational_prompt_store_reaches_a_trl_function_as_messages(tiny_model_path, tiny_tokenizer,
+                                                                          dist_single, tmp_path):
+    from ds_rlhf.config import parse_config
+    from ds_rlhf.data.prep import prep_prompts
+    from ds_rlhf.recipes.rl import RLTrainer
+
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"prompt": CHAT, "label": "5"}) + "\n" for _ in range(4)))
+    store = prep_prompts(source, tmp_path / "store", tiny_tokenizer, progress=False).path
+    (tmp_path / "r.py").write_text(CHAT_CHECK)
+    history = RLTrainer(parse_config([
+        "--model.path", str(tiny_model_path), "--data.train", str(store), "--rl.reward_fn",
+        f"{tmp_path / 'r.py'}:chat_form@trl", "--run.output_dir", str(tmp_path / "run"), "--run.steps", "1",
+        "--rl.prompts_per_step", "2", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "4",
+        "--rollout.backend", "hf", "--run.progress", "false", "--run.tensorboard", "false",
+        "--run.export_hf", "false"])).train()
+    assert history[-1]["reward/mean"] == 1.0
