@@ -259,6 +259,8 @@ class RLConfig:
     reward_import_timeout: float = opt(300.0, gt=0)
     reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start
     reward_model: str = ""  # HF dir or Hub id of a sequence-classification reward model
+    # its weight when rl.reward_fn is set too: reward = reward_model_weight * RM score + the functions' weighted sum
+    reward_model_weight: float = 1.0
     on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
     critic_path: str = ""  # default: reward_model if set, else the actor
     critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor
@@ -292,9 +294,9 @@ class RLConfig:
         if self.dual_clip and not POLICY_LOSSES.get(self.policy_loss).meta.get("dual_clip"):
             raise ConfigError(f"rl.dual_clip={self.dual_clip} is a PPO-loss setting, but rl.policy_loss="
                               f"{self.policy_loss} does not take it: set --rl.dual_clip 0 or --rl.policy_loss ppo")
-        if self.reward_fn and self.reward_model:
-            raise ConfigError(f"both rl.reward_fn={self.reward_fn!r} and rl.reward_model={self.reward_model!r} are "
-                              "set: give one (the other would be ignored)")
+        if self.reward_model_weight != 1.0 and not (self.reward_fn and self.reward_model):
+            raise ConfigError(f"rl.reward_model_weight={self.reward_model_weight} weighs the reward model against "
+                              "reward functions: it needs both rl.reward_model and rl.reward_fn (or leave it at 1)")
         self._check_dapo(cfg)
         samples = self.prompts_per_step * r.n_samples
         if self.mini_batch_size > samples:

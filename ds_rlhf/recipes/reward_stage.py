@@ -94,11 +94,12 @@ def reward_items(samples: list[RolloutSample], rows: list[dict], texts: list[str
 
 
 class RewardStage:
-    """Scores rollout samples with the reward model or a reward function and applies the bad-reward policy."""
+    """Scores rollout samples with reward functions, the reward model, or both (`rl.reward_model_weight` x the RM
+    score + the functions' weighted sum), and applies the bad-reward policy to the functions' rewards."""
 
     def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
-        if (fn is None) == (model is None):
-            raise ValueError("RewardStage needs exactly one of a reward function and a reward model")
+        if fn is None and model is None:
+            raise ValueError("RewardStage needs a reward function, a reward model or both")
         self.ctx, self.fn, self.model = ctx, fn, model
         self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
         self.bad_total = 0
@@ -107,15 +108,17 @@ class RewardStage:
         samples, rows = batch.samples, batch.rows
         tok = self.ctx.tokenizer
         texts = [tok.decode(s.response_ids, skip_special_tokens=True) for s in samples]  # decoded once per step
-        if self.model is not None:
-            scores = self._model_scores(samples)
-            keep = [True] * len(samples)
-            bad, components = [], {}
-        else:
+        scores, keep, bad, components, report = [0.0] * len(samples), [True] * len(samples), [], {}, None
+        if self.fn is not None:
             items = reward_items(samples, rows, texts, lambda s, row: f"step{step}/rank{self.ctx.dist.rank}/row"
                                  f"{row.get('row_id')}/sample{s.sample_index}")
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
-            scores, keep, bad, components = report.scores, report.keep, report.bad, report.components
+            scores, keep, bad, components = list(report.scores), report.keep, report.bad, report.components
+        model_scores = None
+        if self.model is not None:
+            model_scores = self._model_scores(samples)
+            weight = self.ctx.cfg.rl.reward_model_weight if self.fn is not None else 1.0
+            scores = [v + weight * m for v, m in zip(scores, model_scores)]
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
@@ -125,8 +128,11 @@ class RewardStage:
         kept_scores = [v for v, k in zip(scores, keep) if k]
         metrics = {**score_stats(kept_scores), **zero_std_stats(kept, kept_scores), "reward/bad": float(len(bad)),
                    "reward/bad_total": float(self.bad_total), "reward/dropped": float(len(samples) - len(kept))}
-        if self.model is None and isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1:
-            metrics.update(report.means())  # reward/<function> for each of several functions
+        if report is not None and (self.model is not None or isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1):
+            metrics.update(report.means())  # reward/<function> for each of several functions (or beside the RM)
+        if model_scores is not None and self.fn is not None:
+            kept_model = [m for m, k in zip(model_scores, keep) if k]
+            metrics["reward/model"] = sum(kept_model) / max(1, len(kept_model))
         if exact is not None:
             metrics["reward/exact_match"] = exact
         shaped, shaping = self._shape(kept, kept_scores)

@@ -209,9 +209,10 @@ def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> R
 
 
 def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:
-    """Reward functions, or the reward model: a frozen engine of its own, or with `model.share_base` and an RM that
+    """Reward functions, the reward model, or both (their scores added under `rl.reward_model_weight` and
+    `rl.reward_weights`). The reward model is a frozen engine of its own, or with `model.share_base` and an RM that
     is a LoRA adapter of the actor's base, its adapters + score head on that base (`engines/shared_reward.py`)."""
-    if functions is not None:
+    if not ctx.cfg.rl.reward_model:
         return RewardStage(ctx, fn=functions)
     path = resolve_model_path(ctx.cfg.rl.reward_model, "rl.reward_model")
     ds_config = ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
@@ -222,9 +223,10 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
         if why is None:
             ctx.print(f"[rl] model.share_base: the reward model is {path}'s LoRA adapters + score head on the "
                       "actor's base, no copy of its own")
-            return RewardStage(ctx, model=build_shared_reward(actor, path, ds_config))
+            return RewardStage(ctx, fn=functions, model=build_shared_reward(actor, path, ds_config))
         ctx.print(f"[rl] model.share_base: the reward model is a separate frozen model with its own weights: {why}")
-    return RewardStage(ctx, model=build_reward(path, ds_config, attn_impl=attn, kernels=ctx.cfg.model.kernels))
+    return RewardStage(ctx, fn=functions,
+                       model=build_reward(path, ds_config, attn_impl=attn, kernels=ctx.cfg.model.kernels))
 
 
 def rl_attention(ctx: RunContext) -> str:

@@ -24,7 +24,7 @@ from tests.trainer.stores import prompt_store, rl_config
     (["--rollout.gpu_memory_utilization", "0"], "rollout.gpu_memory_utilization=0.0: must be > 0"),
     (["--rl.dual_clip", "0.5"], "dual-clip constant must be > 1"),
     (["--rl.mini_batch_size", "999"], "larger than the 32 rollouts"),
-    (["--rl.reward_fn", "gsm8k", "--rl.reward_model", "/some/rm"], "both rl.reward_fn='gsm8k' and rl.reward_model"),
+    (["--rl.reward_fn", "gsm8k", "--rl.reward_model_weight", "0.5"], "rl.reward_model_weight=0.5 weighs the reward"),
     (["--zero_stage", "4"], "zero_stage=4: choose one of -1, 0, 1, 2, 3"),
     (["--rollout.max_model_len", "100", "--rollout.max_new_tokens", "128"], "rollout.max_model_len=100"),
     (["--data.rl_packing", "true"], "data.rl_packing=true packs each RL micro-batch up to a token budget"),
