@@ -25,7 +25,7 @@ import torch
 from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.rm_scoring import score_rule, score_text
-from ds_rlhf.trainer.batching import pad_scored
+from ds_rlhf.recipes.batching import pad_scored
 
 PROG = "ds-rlhf serve-rm"
 
