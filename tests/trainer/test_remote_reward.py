@@ -18,8 +18,8 @@ from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rewards import BadRewardError, RewardSet, score_samples
 from ds_rlhf.rewards.loading import load_reward_fn
 from ds_rlhf.rewards.remote import RemoteReward, RemoteRewardError
-from ds_rlhf.testing.multiproc import clean_env, free_port
 from ds_rlhf.run.preflight import check_reward
+from ds_rlhf.testing.multiproc import clean_env, free_port
 from tests.trainer.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
