@@ -1,4 +1,5 @@
-"""Finding a reward function from its spec: a built-in name or `path/to/file.py:function_name`."""
+"""Finding a reward function from its spec: a built-in name, `path/to/file.py:function_name`, or the URL of a
+reward server (`http://host:port/path`, see remote.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.remote import RemoteReward, check_remote, is_remote
 
 STYLES = ("sample", "batched", "trl", "verl", "openrlhf")
 
@@ -19,8 +21,11 @@ def split_style(spec: str) -> tuple[str, str | None]:
 
 
 def load_reward_fn(spec: str):
-    """`gsm8k` / `format` / `math_shaped` / `math_verify`, or `path/to/file.py:function_name` (one function;
-    `ds_rlhf.rewards.load_reward_fn` also takes several, `reward_set.load_rewards`)."""
+    """`gsm8k` / `format` / `math_shaped` / `math_verify`, `path/to/file.py:function_name`, or a reward server's
+    URL (a RemoteReward with the default batch size and timeout) (one function; `ds_rlhf.rewards.load_reward_fn`
+    also takes several, `reward_set.load_rewards`)."""
+    if is_remote(spec):
+        return RemoteReward(spec)
     spec = split_style(spec)[0]
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
@@ -32,7 +37,11 @@ def load_reward_fn(spec: str):
 
 
 def check_spec(spec: str) -> tuple[str, str]:
-    """(path, function name) of a `file.py:func` spec whose file exists; errors as load_reward_fn's, no import."""
+    """(path, function name) of a `file.py:func` spec whose file exists; errors as load_reward_fn's, no import.
+    A URL: (url, "") when a server answers there (`remote.check_remote`: one GET, a few seconds at most)."""
+    if is_remote(spec):
+        check_remote(spec)
+        return spec.strip(), ""
     if ":" not in spec:
         raise ValueError(f"unknown reward function '{spec}': use one of {sorted(BUILTIN_REWARDS)} "
                          "or path/to/file.py:function_name")

@@ -10,12 +10,14 @@ from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
 from ds_rlhf.rewards.loading import STYLES, check_spec, load_reward_fn, split_style
 from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
+from ds_rlhf.rewards.remote import DEFAULT_BATCH, RemoteReward, is_remote
 
 
 @dataclass
 class RewardSpec:
     """One reward function: a built-in name, `path/to/file.py:func` (optionally `@trl`/`@verl`/`@openrlhf`/
-    `@batched`/`@sample` to force a calling convention), or a callable; its weight and its logging name."""
+    `@batched`/`@sample` to force a calling convention), a reward server's URL (`http(s)://...`, named `remote`),
+    or a callable; its weight and its logging name."""
 
     source: str | Callable
     weight: float = 1.0
@@ -23,7 +25,9 @@ class RewardSpec:
     style: str | None = None  # None: detected from the signature
 
     def __post_init__(self):
-        if isinstance(self.source, str):
+        if is_remote(self.source):
+            self.source, self.style = self.source.strip(), "batched"
+        elif isinstance(self.source, str):
             self.source, forced = split_style(self.source.strip())
             self.style = self.style or forced
         if self.style is not None and self.style not in STYLES:
@@ -33,7 +37,9 @@ class RewardSpec:
         self.weight = float(self.weight)
         if not self.name:
             src = self.source
-            if isinstance(src, str):
+            if is_remote(src):
+                self.name = "remote"
+            elif isinstance(src, str):
                 self.name = src if src in BUILTIN_REWARDS else src.rsplit(":", 1)[-1]
             else:
                 self.name = getattr(src, "__name__", type(src).__name__)
@@ -58,11 +64,13 @@ class RewardSet:
     for a plain function; an `async def` one is awaited for at most `timeout` seconds.
     `workers>0`: a pool of that many spawn/forkserver processes, started now and kept for the whole run; each call
     is cut off after `timeout` seconds, and the user file is imported only by the workers. Call `close()` at the end.
+    A reward server's URL is always asked from this process (its requests are I/O, with their own `timeout` each,
+    in requests of at most `http_batch` items; see remote.py); only the other functions go to the pool.
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
                  mp_context: str = "spawn", import_timeout: float = START_TIMEOUT_S,
-                 announce: Callable[[str], object] | None = print):
+                 announce: Callable[[str], object] | None = print, http_batch: int = DEFAULT_BATCH):
         if not specs:
             raise ValueError("a RewardSet needs at least one reward function")
         seen: dict[str, int] = {}
@@ -70,19 +78,29 @@ class RewardSet:
         for spec in specs:  # unique logging names: gsm8k, gsm8k_2, ...
             seen[spec.name] = seen.get(spec.name, 0) + 1
             self.specs.append(spec if seen[spec.name] == 1 else replace(spec, name=f"{spec.name}_{seen[spec.name]}"))
+        # the members the pool runs, in pool order (a URL never: this process asks the server)
+        self._pooled = [m for m, s in enumerate(self.specs) if not is_remote(s.source)] if workers > 0 else []
         self.pool = None
-        if workers > 0:
-            for spec in self.specs:  # the cheap checks here, with the in-process errors; the import in the workers
-                if isinstance(spec.source, str) and spec.source not in BUILTIN_REWARDS:
-                    check_spec(spec.source)
-            self.pool = RewardPool([(s.source, s.style) for s in self.specs], workers, timeout, mp_context,
-                                   start_timeout=import_timeout, announce=announce)
-            self.styles = self.pool.wait_ready()  # fail fast on a bad file; pays the start cost once, here
-            self._calls = None
-        else:
-            fns = [load_reward_fn(s.source) if isinstance(s.source, str) else s.source for s in self.specs]
-            self.styles = [s.style or detect_style(fn) for s, fn in zip(self.specs, fns)]
-            self._calls = [make_call(fn, style) for fn, style in zip(fns, self.styles)]
+        self.styles: list[str | None] = [None] * len(self.specs)
+        if self._pooled:
+            for m in self._pooled:  # the cheap checks here, with the in-process errors; the import in the workers
+                source = self.specs[m].source
+                if isinstance(source, str) and source not in BUILTIN_REWARDS:
+                    check_spec(source)
+            self.pool = RewardPool([(self.specs[m].source, self.specs[m].style) for m in self._pooled], workers,
+                                   timeout, mp_context, start_timeout=import_timeout, announce=announce)
+            for m, style in zip(self._pooled, self.pool.wait_ready()):  # fail fast on a bad file; start cost once
+                self.styles[m] = style
+        self._calls = {}
+        for m, spec in enumerate(self.specs):
+            if m in self._pooled:
+                continue
+            if is_remote(spec.source):
+                fn = RemoteReward(spec.source, batch_size=http_batch, timeout=timeout)
+            else:
+                fn = load_reward_fn(spec.source) if isinstance(spec.source, str) else spec.source
+            self.styles[m] = spec.style or detect_style(fn)
+            self._calls[m] = make_call(fn, self.styles[m])
         self.timeout = float(timeout)  # in-process: bounds an `async def` function's wait (a sync call runs to its end)
 
     @classmethod
@@ -108,10 +126,10 @@ class RewardSet:
         calls = []
         for m, style in enumerate(self.styles):
             calls += [(m, items)] if style in BATCHED_STYLES else [(m, [it]) for it in items]
-        if self.pool is not None:
-            done = self.pool.run(calls)
-        else:
-            done = [invoke(self._calls[m], chunk, in_worker=False, timeout=self.timeout) for m, chunk in calls]
+        pooled = [(self._pooled.index(m), chunk) for m, chunk in calls if m not in self._calls]
+        from_pool = iter(self.pool.run(pooled) if pooled else [])
+        done = [invoke(self._calls[m], chunk, in_worker=False, timeout=self.timeout) if m in self._calls
+                else next(from_pool) for m, chunk in calls]
         per_member: list[list[Outcome]] = [[] for _ in self.specs]
         for (m, _), outcomes in zip(calls, done):
             per_member[m] += outcomes

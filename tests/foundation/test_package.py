@@ -37,6 +37,7 @@ HELP_TEXT = {
     "autotune": "--keep-checkpoints",
     "bench": "bench/ is not a package",
     "convert-gguf": "--overwrite",
+    "serve-rm": "--max-len",
 }
 
 
