@@ -27,8 +27,7 @@ from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_ref
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
 from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.reward_stage import RewardStage
-from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-from ds_rlhf.rewards.loading import split_style
+from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rollout import make_rollout_engine
 from ds_rlhf.rollout.canary import SyncCanary
@@ -195,12 +194,12 @@ def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> R
     rl = cfg.rl
     workers = rl.reward_workers
     if workers < 0:  # built-in rules are ours and cannot hang; user code runs in workers with a timeout
-        user = [p for p in rl.reward_fn.split(",") if p.strip() and split_style(p.strip())[0] not in BUILTIN_REWARDS]
-        workers = 2 if user else 0
+        workers = 2 if user_code_specs(rl.reward_fn) else 0
     try:
         return RewardSet.from_spec(rl.reward_fn, rl.reward_weights or None, workers=workers,
                                    timeout=rl.reward_timeout, mp_context=rl.reward_mp_context,
-                                   import_timeout=rl.reward_import_timeout, announce=announce)
+                                   import_timeout=rl.reward_import_timeout, announce=announce,
+                                   http_batch=rl.reward_http_batch)
     except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
         hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
                 "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")

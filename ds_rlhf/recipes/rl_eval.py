@@ -49,8 +49,7 @@ import torch
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.store import open_store
 from ds_rlhf.recipes.reward_stage import reward_items
-from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-from ds_rlhf.rewards.loading import split_style
+from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rewards.scoring import score_samples
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
@@ -300,11 +299,11 @@ def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[Rewar
             raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
         return training_fn, False
 
-    user = any(split_style(p.strip())[0] not in BUILTIN_REWARDS for p in rl.eval_reward_fn.split(",") if p.strip())
-    workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user else 0)
+    workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user_code_specs(rl.eval_reward_fn) else 0)
     try:
         return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
-                                   mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout), True
+                                   mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout,
+                                   http_batch=rl.reward_http_batch), True
     except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
         raise ConfigError(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: {type(exc).__name__}: "
                           f"{exc}") from None

@@ -14,6 +14,13 @@ from ds_rlhf.rewards.remote import RemoteReward, check_remote, is_remote
 STYLES = ("sample", "batched", "trl", "verl", "openrlhf")
 
 
+def user_code_specs(spec: str) -> list[str]:
+    """The entries of a (comma-separated) reward spec that run the user's code: not built-in rules, not reward
+    servers (a URL is called from the trainer process). These are what reward workers are for."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    return [p for p in parts if split_style(p)[0] not in BUILTIN_REWARDS and not is_remote(split_style(p)[0])]
+
+
 def split_style(spec: str) -> tuple[str, str | None]:
     """`my.py:f@trl` -> (`my.py:f`, `trl`): an explicit calling convention overrides detection."""
     base, sep, style = spec.rpartition("@")

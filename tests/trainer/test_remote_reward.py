@@ -186,6 +186,7 @@ class Recorder:
 
     def __init__(self, target: str):
         self.pairs: list[tuple[str, float]] = []
+        self.sizes: list[int] = []  # items per request
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -195,6 +196,7 @@ class Recorder:
                 with urllib.request.urlopen(req, timeout=60) as reply:
                     data = reply.read()
                 recorder.pairs += list(zip(json.loads(body)["query"], json.loads(data)["rewards"]))
+                recorder.sizes.append(len(json.loads(body)["query"]))
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -245,6 +247,7 @@ def test_serve_rm_scores_a_grpo_run_as_the_in_process_reward_model(tiny_model_pa
             [sys.executable, "-m", "ds_rlhf.entrypoints", "train-ppo", "--model.path", str(tiny_model_path),
              "--data.train", str(prompt_store(tmp_path, tiny_model_path)), "--rl.reward_fn", recorder.url,
              "--rl.algo", "grpo", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
+             "--rl.reward_http_batch", "3",
              "--rollout.max_new_tokens", "8", "--rollout.backend", "hf", "--run.steps", "2",
              "--run.output_dir", str(tmp_path / "run"), "--run.progress", "false", "--run.tensorboard", "false"],
             capture_output=True, text=True, timeout=480, cwd=ROOT, env=clean_env())
@@ -253,6 +256,7 @@ def test_serve_rm_scores_a_grpo_run_as_the_in_process_reward_model(tiny_model_pa
         server.terminate()
         server.wait(30)
     assert len(recorder.pairs) == 2 * 2 * 2  # steps x prompts x samples, all scored through the server
+    assert sorted(recorder.sizes) == [1, 1, 3, 3]  # rl.reward_http_batch 3: each step's 4 items as 3 + 1
     tok = AutoTokenizer.from_pretrained(tiny_reward_path)
     rule = score_rule(tok)
     model = RewardModel.from_pretrained(tiny_reward_path).eval()
