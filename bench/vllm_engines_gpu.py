@@ -104,7 +104,7 @@ def start_engines(args, model_dir: Path) -> tuple[list, list]:
 
 def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
     """`repeats` rounds of the whole batch split over engines 0..n-1 (plus one untimed warm-up on each)."""
-    from ds_rlhf.rollout.sharded import shard_bounds
+    from ds_rlhf.rollout.server.sharded import shard_bounds
 
     bounds = shard_bounds(len(prompts), n)  # the shards rollout.sidecar_engines cuts
     for c in conns[:n]:

@@ -122,7 +122,7 @@ class RolloutConfig:
     # batch generated with them is collected, before it trains. Async and synchronous mode (there, not the last step)
     overlap_sync: bool = True  # do not wait for the engine's load and canary (checked before training)
     # gpu_memory_utilization is split evenly too; why several: vLLM's decode is bound by per-step host work, and N
-    # processes run N of those loops at once (rollout/sharded.py)
+    # processes run N of those loops at once (rollout/server/sharded.py)
     sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 
-from ds_rlhf.rollout import remote, server_process, sharded, vllm_adapter  # module attributes: tests replace them
+from ds_rlhf.rollout import vllm_adapter  # module attributes: tests replace them
 from ds_rlhf.rollout.base import RolloutEngine
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+from ds_rlhf.rollout.server import client as server_client
+from ds_rlhf.rollout.server import process as server_process
+from ds_rlhf.rollout.server import sharded
 from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -49,7 +52,7 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     enforce_eager) for every placement; the HF backend has none of those and says so when one is set.
     `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only).
     `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` and its own
-    seed, behind one `ShardedRolloutEngine` that splits every batch between them (`sharded.py`)."""
+    seed, behind one `ShardedRolloutEngine` that splits every batch between them (`server/sharded.py`)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     n_engines = kw.pop("sidecar_engines", 1)
@@ -79,22 +82,22 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
     client = {k: kw.pop(k) for k in client_keys if k in kw}
     if n_engines == 1:
-        return remote.RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
+        return server_client.RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
     return _sharded(n_engines, str(model_path), client, vllm_kw, kw)
 
 
 def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> RolloutEngine:
-    """`n` sidecar servers spawned at once (each imports vLLM meanwhile: `server_process.py`), their engines built
+    """`n` sidecar servers spawned at once (each imports vLLM meanwhile: `server/process.py`), their engines built
     one after the other (vLLM measures free memory at start-up), then one engine over them; a failed start closes
     the servers already running and those not yet started."""
     log_paths = [f"{client['log_path']}.{i}" if client.get("log_path") else None for i in range(n)]
     processes = server_process.spawn_servers(n, devices=client.get("devices"), log_paths=log_paths,
-                              host=client.get("host", "127.0.0.1"))
+                                             host=client.get("host", "127.0.0.1"))
     engines: list = []
     try:
         for i in range(n):
             own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i)
-            engines.append(remote.RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]),
+            engines.append(server_client.RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]),
                                                    process=processes[i], **own, **kw))
         return sharded.ShardedRolloutEngine(engines)
     except BaseException:

@@ -83,7 +83,7 @@ def vllm_version() -> str | None:
 
 def preload() -> None:
     """Import vLLM's engine entry points now: seconds of CPU work that touch no device (vLLM finds the GPU through
-    NVML), done by a rollout server while it waits for its turn to build an engine (`server_process.py`)."""
+    NVML), done by a rollout server while it waits for its turn to build an engine (`server/process.py`)."""
     from vllm import LLM, SamplingParams  # noqa: F401
 
 

@@ -12,8 +12,8 @@ from multiprocessing import Pipe
 import pytest
 
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
-from ds_rlhf.rollout.remote import ConnectionLost, RemoteVLLMEngine
-from ds_rlhf.rollout.server_calls import all_of, command_all
+from ds_rlhf.rollout.server.calls import all_of, command_all
+from ds_rlhf.rollout.server.client import ConnectionLost, RemoteVLLMEngine
 
 
 class _Alive:

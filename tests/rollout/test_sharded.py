@@ -18,7 +18,7 @@ from rollout_helpers import (
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import Pending, RolloutError, RolloutTicket, SamplingSpec, batch_seed
-from ds_rlhf.rollout.sharded import shard_bounds, shard_spec
+from ds_rlhf.rollout.server.sharded import shard_bounds, shard_spec
 
 
 @pytest.mark.parametrize(("prompts", "engines", "expected"), [
@@ -56,10 +56,11 @@ def test_sidecar_engines_needs_the_sidecar_placement():
 
 
 def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failure(monkeypatch, tiny_model_path):
-    from ds_rlhf.rollout import factory, make_rollout_engine, server_process
-    from ds_rlhf.rollout import remote as remote_mod
-    from ds_rlhf.rollout import sharded as sharded_mod
+    from ds_rlhf.rollout import factory, make_rollout_engine
     from ds_rlhf.rollout.base import RolloutError
+    from ds_rlhf.rollout.server import client as remote_mod
+    from ds_rlhf.rollout.server import process as server_process
+    from ds_rlhf.rollout.server import sharded as sharded_mod
 
     spawned, spawned_when_started, started, closed, processes_closed = [], [], [], [], []
 
@@ -118,7 +119,7 @@ def test_a_spawned_server_imports_vllm_before_its_turn_and_close_stops_it(tmp_pa
     wait for it: the server logs the import done while nobody has accepted its connection yet."""
     import time
 
-    from ds_rlhf.rollout.server_process import spawn_servers
+    from ds_rlhf.rollout.server.process import spawn_servers
     from ds_rlhf.rollout.vllm_adapter import vllm_version
 
     if vllm_version() is None:
@@ -184,7 +185,7 @@ def test_the_canary_checks_every_server_whichever_missed_the_sync(stale, tiny_mo
 
     from ds_rlhf.rollout import SyncCanary
     from ds_rlhf.rollout.canary import trainer_logprobs
-    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
+    from ds_rlhf.rollout.server.sharded import ShardedRolloutEngine
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
     truth = trainer_logprobs(model, PROBE)
@@ -196,7 +197,7 @@ def test_the_canary_checks_every_server_whichever_missed_the_sync(stale, tiny_mo
 
 
 def test_a_failing_server_leaves_no_reply_unread_and_no_shard_in_flight():
-    from ds_rlhf.rollout.sharded import ShardedRolloutEngine
+    from ds_rlhf.rollout.server.sharded import ShardedRolloutEngine
 
     bad, good = FakeServer([0.0], fail_score=True), FakeServer([0.0])
     engine = ShardedRolloutEngine([bad, good])

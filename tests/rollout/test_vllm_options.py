@@ -135,8 +135,10 @@ def test_default_colocated_engine_arguments_are_unchanged(tiny_model_path, llm_c
 @pytest.mark.parametrize("placement", ["sidecar", "disaggregated"])
 def test_server_placements_pass_the_options_to_llm(placement, tiny_model_path, llm_calls, as_gpu, monkeypatch):
     """The client sends its engine keywords in 'start'; the server builds its VLLMRolloutEngine from them."""
-    from ds_rlhf.rollout import make_rollout_engine, remote, remote_server
-    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+    from ds_rlhf.rollout import make_rollout_engine
+    from ds_rlhf.rollout.server import client as remote
+    from ds_rlhf.rollout.server import server as remote_server
+    from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
     sent = {}
 

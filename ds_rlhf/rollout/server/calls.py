@@ -14,7 +14,7 @@ from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
 
 if TYPE_CHECKING:
-    from ds_rlhf.rollout.remote import RemoteVLLMEngine
+    from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
 
 def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:

@@ -1,7 +1,7 @@
 """Disaggregated vLLM rollout engine: vLLM on its own devices, in its own process, weights over a weight group.
 
 Build it on every trainer rank (like the colocated engine). Trainer rank 0 starts the server
-(`python -m ds_rlhf.rollout.remote_server`, see there) and talks to it over an authenticated local socket; other
+(`python -m ds_rlhf.rollout.server.server`, see there) and talks to it over an authenticated local socket; other
 ranks are thin proxies: `generate` / `score` gather every rank's requests to rank 0 over the trainer's default group,
 rank 0 sends them to vLLM as one batch and scatters the results back. So a data-parallel trainer calls the same
 API on every rank whatever the placement (`generate` / `score` are collective here).
@@ -39,8 +39,8 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.server_calls import update_through_ipc
-from ds_rlhf.rollout.server_process import ServerProcess
+from ds_rlhf.rollout.server.calls import update_through_ipc
+from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
@@ -67,12 +67,12 @@ class RemoteVLLMEngine(RolloutEngine):
         self._unread: deque[Pending] = deque()  # replies not read yet, oldest first (the server answers in order)
         self._lost: ConnectionLost | None = None  # set once the connection broke: no later reply can be trusted
         self._ipc_buf: torch.Tensor | None = None
-        self._ipc_owed: Pending | None = None  # the last IPC update's replies, when not awaited (server_calls.py)
+        self._ipc_owed: Pending | None = None  # the last IPC update's replies, when not awaited (`calls.py`)
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
         info = None
-        if self.owner:  # a server spawned ahead (`server_process.spawn_servers`) or one of its own
+        if self.owner:  # a server spawned ahead (`process.spawn_servers`) or one of its own
             process = process or ServerProcess(devices=devices, log_path=log_path, host=host)
             info = self._start(process, model_path, startup_timeout_s, engine_kwargs)
         if self._d is not None:

@@ -1,8 +1,8 @@
-"""A rollout server process (`python -m ds_rlhf.rollout.remote_server`), started before it is told to build an engine.
+"""A rollout server process (`python -m ds_rlhf.rollout.server.server`), started before it is told to build an engine.
 
 A new server spends its first seconds importing torch and vLLM (about 10 s on a 2-core CPU; the gap between one
 sidecar engine being ready and the next one's first log line was about 20 s on the H200). It does that before it
-connects back (`remote_server._preload`), and the client accepts a server's connection only when that server's
+connects back (`server._preload`), and the client accepts a server's connection only when that server's
 turn comes, so `spawn_servers` starts every server of a sharded sidecar at once: they import side by side while
 their engines are still built one after the other (vLLM sizes its KV cache from the device memory it measures while
 it starts, so two engines must not start at the same time). Importing vLLM touches no device (it finds the GPU
@@ -44,7 +44,7 @@ class ServerProcess:
         self.log, self.proc = None, None
         try:
             self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
-            self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.remote_server"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.server.server"], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         except BaseException:
             self.close()

@@ -1,4 +1,4 @@
-"""The disaggregated rollout server: `python -m ds_rlhf.rollout.remote_server`, started by RemoteVLLMEngine.
+"""The disaggregated rollout server: `python -m ds_rlhf.rollout.server.server`, started by RemoteVLLMEngine.
 
 It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes),
 built with the keywords of the client's 'start' (the vLLM engine options among them, checked in the adapter), and
@@ -84,7 +84,7 @@ def _handle(engine, cmd: str, args: tuple):
 
 def _preload() -> None:
     """Import vLLM before connecting: the client accepts this server's connection only when its turn comes
-    (`server_process.py`), so the import runs while it still builds another server's engine. An import that fails
+    (`process.py`), so the import runs while it still builds another server's engine. An import that fails
     here fails again in 'start', whose traceback goes back to the client."""
     t0 = time.perf_counter()
     try:

@@ -12,14 +12,14 @@ processing: Python loops over the running requests, one thread per engine), not 
   has its own seed that follows from the call alone (resume stays exact). Every server generates its shard at once;
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
 - weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
-  time (`server_calls.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
+  time (`calls.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
   `update_weight_buckets_later` / `score_replicas_later` do not wait for the last replies (a sync with overlap: the
   servers load and score the canary probe while the trainer goes on; the replies are read before the generation
   queued behind them).
 - `score_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
   against the trainer, so a server that missed a sync cannot hide behind one that did not; `score` is server 0's.
 - errors: a command goes to every server and every reply is read before the first failure is raised
-  (`server_calls.command_all`), and a `submit` that fails part-way waits out the shards already sent, so no
+  (`calls.command_all`), and a `submit` that fails part-way waits out the shards already sent, so no
   connection is left with a reply the next call would take for its own.
 - sleep / wake / close go to every server; `stats()["engines"]` lists each server's.
 """
@@ -43,8 +43,8 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.remote import RemoteVLLMEngine
-from ds_rlhf.rollout.server_calls import all_of, send_all, slowest_load, update_through_ipc
+from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load, update_through_ipc
+from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
 
 def shard_bounds(n_prompts: int, n_engines: int) -> list[tuple[int, int]]:
