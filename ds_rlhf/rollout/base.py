@@ -186,24 +186,24 @@ class RolloutEngine(ABC):
         return ticket.samples
 
     @abstractmethod
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of each `tokens[1:]` given its prefix, under the rollout engine's current weights."""
 
-    def score_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+    def logprobs_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """`score` on every replica that serves generations (one list per replica): the sync canary checks each,
         so a replica that missed a sync cannot hide behind one that did not. One replica here."""
-        return [self.score(sequences)]
+        return [self.logprobs(sequences)]
 
     @property
     def defers_replies(self) -> bool:
-        """True where `update_weight_buckets_later` / `score_replicas_later` really return before the engine has
+        """True where `update_weight_buckets_later` / `logprobs_replicas_later` really return before the engine has
         answered (a server in its own process, one training rank); False: they finish at once, as here."""
         return False
 
-    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
-        """`score_replicas` without waiting where the engine runs elsewhere (the sync canary then overlaps the next
+    def logprobs_replicas_later(self, sequences: list[list[int]]) -> Pending:
+        """`logprobs_replicas` without waiting where the engine runs elsewhere (the sync canary then overlaps the next
         generation); `result()` returns its lists. Here: scored now."""
-        return Pending.done(self.score_replicas(sequences))
+        return Pending.done(self.logprobs_replicas(sequences))
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

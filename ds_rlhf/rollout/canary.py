@@ -87,7 +87,7 @@ class SyncCanary:
     those ranks still take part in the trainer forward and the cross-rank max.
 
     `start(trainer, rollout)` splits a check in two: the trainer's forward and the engine's scoring request now
-    (not awaited where the engine runs elsewhere: `RolloutEngine.score_replicas_later`), the comparison in the
+    (not awaited where the engine runs elsewhere: `RolloutEngine.logprobs_replicas_later`), the comparison in the
     returned check's `finish()` (every rank, at the same point: the cross-rank max is collective).
     """
 
@@ -108,7 +108,7 @@ class SyncCanary:
         """The trainer's log-probs (`probe`'s, when given: see `probe`) and the engine's scoring request."""
         t0 = time.perf_counter()
         ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
-        replicas = rollout.score_replicas_later([self.probe_ids]) if rollout is not None else None
+        replicas = rollout.logprobs_replicas_later([self.probe_ids]) if rollout is not None else None
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
         device_type = next(iter(unwrap(trainer_module).parameters())).device.type
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype, device_type)

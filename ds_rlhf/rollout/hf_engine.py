@@ -138,7 +138,7 @@ class HFRolloutEngine(RolloutEngine):
         return torch.cat([torch.multinomial(probs[k], 1, generator=g) for k, g in enumerate(gens)]), x
 
     @torch.no_grad()
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         out = []
         for seq in sequences:
             x = torch.tensor([list(seq)], device=self.device)

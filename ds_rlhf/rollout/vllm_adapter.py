@@ -277,7 +277,7 @@ class VLLMHandle:
             self.llm.collective_rpc("ds_rlhf_reseed", args=(seed,))
             yield
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         spec = SamplingSpec(max_new_tokens=1, temperature=0.0)
         params = self.sampling_params(spec, None, prompt_logprobs=0)
         outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False,

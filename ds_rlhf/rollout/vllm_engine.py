@@ -130,10 +130,10 @@ class VLLMRolloutEngine(RolloutEngine):
                               sum(len(s.response_ids) for r in results for s in r))  # every TP rank's tokens
         return samples
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         self._require_awake()
         groups, index = self._gather(sequences)
-        scores = self.handle.score([s for g in groups for s in g])
+        scores = self.handle.logprobs([s for g in groups for s in g])
         start = sum(len(g) for g in groups[:index])
         return scores[start:start + len(sequences)]
 

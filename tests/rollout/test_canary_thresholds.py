@@ -12,7 +12,7 @@ class _Engine:
     def __init__(self, dtype):
         self.weight_dtype = dtype
 
-    def score_replicas_later(self, sequences):
+    def logprobs_replicas_later(self, sequences):
         return None
 
 

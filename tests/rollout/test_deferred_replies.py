@@ -58,33 +58,33 @@ def _engine_with_script(answers: dict, hang_up_after: int | None = None, hang_up
 
 
 def test_replies_are_read_in_order_and_kept_for_their_readers():
-    engine, seen = _engine_with_script({"update_done": None, "score": [[-1.0]], "stats": {"n": 1}})
+    engine, seen = _engine_with_script({"update_done": None, "logprobs": [[-1.0]], "stats": {"n": 1}})
     done = engine.send_command("update_done")
-    scores = engine.send_command("score", [[1, 2]])
+    scores = engine.send_command("logprobs", [[1, 2]])
     # a later call reads through the two replies before its own and keeps them for their Pending
     assert engine._call("stats") == (2, {"n": 1})
-    assert not engine._unread and seen == ["update_done", "score", "stats"]
+    assert not engine._unread and seen == ["update_done", "logprobs", "stats"]
     assert scores.result() == (1, [[-1.0]]) and done.result() == (0, None)
     assert scores.result() == (1, [[-1.0]])  # the same value on every call
 
 
 def test_a_failed_reply_raises_where_it_is_read_and_the_stream_stays_in_step():
-    engine, _ = _engine_with_script({"update_ipc": ValueError("no parameter named x"), "score": [[-2.0]]})
+    engine, _ = _engine_with_script({"update_ipc": ValueError("no parameter named x"), "logprobs": [[-2.0]]})
     failed = engine.send_command("update_ipc")
-    scores = engine.send_command("score", [[1, 2]])
+    scores = engine.send_command("logprobs", [[1, 2]])
     assert scores.result() == (1, [[-2.0]])  # read past the failure: it is kept for its own reader
     with pytest.raises(RolloutError, match="no parameter named x"):
         failed.result()
     with pytest.raises(RolloutError, match="no parameter named x"):
         failed.result()  # and stays raised
-    assert engine._call("score", [[3]]) == (2, [[-2.0]])  # the next command gets its own reply
+    assert engine._call("logprobs", [[3]]) == (2, [[-2.0]])  # the next command gets its own reply
 
 
 def test_a_lost_connection_fails_every_reply_still_owed_and_every_later_command():
     sent = threading.Event()
-    engine, _ = _engine_with_script({"update_ipc": None, "score": [[0.0]]}, hang_up_after=1, hang_up_when=sent)
+    engine, _ = _engine_with_script({"update_ipc": None, "logprobs": [[0.0]]}, hang_up_after=1, hang_up_when=sent)
     first = engine.send_command("update_ipc")
-    lost = [engine.send_command("score", [[1]]) for _ in range(2)]
+    lost = [engine.send_command("logprobs", [[1]]) for _ in range(2)]
     sent.set()  # every command is on its way: now the server hangs up instead of answering the first score
     assert first.result() == (0, None)
     with pytest.raises(ConnectionLost, match="connection lost"):
@@ -110,10 +110,10 @@ def test_a_later_reply_read_first_fails_with_the_lost_connection_not_as_unowed()
 
 
 def test_all_of_reads_every_reply_before_raising_the_first_failure():
-    a, _ = _engine_with_script({"score": RuntimeError("server a broke")})
-    b, _ = _engine_with_script({"score": [[0.5]]})
+    a, _ = _engine_with_script({"logprobs": RuntimeError("server a broke")})
+    b, _ = _engine_with_script({"logprobs": [[0.5]]})
     with pytest.raises(RolloutError, match="server a broke"):
-        command_all([a, b], "score", [[1]])
+        command_all([a, b], "logprobs", [[1]])
     assert not a._unread and not b._unread  # b's reply was read too
     assert all_of([Pending.done(1), Pending.done(2)]).result() == [1, 2]
 
@@ -126,11 +126,11 @@ def test_a_reply_no_command_owes_is_an_error():
 
 
 def test_only_a_one_rank_engine_defers_and_an_awake_one_is_not_woken():
-    engine, seen = _engine_with_script({"score": [[-1.0]], "wake": {}})
+    engine, seen = _engine_with_script({"logprobs": [[-1.0]], "wake": {}})
     assert engine.defers_replies
-    owed = engine.score_replicas_later([[1, 2]])
+    owed = engine.logprobs_replicas_later([[1, 2]])
     engine.wake()  # awake already: no call, so the owed reply is not read here
     assert len(engine._unread) == 1
-    assert owed.result() == [(0, [[-1.0]])] and seen == ["score"]
+    assert owed.result() == [(0, [[-1.0]])] and seen == ["logprobs"]
     engine._d = object()  # several ranks: a failure must reach every rank at once, nothing is deferred
     assert not engine.defers_replies

@@ -93,4 +93,4 @@ def test_trainer_logprobs_match_hf_score(hf_rollout, tiny_model_path):
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
     hf_rollout.update_weights(model.named_parameters())
-    assert max(abs(a - b) for a, b in zip(trainer_logprobs(model, PROBE), hf_rollout.score([PROBE])[0])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(trainer_logprobs(model, PROBE), hf_rollout.logprobs([PROBE])[0])) < 1e-5

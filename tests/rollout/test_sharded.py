@@ -202,7 +202,7 @@ def test_a_failing_server_leaves_no_reply_unread_and_no_shard_in_flight():
     bad, good = FakeServer([0.0], fail_score=True), FakeServer([0.0])
     engine = ShardedRolloutEngine([bad, good])
     with pytest.raises(RolloutError, match="server failed"):
-        engine.score([[1, 2]])
+        engine.logprobs([[1, 2]])
     assert bad.queue == [] and good.queue == []  # the good server's reply was read too
     first, broken = FakeServer(), FakeServer(fail_submit=True)
     engine = ShardedRolloutEngine([first, broken])
@@ -246,7 +246,7 @@ def test_a_sync_reaches_both_servers_and_the_canary_sees_one_that_missed_it(two_
     r = sync_roundtrip(two_sidecars, tiny_model_path, stage=0)
     assert r["initial"] < TOL and r["stale"] > STALE_MIN and r["after"] < TOL and r["gen_diff"] < TOL, r
     # every server scores the probe alike after the sync
-    first, second = (e.score([PROBE])[0] for e in two_sidecars.engines)
+    first, second = (e.logprobs([PROBE])[0] for e in two_sidecars.engines)
     assert max(abs(a - b) for a, b in zip(first, second)) < TOL
     assert "not serving the trained weights" in skipped_sync_fires(two_sidecars, tiny_model_path, stage=0)
     # only one server gets the trained weights (either one): the canary checks both, so it fires
@@ -300,4 +300,4 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     assert len(samples) == len(prompts)  # the generation's reply was read past the failed load's
     with pytest.raises(RolloutError, match="no_such_layer"):
         bad.result()
-    assert len(two_sidecars.score([PROBE])[0]) == len(PROBE) - 1  # both servers still answer in step
+    assert len(two_sidecars.logprobs([PROBE])[0]) == len(PROBE) - 1  # both servers still answer in step

@@ -37,7 +37,7 @@ def test_rollout_logprobs_and_score_match_hf(vllm_rollout, hf_model):
     for s in vllm_rollout.generate([[1, 5, 6, 7], [1, 9]], spec):
         ref = reference_logprobs(response_logits(hf_model, s), s.response_ids, temperature=0.7, top_k=20)
         assert max(abs(a - b) for a, b in zip(ref.tolist(), s.logprobs)) < TOL
-    got = vllm_rollout.score([PROBE, PROBE[:10]])
+    got = vllm_rollout.logprobs([PROBE, PROBE[:10]])
     assert len(got[0]) == len(PROBE) - 1 and len(got[1]) == 9
     assert max(abs(a - b) for a, b in zip(trainer_logprobs(hf_model, PROBE), got[0])) < TOL
 

@@ -155,7 +155,7 @@ class FakeRollout(RolloutEngine):
                 out.append(RolloutSample(i, j, list(prompt), [7 + j] * n, [-0.1] * n, "length" if cut else "stop"))
         return out
 
-    def score(self, sequences):
+    def logprobs(self, sequences):
         raise NotImplementedError
 
     def update_weights(self, named_tensors):

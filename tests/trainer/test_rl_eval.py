@@ -61,7 +61,7 @@ class FakeEngine(RolloutEngine):
         self.wakes += 1
         super().wake(tags)
 
-    def score(self, sequences):
+    def logprobs(self, sequences):
         raise NotImplementedError
 
     def update_weights(self, named_tensors):

@@ -18,7 +18,7 @@ class Engine(RolloutEngine):
     def generate(self, prompts, spec):
         raise NotImplementedError
 
-    def score(self, sequences):
+    def logprobs(self, sequences):
         raise NotImplementedError
 
     def update_weights(self, named_tensors):

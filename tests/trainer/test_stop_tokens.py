@@ -151,7 +151,7 @@ class RecordingEngine(RolloutEngine):
         return [RolloutSample(i, j, list(p), [p[0], 2], [0.0, 0.0], "stop")
                 for i, p in enumerate(prompts) for j in range(spec.n)]
 
-    def score(self, sequences):
+    def logprobs(self, sequences):
         raise NotImplementedError
 
     def update_weights(self, named_tensors):

@@ -250,16 +250,16 @@ class RemoteVLLMEngine(RolloutEngine):
     def defers_replies(self) -> bool:
         return self._d is None  # one rank: a failure read later reaches the only rank there is
 
-    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
+    def logprobs_replicas_later(self, sequences: list[list[int]]) -> Pending:
         if not self.defers_replies:
-            return super().score_replicas_later(sequences)  # collective: every rank now
+            return super().logprobs_replicas_later(sequences)  # collective: every rank now
         self._check_idle()
-        reply = self.send_command("score", sequences)
+        reply = self.send_command("logprobs", sequences)
         return Pending(lambda: [reply.result()])
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         def run(groups):
-            flat = self._call("score", [s for g in groups for s in g])
+            flat = self._call("logprobs", [s for g in groups for s in g])
             bounds = [0]
             for g in groups:
                 bounds.append(bounds[-1] + len(g))

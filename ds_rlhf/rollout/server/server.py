@@ -43,8 +43,8 @@ def _handle(engine, cmd: str, args: tuple):
         seconds, tokens = engine.last_generate()
         return engine, {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds,
                         "tokens": tokens}
-    if cmd == "score":
-        return engine, engine.score(args[0])
+    if cmd == "logprobs":
+        return engine, engine.logprobs(args[0])
     if cmd == "init_group":
         engine.handle.init_weight_group(*args)
         return engine, None

@@ -13,10 +13,10 @@ processing: Python loops over the running requests, one thread per engine), not 
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
 - weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
   time (`calls.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
-  `update_weight_buckets_later` / `score_replicas_later` do not wait for the last replies (a sync with overlap: the
+  `update_weight_buckets_later` / `logprobs_replicas_later` do not wait for the last replies (a sync with overlap: the
   servers load and score the canary probe while the trainer goes on; the replies are read before the generation
   queued behind them).
-- `score_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
+- `logprobs_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
   against the trainer, so a server that missed a sync cannot hide behind one that did not; `score` is server 0's.
 - errors: a command goes to every server and every reply is read before the first failure is raised
   (`calls.command_all`), and a `submit` that fails part-way waits out the shards already sent, so no
@@ -120,16 +120,16 @@ class ShardedRolloutEngine(RolloutEngine):
         self._record_generate(samples, seconds, tokens)
         return samples
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.score_replicas(sequences)[0]
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.logprobs_replicas(sequences)[0]
 
-    def score_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+    def logprobs_replicas(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every server scores every sequence (at once): one list per server, for the canary to check each."""
-        return self.score_replicas_later(sequences).result()
+        return self.logprobs_replicas_later(sequences).result()
 
-    def score_replicas_later(self, sequences: list[list[int]]) -> Pending:
+    def logprobs_replicas_later(self, sequences: list[list[int]]) -> Pending:
         self._check_idle()
-        return all_of(send_all(self.engines, "score", sequences))
+        return all_of(send_all(self.engines, "logprobs", sequences))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
