@@ -197,3 +197,22 @@ def test_train_dpo_command_help_and_a_two_step_run(tiny_model_path, addition_sto
     bad = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "train-dpo", "--dpo.loss", "ipo",
                           "--dpo.margin", "1"], capture_output=True, text=True, timeout=300, env=clean_dist_env())
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "dpo.loss=ipo takes no" in bad.stderr
+
+
+def test_pipeline_runs_dpo_instead_of_rm_and_rl(tmp_path):
+    """`ds-rlhf pipeline --dpo`: data -> SFT -> DPO, no reward model or RL run; the summary's margin and accuracy
+    rise from the first DPO steps to the last."""
+    import json
+
+    out = tmp_path / "pipe"
+    run = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "pipeline", "--dpo", "--preset", "tiny",
+                          "--sft_steps", "60", "--dpo_steps", "20", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env=clean_dist_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "DPO   reward margin" in run.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["margin_last"] > summary["margin_first"] + 0.5
+    assert summary["accuracy_last"] > summary["accuracy_first"]
+    assert summary["eval_margin"] > 0.5 and summary["eval_accuracy"] > 0.6
+    assert (out / "dpo" / "export" / "config.json").exists()
+    assert not (out / "rm").exists() and not (out / "rl").exists()
