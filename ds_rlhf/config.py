@@ -1,4 +1,4 @@
-"""One config schema for every entry point (SFT, RM, PPO/GRPO).
+"""One config schema for every entry point (SFT, RM, PPO/GRPO, DPO).
 
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the

@@ -1,5 +1,5 @@
-"""The config schema's sections (`model`, `data`, `optim`, `rollout`, `rl`, `run`): one dataclass each, every field
-with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help` shows, and the section's
+"""The config schema's sections (`model`, `data`, `optim`, `rollout`, `rl`, `dpo`, `run`): one dataclass each, every
+field with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help` shows, and the section's
 cross-field rules in its `check`. `ds_rlhf/config.py` puts them together (`Config`) and parses, validates and
 prints them; import them from there.
 """
