@@ -1,4 +1,4 @@
-"""One config schema for every entry point (SFT, RM, PPO/GRPO).
+"""One config schema for every entry point (SFT, RM, PPO/GRPO, DPO).
 
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
@@ -24,6 +24,7 @@ from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     ConfigError,
     DataConfig,
+    DPOConfig,
     ModelConfig,
     OptimConfig,
     RLConfig,
@@ -41,6 +42,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     run: RunConfig = field(default_factory=RunConfig)
     ds_config: str = "ds_configs/zero2.json"
     zero_stage: int = opt(-1, choices=(-1, 0, 1, 2, 3))  # -1 = as in ds_config

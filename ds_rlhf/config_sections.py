@@ -1,5 +1,5 @@
-"""The config schema's sections (`model`, `data`, `optim`, `rollout`, `rl`, `run`): one dataclass each, every field
-with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help` shows, and the section's
+"""The config schema's sections (`model`, `data`, `optim`, `rollout`, `rl`, `dpo`, `run`): one dataclass each, every
+field with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help` shows, and the section's
 cross-field rules in its `check`. `ds_rlhf/config.py` puts them together (`Config`) and parses, validates and
 prints them; import them from there.
 """
@@ -353,6 +353,25 @@ class RLConfig:
                               f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "
                               "it for the evaluation would change the weights later batches are generated with: "
                               "use --rollout.max_staleness 1, or turn evaluation off")
+
+
+@dataclass
+class DPOConfig:
+    beta: float = opt(0.1, gt=0)  # DPO: the reward scale beta (IPO: the regularisation tau); rewards = beta * log-ratio
+    loss: str = opt("sigmoid", choices="dpo_loss")  # DPO loss on the log-ratio difference (docs/DPO.md)
+    label_smoothing: float = opt(0.0, ge=0, lt=0.5)  # DPO loss sigmoid: cDPO's share of flipped labels; 0 = DPO
+    margin: float = opt(0.0, ge=0)  # DPO loss sigmoid: SimPO's target reward margin gamma; 0 = DPO
+    length_norm: bool = False  # DPO: per-token average log-probs of each response instead of sums (SimPO-style)
+    reference: bool = True  # DPO: log-ratios against the starting model; false = reference-free (SimPO: + length_norm)
+    precompute_ref: bool = False  # DPO: the reference's log-probs of every row once at the start, then free it
+
+    def check(self, cfg: Config) -> None:
+        if self.loss == "ipo" and (self.label_smoothing > 0 or self.margin > 0):
+            raise ConfigError(f"dpo.loss=ipo takes no dpo.label_smoothing ({self.label_smoothing}) or dpo.margin "
+                              f"({self.margin}): they apply to dpo.loss=sigmoid; set them to 0 or use sigmoid")
+        if self.precompute_ref and not self.reference:
+            raise ConfigError("dpo.precompute_ref=true precomputes the reference's log-probs, but dpo.reference=false "
+                              "runs without a reference: drop one of them")
 
 
 @dataclass

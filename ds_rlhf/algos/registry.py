@@ -77,6 +77,7 @@ POLICY_LOSSES = Registry("rl.policy_loss")
 KL_ESTIMATORS = Registry("rl.kl_estimator")
 AGGREGATIONS = Registry("rl.loss_agg")
 MISMATCH_MODES = Registry("rl.mismatch")
+DPO_LOSSES = Registry("dpo.loss")
 
 ALL = {"advantage": ADVANTAGE_ESTIMATORS, "policy_loss": POLICY_LOSSES, "kl": KL_ESTIMATORS,
-       "aggregation": AGGREGATIONS, "mismatch": MISMATCH_MODES}
+       "aggregation": AGGREGATIONS, "mismatch": MISMATCH_MODES, "dpo_loss": DPO_LOSSES}

@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-rm": ("ds_rlhf.entrypoints.train:main_rm", "reward-model training on a `preference` store (step 2)"),
     "train-ppo": ("ds_rlhf.entrypoints.train:main_ppo", "RL (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++) with vLLM "
                                                         "rollouts (step 3)"),
+    "train-dpo": ("ds_rlhf.entrypoints.train:main_dpo", "DPO / IPO / SimPO-style training of the policy on a "
+                                                        "`preference` store (instead of RM + RL)"),
     "pipeline": ("ds_rlhf.entrypoints.pipeline:main", "the tiny end-to-end demo: data -> SFT -> RM -> RL on one CPU"),
     "prep-prompts": ("ds_rlhf.entrypoints.prep:main_prompts", "RL prompts (verl parquet, OpenRLHF JSONL, ...) -> "
                                                               "prompt store"),

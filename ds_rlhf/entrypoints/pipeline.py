@@ -6,7 +6,11 @@ step's input. The task is synthetic addition (operands up to 20) with the answer
 rule reward (`math_shaped`) gives 0.5 for that graded format and 0.5 for the right number. At the end
 a one-screen summary shows SFT eval loss, RM accuracy, and the reward before/after RL.
 
-  python launch/pipeline.py [--out runs/pipeline] [--preset small] [--rl_steps 30] [--algo grpo]
+With --dpo, DPO on the preference pairs (`ds-rlhf train-dpo`) replaces the reward model and RL steps; the summary
+shows the DPO reward margin and accuracy (chosen's implicit reward above rejected's) of the first and last training
+steps and on the held-out pairs.
+
+  python launch/pipeline.py [--out runs/pipeline] [--preset small] [--rl_steps 30] [--algo grpo] [--dpo]
   ds-rlhf pipeline [...]     (the same, as the installed command)
 """
 
@@ -41,7 +45,7 @@ def _run(step: str, cmd: list[str], log_dir: Path) -> float:
 
 def _worth_showing(line: str) -> bool:
     """Our own progress and summary lines, not the libraries' start-up chatter."""
-    return line.startswith(("[sft]", "[rm]", "[rl", "[data]", "[reward]")) and "resolved config" not in line
+    return line.startswith(("[sft]", "[rm]", "[dpo]", "[rl", "[data]", "[reward]")) and "resolved config" not in line
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -68,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rm_steps", type=int, default=60)
     parser.add_argument("--rl_steps", type=int, default=30)
     parser.add_argument("--algo", default="grpo", help="ppo | grpo | dr_grpo | rloo | reinforce_pp")
+    parser.add_argument("--dpo", action="store_true",
+                        help="after SFT, train the policy with DPO on the preference pairs instead of RM + RL")
+    parser.add_argument("--dpo_steps", type=int, default=60)
+    parser.add_argument("--dpo_beta", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -93,6 +101,30 @@ def _summary(args, out: Path, logs: Path, times: dict, t_start: float) -> None:
         "sft_eval_loss": _last(sft, "final/eval/loss"), "rm_eval_accuracy": _last(rm, "final/eval/accuracy"),
         "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
         "exact_first": _mean(exact[:k]), "exact_last": _mean(exact[-k:]), "seconds": times}, indent=1))
+
+
+def _dpo_summary(args, out: Path, logs: Path, times: dict, t_start: float) -> None:
+    """The summary of a `--dpo` pipeline (SFT -> DPO), also written to `out`/summary.json."""
+    sft, dpo = _metrics(out / "sft"), _metrics(out / "dpo")
+    margin = [r["rewards/margin"] for r in dpo if "rewards/margin" in r]
+    accuracy = [r["rewards/accuracy"] for r in dpo if "rewards/accuracy" in r]
+    k = max(1, min(5, len(margin) // 3))
+    result = {"sft_eval_loss": _last(sft, "final/eval/loss"),
+              "margin_first": _mean(margin[:k]), "margin_last": _mean(margin[-k:]),
+              "accuracy_first": _mean(accuracy[:k]), "accuracy_last": _mean(accuracy[-k:]),
+              "eval_margin": _last(dpo, "final/eval/rewards/margin"),
+              "eval_accuracy": _last(dpo, "final/eval/rewards/accuracy"), "seconds": times}
+    print("\n" + "=" * 72)
+    print("ds_rlhf pipeline summary (tiny default, synthetic addition task, DPO)")
+    print(f"  SFT   eval loss          {result['sft_eval_loss']:.3f}   {times['sft']:.0f}s")
+    print(f"  DPO   reward margin first {k} steps {result['margin_first']:.3f} -> last {k} steps "
+          f"{result['margin_last']:.3f}   (beta {args.dpo_beta}, {len(margin)} steps, {times['dpo']:.0f}s)")
+    print(f"        accuracy            {result['accuracy_first']:.1%} -> {result['accuracy_last']:.1%}")
+    print(f"        held-out pairs      margin {result['eval_margin']:.3f}, accuracy {result['eval_accuracy']:.1%}")
+    print(f"  total {time.time() - t_start:.0f}s; run directory: {out}")
+    print(f"  logs: {logs}; metrics: {out}/<step>/metrics.jsonl; final policy: {out / 'dpo' / 'export'}")
+    print("=" * 72)
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,6 +154,14 @@ def main(argv: list[str] | None = None) -> None:
                                 "--run.steps", str(args.sft_steps), "--optim.lr", "2e-3",
                                 "--optim.batch_size", "32", "--optim.micro_batch_size", "32",
                                 "--optim.warmup_steps", "10", *common], logs)
+    if args.dpo:
+        times["dpo"] = _run("dpo", [*entry, "train-dpo", "--model.path", str(out / "sft" / "export"),
+                                    "--data.train", str(stores["preference"]), "--run.output_dir", str(out / "dpo"),
+                                    "--run.steps", str(args.dpo_steps), "--dpo.beta", str(args.dpo_beta),
+                                    "--optim.lr", "1e-3", "--optim.batch_size", "32",
+                                    "--optim.micro_batch_size", "32", *common], logs)
+        _dpo_summary(args, out, logs, times, t_start)
+        return
     times["rm"] = _run("rm", [*entry, "train-rm", "--model.path", str(out / "sft" / "export"),
                               "--data.train", str(stores["preference"]), "--run.output_dir", str(out / "rm"),
                               "--run.steps", str(args.rm_steps), "--optim.lr", "1e-3",

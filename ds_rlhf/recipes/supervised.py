@@ -1,7 +1,8 @@
-"""The loop SFT and reward-model training share: batches from a store, micro-batches, eval, checkpoints, export.
+"""The loop SFT, reward-model and DPO training share: batches from a store, micro-batches, eval, checkpoints, export.
 
-A task (`SFTTask`, `RewardModelTask`) says how to build its engine and what a micro-batch's loss is; everything
-else — launch, config, resume, telemetry, progress bar — is this one implementation.
+A task (`SFTTask`, `RewardModelTask`, `DPOTask`) says how to build its engine and what a micro-batch's loss is
+(and, optionally, `prepare`: one pass over its rows before training); everything else — launch, config,
+resume, telemetry, progress bar — is this one implementation.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ds_rlhf.telemetry.logger import truncate_metrics
 
 
 class SupervisedTask(Protocol):
-    name: str  # "sft" | "rm"
+    name: str  # "sft" | "rm" | "dpo"
     store_kind: str  # the data store kind it reads
     progress_keys: tuple[str, ...]
 
@@ -126,6 +127,9 @@ class SupervisedTrainer:
             if ctx.dist.is_main:
                 truncate_metrics(ctx.run_dir, self.step)
             ctx.print(f"[{task.name}] resumed from {resume_from} at step {self.step}")
+        prepare = getattr(task, "prepare", None)  # a task's one-off pass over its rows before training (DPO)
+        if prepare is not None:
+            prepare(self.engine, ctx, store, train_idx, self.eval_rows)
         self.loader_iter = iter(self.loader)
 
     def train_step(self) -> dict:

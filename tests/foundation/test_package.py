@@ -25,6 +25,7 @@ HELP_TEXT = {
     "train-sft": "Supervised fine-tuning (step 1)",
     "train-rm": "Reward-model training (step 2)",
     "train-ppo": "Train a policy with RL (PPO, GRPO",
+    "train-dpo": "Direct preference optimisation of the policy",
     "pipeline": "data prep -> SFT -> reward model -> RL",
     "prep-prompts": "--input_key",
     "prep-gsm8k": "--kind",
