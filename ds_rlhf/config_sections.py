@@ -243,6 +243,10 @@ class RLConfig:
     gamma: float = opt(1.0, ge=0, le=1)
     lam: float = opt(0.95, ge=0, le=1)
     kl_coef: float = opt(0.0, ge=0)  # > 0 builds a frozen reference model
+    # on-policy distillation: a teacher (dir or Hub id, the actor's tokenizer) is the KL reference, so the student's
+    # per-token reverse KL to it is a reward (rl.kl_in reward, rl.kl_estimator k1) or a loss term (rl.kl_in loss);
+    # needs rl.kl_coef > 0; rl.reward_fn / rl.reward_model become optional (docs/DISTILLATION.md)
+    teacher: str = ""
     kl_estimator: str = opt("k3", choices="kl")  # k1 | k2 | k3
     kl_in: str = opt("loss", choices=("loss", "reward"))  # loss | reward
     kl_target: float = opt(0.0, ge=0)  # > 0 turns on the adaptive controller
@@ -295,6 +299,9 @@ class RLConfig:
         if self.dual_clip and not POLICY_LOSSES.get(self.policy_loss).meta.get("dual_clip"):
             raise ConfigError(f"rl.dual_clip={self.dual_clip} is a PPO-loss setting, but rl.policy_loss="
                               f"{self.policy_loss} does not take it: set --rl.dual_clip 0 or --rl.policy_loss ppo")
+        if self.teacher and not (self.kl_coef > 0 or self.kl_target > 0):
+            raise ConfigError(f"rl.teacher={self.teacher!r} distils through the KL term: set --rl.kl_coef > 0 (e.g. 1 "
+                              "with --rl.kl_in reward --rl.kl_estimator k1 for the per-token reverse KL as a reward)")
         if self.reward_model_weight != 1.0 and not (self.reward_fn and self.reward_model):
             raise ConfigError(f"rl.reward_model_weight={self.reward_model_weight} weighs the reward model against "
                               "reward functions: it needs both rl.reward_model and rl.reward_fn (or leave it at 1)")

@@ -98,8 +98,8 @@ class RewardStage:
     score + the functions' weighted sum), and applies the bad-reward policy to the functions' rewards."""
 
     def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
-        if fn is None and model is None:
-            raise ValueError("RewardStage needs a reward function, a reward model or both")
+        if fn is None and model is None and not ctx.cfg.rl.teacher:
+            raise ValueError("RewardStage needs a reward function, a reward model or both (or rl.teacher)")
         self.ctx, self.fn, self.model = ctx, fn, model
         self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
         self.bad_total = 0

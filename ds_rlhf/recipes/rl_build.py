@@ -156,14 +156,19 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:
-    """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0: with `model.share_base` the actor with its
-    adapters off (no second copy of the base), else a frozen engine of `model.path`."""
+    """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0: the teacher (`rl.teacher`, on-policy
+    distillation), or with `model.share_base` the actor with its adapters off (no second copy of the base), else a
+    frozen engine of `model.path`."""
     cfg = ctx.cfg
     if not (cfg.rl.kl_coef > 0 or cfg.rl.kl_target > 0):
         return None
+    frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1, frozen=True)
+    if cfg.rl.teacher:
+        path = resolve_model_path(cfg.rl.teacher, "rl.teacher")
+        ctx.print(f"[rl] rl.teacher: the KL reference is the teacher {path} (on-policy distillation)")
+        return build_reference(path, frozen, attn_impl=attn, kernels=cfg.model.kernels)
     if cfg.model.share_base:
         return build_shared_reference(actor)
-    frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1, frozen=True)
     return build_reference(ctx.model_path, frozen, attn_impl=attn, kernels=cfg.model.kernels)
 
 
@@ -212,7 +217,7 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
     `rl.reward_weights`). The reward model is a frozen engine of its own, or with `model.share_base` and an RM that
     is a LoRA adapter of the actor's base, its adapters + score head on that base (`engines/shared_reward.py`)."""
     if not ctx.cfg.rl.reward_model:
-        return RewardStage(ctx, fn=functions)
+        return RewardStage(ctx, fn=functions)  # neither (rl.teacher alone): every score 0, the KL term teaches
     path = resolve_model_path(ctx.cfg.rl.reward_model, "rl.reward_model")
     ds_config = ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
                               frozen=True)

@@ -111,7 +111,7 @@ def check_rl_eval(cfg: Config) -> None:
 
 def check_reward(cfg: Config) -> None:
     rl = cfg.rl
-    if not rl.reward_fn and not rl.reward_model:
+    if not rl.reward_fn and not rl.reward_model and not rl.teacher:
         raise ConfigError("no reward: set --rl.reward_fn (gsm8k | format | math_shaped | file.py:func) or "
                           "--rl.reward_model <reward model dir or Hub id>")
     if rl.reward_fn:
@@ -175,11 +175,30 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
         resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer")
     if kind != "rl":
         return
+    if cfg.rl.teacher and not _is_tiny(cfg.rl.teacher):
+        check_teacher(cfg, resolve_model_source(cfg.rl.teacher, "rl.teacher"))
     for key, spec in (("rl.reward_model", cfg.rl.reward_model), ("rl.critic_path", cfg.rl.critic_path)):
         if spec and not _is_tiny(spec):
             local = resolve_model_source(spec, key)
             if key == "rl.reward_model":  # a causal LM would score with a random head: refused now, in one line
                 check_reward_model_dir(local)
+
+
+def check_teacher(cfg: Config, teacher_dir: str) -> None:
+    """A teacher scores the student's tokens by id: its vocabulary must be the actor's (same size in config.json)."""
+    def vocab(path: str, key: str) -> int | None:
+        try:
+            return json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{key}={path!r}: unreadable model config ({exc})") from None
+
+    student = model_dir(cfg)
+    if student is None:  # a tiny model, built at set-up
+        return
+    ours, theirs = vocab(student, "model.path"), vocab(teacher_dir, "rl.teacher")
+    if ours and theirs and ours != theirs:
+        raise ConfigError(f"rl.teacher={cfg.rl.teacher!r} has a vocabulary of {theirs} tokens, the actor "
+                          f"{cfg.model.path!r} of {ours}: a teacher must share the actor's tokenizer")
 
 
 # config.json keys that give a model's context, as vLLM reads them (the smallest one present is the limit)
