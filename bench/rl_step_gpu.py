@@ -343,7 +343,7 @@ def train_mfu_params(model_dir: Path) -> int:
 
 def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops: float = 790.0) -> dict:
     """Training-phase MFU: 6 N FLOPs per trained token over the measured bf16 matmul peak of the H200
-    (790 TFLOP/s, device notes), prompt and response tokens counted."""
+    (790 TFLOP/s, measured with a bf16 matmul on the H200), prompt and response tokens counted."""
     n = train_mfu_params(model_dir)
     tokens = statistics.median(h_["throughput/tokens_per_s"] * h_["time/wall"] for h_ in steady)
     train_s = statistics.median(h_.get("time/train", 0.0) for h_ in steady)
