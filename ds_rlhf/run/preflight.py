@@ -186,19 +186,32 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
 
 def check_teacher(cfg: Config, teacher_dir: str) -> None:
     """A teacher scores the student's tokens by id: its vocabulary must be the actor's (same size in config.json)."""
-    def vocab(path: str, key: str) -> int | None:
-        try:
-            return json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{key}={path!r}: unreadable model config ({exc})") from None
-
     student = model_dir(cfg)
     if student is None:  # a tiny model, built at set-up
         return
-    ours, theirs = vocab(student, "model.path"), vocab(teacher_dir, "rl.teacher")
+    sizes = []
+    for key, path in (("model.path", student), ("rl.teacher", teacher_dir)):
+        config = model_config(path)
+        if config is None:
+            raise ConfigError(f"{key}={path!r}: no config.json (not a model directory)")
+        sizes.append(config.get("vocab_size"))
+    ours, theirs = sizes
     if ours and theirs and ours != theirs:
         raise ConfigError(f"rl.teacher={cfg.rl.teacher!r} has a vocabulary of {theirs} tokens, the actor "
                           f"{cfg.model.path!r} of {ours}: a teacher must share the actor's tokenizer")
+
+
+def model_config(local_dir: str) -> dict | None:
+    """The text model's settings from `local_dir`'s config.json (a multimodal config's `text_config`); None when
+    there is no config.json (a peft adapter directory)."""
+    path = Path(local_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: unreadable model config ({exc})") from None
+    return config.get("text_config") or config
 
 
 # config.json keys that give a model's context, as vLLM reads them (the smallest one present is the limit)
@@ -210,15 +223,8 @@ def model_context(local_dir: str) -> tuple[str, int] | None:
     """(config key, tokens): the longest sequence the model in `local_dir` takes, from its config.json (a
     multimodal config's `text_config`). None when config.json is absent (a peft adapter directory), names no
     context, or sets `rope_scaling` (a stretched context: vLLM derives it from the scaling)."""
-    path = Path(local_dir) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: unreadable model config ({exc})") from None
-    config = config.get("text_config") or config
-    if config.get("rope_scaling"):
+    config = model_config(local_dir)
+    if config is None or config.get("rope_scaling"):
         return None
     found = [(key, config[key]) for key in CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
     return min(found, key=lambda kv: kv[1]) if found else None
