@@ -61,6 +61,10 @@ def test_arithmetic_rows_are_fixed_correct_and_disjoint():
     assert min(ops.values()) > 100, ops
 
 
+def test_the_instruction_shows_no_number_a_policy_could_copy():
+    assert not re.search(r"\d", tasks.INSTRUCTION), tasks.INSTRUCTION
+
+
 def test_gsm8k_split_is_the_test_file_re_split(shared_data, tmp_path):
     files = tasks.write_gsm8k(shared_data / "gsm8k" / "test.jsonl", tmp_path)
     train, held = ([json.loads(x) for x in files[k].read_text().splitlines()] for k in ("train", "heldout"))
