@@ -62,6 +62,7 @@ class Split:
     peak: int  # the plan's peak per GPU (reserve excluded)
     reserve: int
     reasons: tuple[str, ...] = field(default=())
+    backend: str = "vllm"  # the rollout backend the plan assumes (on a GPU): no vLLM share to pick without vLLM
 
     def values(self) -> dict:
         return {"rollout.gpu_memory_utilization": self.gpu_memory_utilization,
@@ -70,15 +71,18 @@ class Split:
     def to_dict(self) -> dict:
         return {**self.values(), "picked": list(self.picked), "user": list(self.user), "capacity_bytes": self.capacity,
                 "device_total_bytes": self.device_total, "vllm_fraction_of_gpu": round(self.vllm_fraction, 4),
-                "planned_peak_bytes": self.peak, "reserve_bytes": self.reserve, "reasons": list(self.reasons)}
+                "planned_peak_bytes": self.peak, "reserve_bytes": self.reserve, "reasons": list(self.reasons),
+                "rollout_backend": self.backend}
 
     def line(self, cap_gb: float, kind: str = "rl") -> str:
         """`[rl] run.max_gpu_memory_gb=48: vLLM 0.06 of the GPU (2 engines), micro-batch 16384 tokens (...)`."""
         tag = {k: ", yours" if k in self.user else "" for k in KEYS}
         engines = f"{self.sidecar_engines} engine{'s' if self.sidecar_engines > 1 else ''}"
-        return (f"[{kind}] run.max_gpu_memory_gb={cap_gb:g}: vLLM {self.vllm_fraction:.3f} of the GPU ("
-                f"rollout.gpu_memory_utilization {self.gpu_memory_utilization:g} of the cap{tag[KEYS[0]]}; "
-                f"{engines}{tag[KEYS[2]]}), micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} (planned "
+        vllm = (f"vLLM {self.vllm_fraction:.3f} of the GPU (rollout.gpu_memory_utilization "
+                f"{self.gpu_memory_utilization:g} of the cap{tag[KEYS[0]]}; {engines}{tag[KEYS[2]]})"
+                if self.backend == "vllm" else f"rollout backend {self.backend} on a GPU (no vLLM share to pick)")
+        return (f"[{kind}] run.max_gpu_memory_gb={cap_gb:g}: {vllm}, "
+                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} (planned "
                 f"peak {fmt_bytes(self.peak)} + reserve {fmt_bytes(self.reserve)} of {fmt_bytes(self.capacity)}, "
                 f"{MARGIN:.0%} kept free); " + "; ".join(self.reasons))
 
@@ -198,7 +202,7 @@ def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split 
                                                  != cfg.rollout.sidecar_engines)) if on)
         user = tuple(k for k in KEYS if user_set(cfg, k))
         return Split(util, tokens, engines, picked, user, capacity, total, vllm_memory_fraction(trial, total),
-                     plan.peak, plan.settings.reserve, tuple(reasons))
+                     plan.peak, plan.settings.reserve, tuple(reasons), plan.settings.rollout)
     raise ConfigError(_nothing_fits(cfg, capacity, last))
 
 
