@@ -18,6 +18,12 @@ on one machine, async 138.9 completions/s with two engines against 117.4 with th
 in-process engine). The 1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
+    python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
+
+`--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens and (when they do not
+fit) the sidecar engine count are then chosen by the run (`ds_rlhf/memory/split.py`) unless given here
+(`--gpu-mem`, `--micro-batch-tokens`, `--sidecar-engines`); the JSON's `memory_split` records the split chosen
+and the values the run used. Without it the settings are the defaults above.
 
 An NVML sampler (100 ms) runs through the whole run; the JSON reports its mean over the steady steps and per
 phase, and a PNG timeline with the phases shaded is written beside it (`bench/gpu_timeline.py` renders it later
@@ -156,12 +162,17 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--sleep", action="store_true", help="vLLM sleep mode between rollouts (as TRL's bar ran)")
-    p.add_argument("--gpu-mem", type=float, default=0.35, help="vLLM gpu_memory_utilization")
+    p.add_argument("--gpu-mem", type=float, default=None,
+                   help="vLLM gpu_memory_utilization (default 0.35; with --max-gpu-memory-gb: chosen for the cap)")
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="data.micro_batch_tokens, the training phase's token budget per micro-batch (the workload is "
                         "the same whatever it is); 0 = per shape: 49152 for 0.5b (fastest measured on the H200, "
                         "docs/PERFORMANCE.md), 24576 for 1.5b (the fastest training phase measured that leaves "
-                        "the colocated engine its share; 49152 ran out of memory beside it)")
+                        "the colocated engine its share; 49152 ran out of memory beside it); with "
+                        "--max-gpu-memory-gb, 0 = chosen for the cap")
+    p.add_argument("--max-gpu-memory-gb", type=float, default=0.0,
+                   help="run.max_gpu_memory_gb: cap per GPU for the trainer and vLLM together; the run picks what "
+                        "--gpu-mem, --micro-batch-tokens and --sidecar-engines leave unset (0 = no cap)")
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
@@ -174,9 +185,10 @@ def main() -> None:
                    help="rollout.placement; default per shape: sidecar (--sidecar-engines processes on this GPU) for "
                         "0.5b, colocated (vLLM in the trainer's process) for 1.5b. --sleep and --variant need "
                         "colocated")
-    p.add_argument("--sidecar-engines", type=int, default=SIDECAR_ENGINES,
-                   help="rollout.sidecar_engines with the sidecar placement (default %(default)s: the measured best "
-                        "for this workload, docs/PERFORMANCE.md; the config's own default is 1)")
+    p.add_argument("--sidecar-engines", type=int, default=None,
+                   help=f"rollout.sidecar_engines with the sidecar placement (default {SIDECAR_ENGINES}: the measured "
+                        "best for this workload, docs/PERFORMANCE.md; the config's own default is 1; with "
+                        f"--max-gpu-memory-gb, {SIDECAR_ENGINES} unless it does not fit the cap, then fewer)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="")
@@ -189,7 +201,9 @@ def main() -> None:
                         "bench.full_head=true (also with --cfg) scores every position through the log-prob head, as "
                         "before the response-only head; model.kernels=none before liger: run it before liger runs")
     args = p.parse_args()
-    args.micro_batch_tokens = args.micro_batch_tokens or MICRO_BATCH_TOKENS[args.model]
+    if args.max_gpu_memory_gb < 0:
+        p.error("--max-gpu-memory-gb must be >= 0 (0 = no cap)")
+    args.left_to_run = resolve_defaults(args)
     base = _overrides(p, args.cfg)
     variants = []
     for item in args.variant:
@@ -228,6 +242,72 @@ def main() -> None:
         rollout.close()
 
 
+def resolve_defaults(args) -> list[str]:
+    """Fill in the bench's defaults for --gpu-mem, --micro-batch-tokens and --sidecar-engines where not given;
+    with --max-gpu-memory-gb the first two stay unset (the run picks them for the cap: returned as the names left
+    to it) and the engine count is the bench's default without being fixed (the run may lower it)."""
+    capped = args.max_gpu_memory_gb > 0
+    left = []
+    if args.gpu_mem is None:
+        args.gpu_mem = None if capped else 0.35
+        left += ["gpu_mem"] if capped else []
+    if not args.micro_batch_tokens:
+        args.micro_batch_tokens = 0 if capped else MICRO_BATCH_TOKENS[args.model]
+        left += ["micro_batch_tokens"] if capped else []
+    if args.sidecar_engines is None:
+        args.sidecar_engines = SIDECAR_ENGINES
+        left += ["sidecar_engines"] if capped else []
+    return left
+
+
+def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path, extra: list[str]
+                ) -> tuple[list[str], dict]:
+    """The trainer's command line and entry-point defaults for one run: what the bench leaves to the run under
+    --max-gpu-memory-gb is not on the command line (the sidecar engine count goes in as a default, which the
+    run may lower to fit the cap)."""
+    left = set(args.left_to_run)
+    defaults = {}
+    engines = []
+    if placement == "sidecar":
+        if "sidecar_engines" in left:
+            defaults = {"rollout": {"sidecar_engines": args.sidecar_engines}}
+        else:
+            engines = ["--rollout.sidecar_engines", str(args.sidecar_engines)]
+    argv = [
+        "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
+        "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
+        "--rollout.placement", placement, "--rollout.async_generation", str(args.asynchronous), *engines,
+        "--run.overwrite", "true",
+        "--rl.reward_fn", f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio",
+        "--rl.prompts_per_step", str(args.prompts), "--rollout.n_samples", str(args.samples),
+        "--rollout.max_new_tokens", str(args.new_tokens), "--rollout.sleep", str(args.sleep),
+        *([] if "gpu_mem" in left else ["--rollout.gpu_memory_utilization", str(args.gpu_mem)]),
+        "--data.max_prompt_len", str(args.prompt_len),
+        *([] if "micro_batch_tokens" in left else ["--data.micro_batch_tokens", str(args.micro_batch_tokens)]),
+        "--model.gradient_checkpointing",
+        str(args.grad_ckpt), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
+        "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1",
+        *(["--run.max_gpu_memory_gb", f"{args.max_gpu_memory_gb:g}"] if args.max_gpu_memory_gb > 0 else []), *extra]
+    return argv, defaults
+
+
+def memory_split(cfg, total: int | None) -> dict | None:
+    """The split of the cap the run picks (`memory/split.py`, planned on a copy before the run starts), or None
+    without a cap; `used` is filled in with the values the run then trained with."""
+    from ds_rlhf.memory.split import choose_split
+
+    if cfg.run.max_gpu_memory_gb <= 0:
+        return None
+    split = choose_split(cfg, total or int(cfg.run.max_gpu_memory_gb * 1024 ** 3))
+    return {"max_gpu_memory_gb": cfg.run.max_gpu_memory_gb, **(split.to_dict() if split else {"picked": []})}
+
+
+def used_split(cfg) -> dict:
+    r = cfg.rollout
+    return {"rollout.gpu_memory_utilization": r.gpu_memory_utilization,
+            "data.micro_batch_tokens": cfg.data.micro_batch_tokens, "rollout.sidecar_engines": r.sidecar_engines}
+
+
 def _overrides(p, items: list[str]) -> list[str]:
     out = []
     for item in items:
@@ -255,19 +335,9 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         raise SystemExit(f"unknown bench switch(es) {unknown}: the one there is is bench.full_head")
     full_head(switches.get("full_head", False))
     run_dir = Path(args.workdir) / f"run-{tag}"
-    cfg = parse_config([
-        "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
-        "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
-        "--rollout.placement", placement, "--rollout.async_generation", str(args.asynchronous),
-        *(["--rollout.sidecar_engines", str(args.sidecar_engines)] if placement == "sidecar" else []),
-        "--run.overwrite", "true",
-        "--rl.reward_fn", f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio",
-        "--rl.prompts_per_step", str(args.prompts), "--rollout.n_samples", str(args.samples),
-        "--rollout.max_new_tokens", str(args.new_tokens), "--rollout.sleep", str(args.sleep),
-        "--rollout.gpu_memory_utilization", str(args.gpu_mem), "--data.max_prompt_len", str(args.prompt_len),
-        "--data.micro_batch_tokens", str(args.micro_batch_tokens), "--model.gradient_checkpointing",
-        str(args.grad_ckpt), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
-        "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1", *extra])
+    argv, defaults = config_argv(args, model, prompts, placement, run_dir, extra)
+    cfg = parse_config(argv, defaults)
+    split = memory_split(cfg, torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     from gpu_timeline import Sampler, render
     from gpu_timeline import summarize as summarize_gpu
     from low_memory_machine import git_commit
@@ -278,6 +348,8 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         if keep_engine:
             trainer.parts.owns_rollout = False  # the next variant trains on it; main() closes it at the end
         setup_s = time.time() - t1
+        if split is not None:
+            split["used"] = used_split(cfg)  # the trainer's preflight wrote its split into cfg
         step_ends = []
         history = []
         t_train = time.time()
@@ -290,7 +362,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     events = list(trainer.timer.events)
     result = {"tag": tag, "commit": git_commit(), "config": vars(args), "overrides": extra, "bench_switches": switches,
               "kernels": kernels_used(trainer.parts.actor), "setup_seconds": setup_s,
-              "engine_reused": rollout is not None, "total_seconds": time.time() - t0,
+              "engine_reused": rollout is not None, "memory_split": split, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
               "gpu": summarize_gpu(sampler.samples, events, window), "history": history,

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
 from ds_rlhf.algos.registry import ALL
@@ -48,6 +48,9 @@ class Config:
     zero_stage: int = opt(-1, choices=(-1, 0, 1, 2, 3))  # -1 = as in ds_config
     offload: bool = False  # offload optimizer (and ZeRO-3 params) to CPU
     local_rank: int = -1  # set by the `deepspeed` launcher; accepted and ignored otherwise
+    # dotted keys a --config file or the command line set (parse_config; not entry-point defaults): settings a
+    # run may choose itself when the user left them, e.g. the memory split under run.max_gpu_memory_gb
+    given: ClassVar[frozenset] = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -292,19 +295,38 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
+def _dotted(key: str) -> str:
+    section, name = _resolve_key(key)
+    return f"{section}.{name}" if section else name
+
+
+def _mapping_keys(mapping: dict, prefix: str = "") -> list[str]:
+    """The dotted keys a nested mapping sets (as `apply_mapping` reads it)."""
+    out = []
+    for key, value in mapping.items():
+        full = f"{prefix}{key}"
+        out += _mapping_keys(value, f"{full}.") if isinstance(value, dict) and full in SECTIONS else [_dotted(full)]
+    return out
+
+
 def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
-    """Build a Config from entry-point defaults, an optional --config file and --key value overrides."""
+    """Build a Config from entry-point defaults, an optional --config file and --key value overrides; `given` holds
+    the keys the file and the overrides set."""
     cfg = Config()
     apply_mapping(cfg, defaults or {})
     pairs = _split_overrides(argv)
+    given: list[str] = []
     for key, value in pairs:
         if key == "config":
             if value is None:
                 raise ConfigError("--config needs a file path")
-            apply_mapping(cfg, load_file(value))
+            mapping = load_file(value)
+            apply_mapping(cfg, mapping)
+            given += _mapping_keys(mapping)
     for key, value in pairs:
         if key == "config":
             continue
+        given.append(_dotted(key))
         if value is None:
             section, name = _resolve_key(key)
             target = getattr(cfg, section) if section else cfg
@@ -313,6 +335,7 @@ def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
             value = "true"
         set_value(cfg, key, value)
     cfg.check()
+    cfg.given = frozenset(given)
     return cfg
 
 

@@ -409,4 +409,6 @@ class RunConfig:
     profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
     health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
-    max_gpu_memory_gb: float = opt(0.0, ge=0)  # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off
+    # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off. RL: picks rollout.gpu_memory_utilization,
+    # data.micro_batch_tokens (and fewer rollout.sidecar_engines if needed) unless set (docs/LOW_MEMORY.md)
+    max_gpu_memory_gb: float = opt(0.0, ge=0)  # per-GPU cap, trainer+vLLM (0 off); picks unset vLLM share, micro-batch

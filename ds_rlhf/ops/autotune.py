@@ -25,7 +25,9 @@ multi-GPU box it measures one GPU). Its throughput is the median over its steps 
 Time: the search never runs past `--budget`. A trial starts only when the time left exceeds 1.25 x the longest
 trial so far, and one still running when the budget ends is killed (its whole process group) and recorded as
 `timeout`. A trial that fails (non-zero exit, CUDA or vLLM out-of-memory in its log or status.json, no metrics) is
-recorded with the reason, and the search goes on. Exit status: 0 when a trial succeeded (overrides.yaml
+recorded with the reason, and the search goes on. Under `run.max_gpu_memory_gb` the baseline is the split of the
+cap the trainer picks (`memory/split.py`), and a trial whose memory plan does not fit the cap is recorded as
+`skipped` ("does not fit the cap: ...") without being run. Exit status: 0 when a trial succeeded (overrides.yaml
 written), 1 when none did, 2 for bad arguments or a bad config.
 """
 
@@ -46,6 +48,8 @@ from pathlib import Path
 from ds_rlhf.config import Config, ConfigError, parse_config, set_value
 from ds_rlhf.distributed import clean_dist_env
 from ds_rlhf.entrypoints.train import PPO_DEFAULTS
+from ds_rlhf.memory import cap as memory_cap
+from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.run.monitor import is_oom, read_status
 from ds_rlhf.telemetry.logger import read_metrics
 
@@ -58,6 +62,7 @@ TRIAL_SETTINGS = ["--run.overwrite", "true", "--run.resume", "", "--run.progress
                   "--run.save_every", "0", "--run.keep_last", "1"]
 VLLM_ONLY = ("rollout.gpu_memory_utilization", "rollout.max_num_seqs", "rollout.sidecar_engines")  # not with hf
 KILL_MARGIN_S = 2.0  # the search's own bookkeeping after the last trial
+NOT_RUN = ("invalid", "skipped")  # a config the schema refuses; one whose plan does not fit run.max_gpu_memory_gb
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Trial:
     index: int
     knobs: dict  # every searched knob's value in this trial
     changed: str  # the knob this trial changed ("" for the baseline)
-    status: str = "pending"  # ok | oom | failed | timeout | invalid | no-metrics | skipped
+    status: str = "pending"  # ok | oom | failed | timeout | invalid | no-metrics | skipped (does not fit the cap)
     seconds: float = 0.0
     objective: float | None = None
     completions_per_s: float | None = None
@@ -239,13 +244,26 @@ def _knob_args(knobs: dict) -> list[str]:
     return [a for key, value in knobs.items() for a in (f"--{key}", _fmt(value))]
 
 
-def _check(base_argv: list[str], knobs: dict) -> str:
-    """'' when the trial's config parses, else the one-line config error."""
+def _check(base_argv: list[str], knobs: dict) -> tuple[str, str]:
+    """("", "") when the trial's config parses and, under `run.max_gpu_memory_gb`, its plan fits the cap (with the
+    split the trainer would pick for what is left unset); else ("invalid" | "skipped", the one-line reason)."""
     try:
-        parse_config(base_argv + _knob_args(knobs), PPO_DEFAULTS)
+        cfg = parse_config(base_argv + _knob_args(knobs), PPO_DEFAULTS)
     except ConfigError as exc:
-        return str(exc)
-    return ""
+        return "invalid", str(exc)
+    if cfg.run.max_gpu_memory_gb <= 0:
+        return "", ""
+    try:
+        total = memory_cap.local_gpu_total() or memory_cap.cap_bytes(cfg)
+        split = choose_split(cfg, total)
+        if split is not None:
+            apply_split(cfg, split)
+        memory_cap.check_memory_cap(cfg, kind="rl", total_bytes=total, world_size=1)
+    except ConfigError as exc:
+        return "skipped", f"does not fit the cap: {exc}"
+    except (OSError, ValueError) as exc:  # no config.json to plan from: the trial itself says what is wrong
+        return "", f"{type(exc).__name__}: {exc}"
+    return "", ""
 
 
 def run_search(base_argv: list[str], knobs: dict[str, list], out: Path, *, budget_s: float, steps: int = 4,
@@ -267,16 +285,17 @@ def run_search(base_argv: list[str], knobs: dict[str, list], out: Path, *, budge
         knobs_now = {**point, **({changed: value} if changed else {})}
         trial = Trial(len(search.trials), knobs_now, changed)
         left = deadline - time.monotonic() - KILL_MARGIN_S
-        longest = max((t.seconds for t in search.trials if t.status != "invalid"), default=0.0)
-        if max_trials and len([t for t in search.trials if t.status != "invalid"]) >= max_trials:
+        longest = max((t.seconds for t in search.trials if t.status not in NOT_RUN), default=0.0)
+        if max_trials and len([t for t in search.trials if t.status not in NOT_RUN]) >= max_trials:
             search.stopped = f"--max-trials {max_trials} reached"
             break
         if left <= 1.0 or (longest and left < 1.25 * longest):
             search.stopped = (f"budget: {max(left, 0):.0f}s left, less than 1.25 x the longest trial "
                               f"({longest:.0f}s)")
             break
-        if error := _check(base_argv, knobs_now):
-            trial.status, trial.error = "invalid", error
+        status, error = _check(base_argv, knobs_now)
+        if status:
+            trial.status, trial.error = status, error
         else:
             run_dir = out / "trials" / f"{trial.index:02d}"
             argv = [*base_argv, *_knob_args(knobs_now), "--run.steps", str(steps), "--run.output_dir",
@@ -371,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
         cfg = parse_config(base_argv, PPO_DEFAULTS)
+        if cfg.run.max_gpu_memory_gb > 0:  # the search starts from the split the trainer would pick for the cap
+            split = choose_split(cfg, memory_cap.local_gpu_total() or memory_cap.cap_bytes(cfg))
+            if split is not None:
+                apply_split(cfg, split)
+                print(f"[autotune] the baseline: {split.line(cfg.run.max_gpu_memory_gb)}")
         knobs, skipped = default_knobs(cfg, parse_search(args.search))
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"ds-rlhf autotune: {exc}", file=sys.stderr)
         return 2
     for key, why in skipped.items():

@@ -4,7 +4,12 @@
     ds-rlhf memory --config run.yaml --gpu-memory-gb 80   # plan for another card
     ds-rlhf memory --config run.yaml --world-size 8 --rollout.gpu_memory_utilization 0.4 --json
 
-Any trainer setting can follow as `--section.key value` (as for the trainer). The plan is per rank: parameters,
+    ds-rlhf memory --config run.yaml --gpu-memory-gb 141 --run.max_gpu_memory_gb 48   # the split for a cap
+
+Any trainer setting can follow as `--section.key value` (as for the trainer). With `--run.max_gpu_memory_gb` the
+plan is for the cap (min(cap, device)), and an RL plan first shows the split of the cap the trainer would pick for
+what the command line and the config leave unset (`memory/split.py`: vLLM's share, micro-batch tokens, sidecar
+engines) and plans with it. The plan is per rank: parameters,
 gradients, optimizer states (by ZeRO stage, offload and world size), activations of one micro-batch, the rollout
 engine's weights and KV cache, and the device peak of the rollout and train phases against the device's memory.
 Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is computed: `memory/plan.py`.
@@ -18,7 +23,9 @@ import os
 import sys
 
 from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.memory.cap import capped_total
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
+from ds_rlhf.memory.split import apply_split, choose_split
 
 COLUMNS = (("weights", "params"), ("grads", "grads"), ("optim", "optimizer_states"), ("activ", "activations"),
            ("bucket", "buffers"), ("KV", "kv_cache"), ("device", "device_total"), ("host", "host"))
@@ -67,7 +74,8 @@ def format_plan(plan: MemoryPlan) -> str:
         " + weight offload" if s.offload_param else "")
     rollout = s.rollout
     if s.rollout != "none":
-        rollout += f" {s.placement}" + (", sleeps while training" if s.sleep and s.device == "cuda" else "")
+        rollout += f" {s.placement}" + (", sleeps while training" if s.sleep and s.device == "cuda"
+                                          and s.placement == "colocated" else "")
     head = (f"memory plan ({s.kind}) per rank: {s.world_size} rank(s) on {s.device} ({s.device_name}, "
             f"{fmt_bytes(s.capacity)}), {s.precision}, {zero}, {s.optimizer}, micro-batch {s.tokens} tokens "
             f"(sequences of {s.seq_len}), gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
@@ -100,12 +108,33 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config((["--config", args.config] if args.config else []) + rest)
         device, capacity, name, world = target_device(args)
         reserve = None if args.reserve_gb is None else int(args.reserve_gb * GiB)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"ds-rlhf memory: {exc}", file=sys.stderr)
+        return 2
+    split = None
+    if cfg.run.max_gpu_memory_gb > 0 and device == "cuda":
+        name = f"{name}, run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}"
+        try:
+            split = choose_split(cfg, capacity, world_size=world) if args.kind == "rl" else None
+        except ConfigError as exc:  # no split fits the cap
+            print(f"ds-rlhf memory: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"ds-rlhf memory: {exc}", file=sys.stderr)
+            return 2
+        if split is not None:
+            apply_split(cfg, split)
+        capacity = capped_total(cfg, capacity)
+    try:
         plan = plan_memory(cfg, kind=args.kind, device=device, capacity=capacity, device_name=name,
                            world_size=world, reserve=reserve)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"ds-rlhf memory: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "split": split.to_dict() if split else None}, indent=1))
+    else:
+        print((f"split: {split.line(cfg.run.max_gpu_memory_gb, args.kind)}\n\n" if split else "") + format_plan(plan))
     return 0 if plan.fits else 1
 
 

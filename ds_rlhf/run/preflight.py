@@ -6,7 +6,8 @@ Hugging Face Hub id resolved to its cached snapshot, downloaded only when online
 prompt store (opened, which verifies its checksums and statistics; the held-out eval store too when RL evaluation
 is on), the RL sequence budget against the models' context (config.json), the reward function file,
 the resume directory, the DeepSpeed config, and the
-low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` the run's memory plan (from the
+low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` an RL run takes the split of the
+cap its memory plan picks for what the user left unset (`memory/split.py`), then the run's memory plan (from the
 models' config.json files only) must fit the cap (`memory/cap.py`). Each
 problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
 longer than the rollout budget, say) fails at once.
@@ -15,6 +16,7 @@ longer than the rollout budget, say) fails at once.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ds_rlhf.config import Config, ConfigError
@@ -24,6 +26,7 @@ from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_reward_model_dir
 from ds_rlhf.memory import cap as memory_cap
+from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.loading import check_spec, split_style
 from ds_rlhf.rewards.reward_set import parse_weights
@@ -264,11 +267,20 @@ def check_context(cfg: Config) -> None:
 
 
 def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
-    """With `run.max_gpu_memory_gb`: the run's plan fits the cap, else one line naming what to change."""
+    """With `run.max_gpu_memory_gb`: an RL run first takes the split of the cap the plan picks for the settings
+    the user left unset (`memory/split.py`: vLLM's share, the micro-batch tokens, fewer sidecar engines when
+    needed; one line says what), then the run's plan fits the cap, else one line naming what to change."""
     if cfg.run.max_gpu_memory_gb <= 0:
         return
 
     try:
+        if kind == "rl":
+            total = total_bytes or memory_cap.local_gpu_total() or memory_cap.cap_bytes(cfg)
+            split = choose_split(cfg, total, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+            if split is not None:
+                apply_split(cfg, split)
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(split.line(cfg.run.max_gpu_memory_gb), flush=True)
         memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)
     except ConfigError:
         raise

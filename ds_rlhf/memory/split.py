@@ -1,0 +1,242 @@
+"""The split of `run.max_gpu_memory_gb` between vLLM and the trainer, chosen from the memory plan (`plan.py`).
+
+With a cap C on a device of T bytes (the run may use min(C, T) = M per GPU), an RL run picks what the user left
+unset (`Config.given`: keys a --config file or the command line set are never changed):
+
+- `rollout.gpu_memory_utilization` (vLLM's share of the cap, the vLLM backend only): what vLLM needs for one step
+  in one wave, split over the engines. The KV cache for the step's sequences (`rl.prompts_per_step` x
+  `rollout.n_samples`, x the ranks or TP ranks one engine serves, as the plan counts them) of
+  `data.max_prompt_len + rollout.max_new_tokens` tokens (or `rollout.max_model_len`), rounded up to vLLM's
+  16-token blocks, at the model's KV bytes per token, times `KV_HEADROOM`; plus, per engine, the plan's weights
+  and profiling forward, or vLLM's sampler warm-up (`max_num_seqs` rows of fp32 logits and two copies, 1024 rows
+  unless `rollout.max_num_seqs` says otherwise) when that is larger, plus `VLLM_FIXED` (CUDA context, CUDA graphs,
+  vLLM's non-torch buffers). Rounded up to 0.01 of M;
+- `data.micro_batch_tokens`: the largest of `MICRO_BATCH_CANDIDATES` (at least one sequence long, at most the
+  first that holds the whole step) whose plan, with that vLLM share, keeps its peak plus the reserve under
+  M x (1 - `MARGIN`). The margin is what the plan misses: measured on the H200 for the 0.5B GRPO bench, the plan
+  is 5% under the allocator's peak and 10% under NVML's used memory (docs/OPERATOR_TOOLS.md). With the sidecar the
+  trainer's planned peak must also fit the allocator fraction the trainer process gets (`cap.trainer_memory_fraction`);
+- `rollout.sidecar_engines` is kept (each engine holds its own weights and warm-up), and lowered one at a time only
+  when nothing fits with it.
+
+`choose_split` is pure (it plans copies of the config); `apply_split` writes the picks into the config, and
+`run/preflight.py` calls both before it checks the cap. When nothing fits, one `ConfigError` line says what the
+smallest split needs and what would shrink it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from ds_rlhf.config import ConfigError, set_value
+from ds_rlhf.memory import meta_models
+from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
+from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, kv_bytes_per_token, plan_memory, remedies
+from ds_rlhf.memory.settings import rollout_backend
+
+MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048,
+                          1024, 512)
+MARGIN = 0.10  # of the capped bytes, kept free beyond the plan's reserve (see the module docstring)
+KV_HEADROOM = 1.25  # KV cache for the step's sequences x this
+VLLM_FIXED = 1 * GiB  # per engine: CUDA context, CUDA graphs, non-torch buffers (an assumption, not read from vLLM)
+VLLM_BLOCK = 16  # vLLM's KV cache block, in tokens
+VLLM_MAX_NUM_SEQS = 1024  # vLLM's default max_num_seqs on GPUs of 70 GiB and more (its sampler warm-up rows)
+MAX_VLLM_SHARE = 0.9  # of the cap: vLLM alone never takes more
+KEYS = ("rollout.gpu_memory_utilization", "data.micro_batch_tokens", "rollout.sidecar_engines")
+
+
+@dataclass(frozen=True)
+class Split:
+    """The chosen settings (every key of `KEYS`, the user's where given) and why."""
+
+    gpu_memory_utilization: float  # of the cap (the config's meaning under a cap)
+    micro_batch_tokens: int
+    sidecar_engines: int
+    picked: tuple[str, ...]  # the keys chosen here
+    user: tuple[str, ...]  # the keys the user set (`Config.given`), left as they are
+    capacity: int  # bytes per GPU the run may use: min(cap, device)
+    device_total: int
+    vllm_fraction: float  # of the whole GPU, as vLLM is given it
+    peak: int  # the plan's peak per GPU (reserve excluded)
+    reserve: int
+    reasons: tuple[str, ...] = field(default=())
+    backend: str = "vllm"  # the rollout backend the plan assumes (on a GPU): no vLLM share to pick without vLLM
+
+    def values(self) -> dict:
+        return {"rollout.gpu_memory_utilization": self.gpu_memory_utilization,
+                "data.micro_batch_tokens": self.micro_batch_tokens, "rollout.sidecar_engines": self.sidecar_engines}
+
+    def to_dict(self) -> dict:
+        return {**self.values(), "picked": list(self.picked), "user": list(self.user), "capacity_bytes": self.capacity,
+                "device_total_bytes": self.device_total, "vllm_fraction_of_gpu": round(self.vllm_fraction, 4),
+                "planned_peak_bytes": self.peak, "reserve_bytes": self.reserve, "reasons": list(self.reasons),
+                "rollout_backend": self.backend}
+
+    def line(self, cap_gb: float, kind: str = "rl") -> str:
+        """`[rl] run.max_gpu_memory_gb=48: vLLM 0.06 of the GPU (2 engines), micro-batch 16384 tokens (...)`."""
+        tag = {k: ", yours" if k in self.user else "" for k in KEYS}
+        engines = f"{self.sidecar_engines} engine{'s' if self.sidecar_engines > 1 else ''}"
+        vllm = (f"vLLM {self.vllm_fraction:.3f} of the GPU (rollout.gpu_memory_utilization "
+                f"{self.gpu_memory_utilization:g} of the cap{tag[KEYS[0]]}; {engines}{tag[KEYS[2]]})"
+                if self.backend == "vllm" else f"rollout backend {self.backend} on a GPU (no vLLM share to pick)")
+        return (f"[{kind}] run.max_gpu_memory_gb={cap_gb:g}: {vllm}, "
+                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} (planned "
+                f"peak {fmt_bytes(self.peak)} + reserve {fmt_bytes(self.reserve)} of {fmt_bytes(self.capacity)}, "
+                f"{MARGIN:.0%} kept free); " + "; ".join(self.reasons))
+
+
+def user_set(cfg, key: str) -> bool:
+    return key in getattr(cfg, "given", frozenset())
+
+
+def _with(cfg, **values):
+    """A copy of `cfg` with dotted-key values (the `given` keys kept)."""
+    out = copy.deepcopy(cfg)
+    for key, value in values.items():
+        set_value(out, key.replace("__", "."), value)
+    return out
+
+
+def _step_sequences(cfg, world_size: int) -> int:
+    """Sequences one vLLM engine generates per step, as `plan.plan_rollout` counts them."""
+    r = cfg.rollout
+    return cfg.rl.prompts_per_step * r.n_samples * (world_size if r.placement == "disaggregated"
+                                                    else r.tensor_parallel_size)
+
+
+def vllm_share_bytes(cfg, plan: MemoryPlan, engines: int, world_size: int) -> tuple[int, str]:
+    """Bytes vLLM needs under the cap for one step in one wave over `engines` engines (module docstring), and a
+    phrase saying what they hold. `plan`: any plan of `cfg` with the vLLM backend (its vllm row's weights and
+    profiling forward, which it counts for its own engine count)."""
+    row = next(r for r in plan.roles if r.role == "vllm")
+    planned_engines = cfg.rollout.sidecar_engines if cfg.rollout.placement == "sidecar" else 1
+    hf = meta_models.hf_config(cfg.model.path)
+    act = 2 if plan.settings.precision in ("bf16", "fp16") else 4
+    per_token = kv_bytes_per_token(hf, act, cfg.rollout.tensor_parallel_size)
+    length = -(-plan.settings.seq_len // VLLM_BLOCK) * VLLM_BLOCK
+    seqs = _step_sequences(cfg, world_size)
+    kv = int(seqs * length * per_token * KV_HEADROOM)
+    sampler = (cfg.rollout.max_num_seqs or VLLM_MAX_NUM_SEQS) * hf.vocab_size * 4 * 3
+    weights, profile = row.params // planned_engines, row.activations // planned_engines
+    per_engine = weights + max(profile, sampler) + VLLM_FIXED
+    what = (f"KV cache for {seqs} sequences of {plan.settings.seq_len} tokens x {KV_HEADROOM:g} "
+            f"({fmt_bytes(kv)}) + {engines} x {fmt_bytes(per_engine)} (weights, warm-up, CUDA context)")
+    return engines * per_engine + kv, what
+
+
+def micro_batch_candidates(cfg, seq_len: int) -> list[int]:
+    """`MICRO_BATCH_CANDIDATES` from one sequence up to the first that holds the whole step, largest first."""
+    step = cfg.rl.prompts_per_step * cfg.rollout.n_samples * seq_len  # a rank's step
+    fits = sorted(c for c in MICRO_BATCH_CANDIDATES if c >= seq_len)
+    if not fits:
+        return [seq_len]
+    upto = next((i for i, c in enumerate(fits) if c >= step), len(fits) - 1)
+    return list(reversed(fits[:upto + 1]))
+
+
+def _plan(cfg, capacity: int, world_size: int) -> MemoryPlan:
+    return plan_memory(cfg, kind="rl", device="cuda", capacity=capacity, device_name=f"{fmt_bytes(capacity)} cap",
+                       world_size=world_size)
+
+
+def _fits(cfg, plan: MemoryPlan, capacity: int, total: int, vllm_bytes: int) -> bool:
+    """The plan fits the cap less the reserve and `MARGIN`; with the sidecar the trainer's part also fits the
+    allocator fraction its process gets."""
+    if not plan.fits or plan.peak + plan.settings.reserve > capacity * (1 - MARGIN):
+        return False
+    if cfg.rollout.placement == "sidecar" and plan.settings.rollout == "vllm":
+        trainer = plan.peak - vllm_bytes
+        return trainer <= trainer_memory_fraction(cfg, total, "sidecar") * total
+    return True
+
+
+def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split | None:
+    """The split of `run.max_gpu_memory_gb` for the RL run of `cfg` on a device of `device_total_bytes` (module
+    docstring); None without a cap. Raises `ConfigError` (one line) when no split fits."""
+    if cfg.run.max_gpu_memory_gb <= 0:
+        return None
+    total = int(device_total_bytes)
+    capacity = capped_total(cfg, total)
+    vllm = rollout_backend(cfg, "cuda") == "vllm"
+    pick_util = vllm and not user_set(cfg, KEYS[0])
+    pick_tokens = not user_set(cfg, KEYS[1])
+    if not (pick_util or pick_tokens):
+        return None  # the user's split: `cap.check_memory_cap` alone says whether it fits
+    sidecar = cfg.rollout.placement == "sidecar"
+    engine_counts = ([cfg.rollout.sidecar_engines] if not sidecar or user_set(cfg, KEYS[2])
+                     else list(range(cfg.rollout.sidecar_engines, 0, -1)))
+    last = None
+    for engines in engine_counts:
+        trial = _with(cfg, rollout__sidecar_engines=engines) if sidecar else cfg
+        base = _plan(trial, capacity, world_size)
+        reasons, vllm_bytes = [], 0
+        util = cfg.rollout.gpu_memory_utilization
+        if vllm:
+            if pick_util:
+                need, what = vllm_share_bytes(trial, base, engines, world_size)
+                util = math.ceil(need / capacity * 100) / 100
+                reasons.append(f"vLLM: {what} = {fmt_bytes(need)}")
+                if util > MAX_VLLM_SHARE:
+                    last = (trial, base, f"vLLM alone needs {fmt_bytes(need)} ({what}), more than "
+                                         f"{MAX_VLLM_SHARE:.0%} of the cap")
+                    continue
+            vllm_bytes = int(util * capacity)
+        trial = _with(trial, rollout__gpu_memory_utilization=util)
+        seq_len = base.settings.seq_len
+        candidates = (micro_batch_candidates(trial, seq_len) if pick_tokens
+                      else [cfg.data.micro_batch_tokens])
+        chosen = _largest_fitting(trial, candidates, capacity, total, vllm_bytes, world_size)
+        if chosen is None:
+            smallest = _with(trial, data__micro_batch_tokens=candidates[-1])
+            last = (smallest, _plan(smallest, capacity, world_size),
+                    f"the smallest micro-batch ({candidates[-1] or 'optim.micro_batch_size'} tokens)")
+            continue
+        tokens, plan = chosen
+        if pick_tokens:
+            reasons.append(f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned peak fits")
+        if sidecar and engines < cfg.rollout.sidecar_engines:
+            reasons.append(f"{cfg.rollout.sidecar_engines} sidecar engines do not fit (a weight copy each)")
+        picked = tuple(k for k, on in zip(KEYS, (pick_util, pick_tokens, sidecar and engines
+                                                 != cfg.rollout.sidecar_engines)) if on)
+        user = tuple(k for k in KEYS if user_set(cfg, k))
+        return Split(util, tokens, engines, picked, user, capacity, total, vllm_memory_fraction(trial, total),
+                     plan.peak, plan.settings.reserve, tuple(reasons), plan.settings.rollout)
+    raise ConfigError(_nothing_fits(cfg, capacity, last))
+
+
+def _largest_fitting(cfg, candidates: list[int], capacity: int, total: int, vllm_bytes: int,
+                     world_size: int) -> tuple[int, MemoryPlan] | None:
+    """The largest candidate (largest first; the planned peak grows with the tokens) whose plan fits, by binary
+    search, with its plan."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        plan = _plan(_with(cfg, data__micro_batch_tokens=candidates[mid]), capacity, world_size)
+        if _fits(cfg, plan, capacity, total, vllm_bytes):
+            best, hi = (candidates[mid], plan), mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def _nothing_fits(cfg, capacity: int, last) -> str:
+    trial, plan, what = last
+    s = plan.settings
+    rollout = next((r for r in plan.roles if r.role == "vllm" or r.role.startswith("rollout")), None)
+    fixes = [n.removeprefix("FAIL: ") for n in plan.notes if n.startswith("FAIL")]
+    fixes += [f for f in remedies(trial, list(plan.roles), rollout, plan.phases, s)
+              if "micro-batch" not in f and "gpu_memory_utilization" not in f]
+    fixes = list(dict.fromkeys(fixes)) or ["a bigger cap"]
+    return (f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: no split of the cap fits this rl run: with "
+            f"{what} the plan needs about {fmt_bytes(plan.peak + s.reserve)} per GPU (reserve included) and "
+            f"{MARGIN:.0%} of the cap ({fmt_bytes(capacity)}) is kept free; to fit: {'; '.join(fixes)} "
+            "(`ds-rlhf memory --kind rl` with the same arguments prints the plan)")
+
+
+def apply_split(cfg, split: Split) -> None:
+    """Write the picked keys of `split` into `cfg` (the user's keys are left as they are)."""
+    values = split.values()
+    for key in split.picked:
+        set_value(cfg, key, values[key])
