@@ -84,8 +84,9 @@ class SandboxResult:
 
 @dataclass(frozen=True)
 class Sandbox:
-    """Limits for each call; `call(fn, kwargs)` runs a module-level function of a `.py` file, `run_code(code)`
-    executes Python source (its printed output is the result)."""
+    """Limits for each call; `call(fn, kwargs)` runs a module-level function of a `.py` file (that file is
+    imported afresh in every call's process, under its limits: keep its imports light), `run_code(code)` executes
+    Python source (its printed output is the result)."""
 
     timeout_s: float = 10.0
     cpu_seconds: int = 10
