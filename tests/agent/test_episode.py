@@ -123,16 +123,23 @@ def test_budgets_mark_episodes_truncated(tiny_tokenizer):
     for ep in turns:
         assert (ep.turns, ep.end, ep.truncated, ep.turn_rewards) == (3, "max_turns", True, [0.25] * 3)
         assert tiny_tokenizer.decode(ep.token_ids).count("More.") == 2  # no observation after the last turn
-    policy = ScriptedPolicy(tiny_tokenizer, {"alpha": chatter}, eot)
-    prompt = len(ChatRenderer(tiny_tokenizer).prompt_ids("alpha"))
-    budget = prompt + 30
-    (ep,) = EpisodeRunner(policy, tiny_tokenizer, nag, SPEC, max_turns=10, max_total_tokens=budget).run(["alpha"])
-    assert ep.end == "max_total_tokens" and ep.truncated and len(ep.token_ids) <= budget
-    last = policy.samples["alpha"][-1].response_ids
-    kept = [t for t, m in zip(ep.token_ids, ep.loss_mask) if m]
-    assert kept == [t for s in policy.samples["alpha"] for t in s.response_ids][:len(kept)]
-    assert len(ep.token_ids) == budget or ep.token_ids[-len(last):] == last
-    assert policy.specs[-1].max_new_tokens <= budget - prompt  # the generate call never asks past the budget
+    # two episodes with different room left share one generate call: it asks for the larger room, the runner cuts
+    # the other's turn at its own budget (a prefix of what generate returned, not stepped)
+    long_row = "beta " * 4
+    policy = ScriptedPolicy(tiny_tokenizer, {"alpha": ["Hello there friend " * 8] * 10,
+                                             "beta": ["Hello there friend " * 8] * 10}, eot)
+    prompts = {row: len(ChatRenderer(tiny_tokenizer).prompt_ids(row)) for row in ("alpha", long_row)}
+    assert prompts["alpha"] < prompts[long_row] < prompts["alpha"] + 30
+    budget = prompts["alpha"] + 30
+    alpha, beta = EpisodeRunner(policy, tiny_tokenizer, nag, SPEC, max_turns=10,
+                                max_total_tokens=budget).run(["alpha", long_row])
+    assert policy.specs[0].max_new_tokens == budget - prompts["alpha"]  # never past the largest room
+    for ep, key in ((alpha, "alpha"), (beta, "beta")):
+        assert (ep.end, ep.truncated, ep.turns, ep.turn_rewards) == ("max_total_tokens", True, 1, [])
+        assert len(ep.token_ids) == budget
+        kept = [t for t, m in zip(ep.token_ids, ep.loss_mask) if m]
+        assert kept == policy.samples[key][0].response_ids[:budget - ep.prompt_length]
+    assert len(policy.samples["beta"][0].response_ids) > budget - beta.prompt_length  # the runner did cut it
 
 
 def test_failing_tools_are_reported_and_the_runner_goes_on(tiny_tokenizer):
