@@ -104,7 +104,7 @@ class Sandbox:
 
     def _run(self, job: dict) -> SandboxResult:
         t0 = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="ds_rlhf_tool_") as work:
+        with tempfile.TemporaryDirectory(prefix="ds_rlhf_tool_", ignore_cleanup_errors=True) as work:
             result_path = os.path.join(work, ".ds_rlhf_result.json")
             job = {**job, "result_path": result_path, "cpu_seconds": self.cpu_seconds,
                    "memory_bytes": self.memory_mb << 20,
