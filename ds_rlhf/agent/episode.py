@@ -1,0 +1,207 @@
+"""The episode runner: many multi-turn episodes against one policy, token in / token out.
+
+An episode holds its token ids from the first prompt on. Each round, every episode waiting for the policy is sent
+in ONE `generate(prompts, spec)` call (any `RolloutEngine.generate`; episodes at different turns share it). The
+generated ids and their log-probs are appended exactly as returned; the decoded turn goes to the environment's
+`step` in a thread pool; its observation turns are rendered by the chat template (`rendering.py`), tokenized and
+appended after the generated ids. An episode whose step is still running does not hold back the others: a round
+starts as soon as any step has finished, with every episode that is waiting then.
+
+A turn ends at a stop token (the spec's, the tokenizer's EOS and end-of-turn token, and `</tool_call>` where the
+tokenizer has it as one token) or at `spec.max_new_tokens`. An episode ends when the environment says done, or is
+`truncated` at `max_turns` generated turns without done, or when its ids reach `max_total_tokens` (the turn that
+reaches it is cut there and not stepped; an observation that would pass it is not appended).
+
+Output (`Episode`): `token_ids`; `loss_mask` (1 on generated tokens, 0 on prompt and observation tokens);
+`logprobs` aligned with them (the rollout log-prob on generated tokens, 0.0 elsewhere); per-step rewards and their
+sum; turn count; `truncated` and why; the environment's and the tools' problems as `reports`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds_rlhf.agent.environment import StepResult, run_reset, run_step
+from ds_rlhf.agent.rendering import ChatRenderer
+from ds_rlhf.config import ConfigError
+from ds_rlhf.rollout.base import RolloutSample, SamplingSpec
+from ds_rlhf.rollout.stops import stop_token_ids
+
+GenerateFn = Callable[[list[list[int]], SamplingSpec], list[RolloutSample]]
+TOOL_CALL_END = "</tool_call>"
+
+
+@dataclass
+class Episode:
+    index: int
+    row: Any
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_length: int = 0
+    turn_rewards: list[float] = field(default_factory=list)
+    turns: int = 0  # generated turns
+    done: bool = False  # the environment ended it
+    truncated: bool = False
+    end: str = ""  # "done" | "max_turns" | "max_total_tokens" | "error"
+    actions: list[str] = field(default_factory=list)  # each turn's decoded text
+    observations: list[list[dict]] = field(default_factory=list)  # each step's turns, as rendered
+    reports: list[dict] = field(default_factory=list)
+    closed_by: str | None = field(default=None, repr=False)  # the stop token ending the last turn, as text
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.turn_rewards))
+
+    def _extend(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None) -> None:
+        self.token_ids.extend(int(t) for t in ids)
+        self.loss_mask.extend([mask] * len(ids))
+        self.logprobs.extend(list(logprobs) if logprobs is not None else [0.0] * len(ids))
+
+    def _finish(self, end: str) -> None:
+        self.end, self.truncated = end, end in ("max_turns", "max_total_tokens")
+
+
+class EpisodeRunner:
+    """Runs episodes: `run(rows)` -> one `Episode` per row, in order.
+
+    `env_factory()` makes one environment per episode (a class, `load_environment(...)`'s result, a lambda).
+    `spec`: the sampling of every turn (`n` must be 1; a seed is shifted each round so rounds differ).
+    `tools`: the tool specs shown in the prompt (default: the first environment's `specs`, as `ToolEnvironment`
+    has). `max_workers`: threads running environment resets and steps."""
+
+    def __init__(self, generate: GenerateFn, tokenizer, env_factory: Callable[[], Any], spec: SamplingSpec, *,
+                 max_turns: int = 4, max_total_tokens: int = 1024, max_workers: int = 8,
+                 system_prompt: str | None = None, tools: list[dict] | None = None) -> None:
+        if spec.n != 1:
+            raise ConfigError(f"episodes generate one sample per turn: SamplingSpec.n must be 1, got {spec.n}")
+        if max_turns < 1 or max_total_tokens < 1:
+            raise ConfigError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
+        self.generate, self.tokenizer, self.env_factory = generate, tokenizer, env_factory
+        self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
+        self.system_prompt, self.tools = system_prompt, tools
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        extra = [added[TOOL_CALL_END]] if TOOL_CALL_END in added else []
+        stops = tuple(dict.fromkeys([*spec.stop_token_ids, *stop_token_ids(tokenizer), *extra]))
+        self.spec = dataclasses.replace(spec, stop_token_ids=stops)
+        self.generate_calls: list[int] = []  # episodes per generate call, in order
+
+    def run(self, rows: Sequence[Any]) -> list[Episode]:
+        episodes = [Episode(i, row) for i, row in enumerate(rows)]
+        envs = [self.env_factory() for _ in rows]
+        tools = self.tools if self.tools is not None else getattr(envs[0], "specs", None) if envs else None
+        renderer = ChatRenderer(self.tokenizer, system_prompt=self.system_prompt, tools=tools)
+        with cf.ThreadPoolExecutor(self.max_workers, thread_name_prefix="ds_rlhf-env") as pool:
+            firsts = list(pool.map(_safe_reset, envs, rows))
+            waiting = []
+            for ep, first in zip(episodes, firsts):
+                if isinstance(first, BaseException):
+                    ep.reports.append({"turn": 0, "status": "error", "error": f"reset: {_describe(first)}"})
+                    ep._finish("error")
+                    continue
+                ep._extend(renderer.prompt_ids(first), 0)
+                ep.prompt_length = len(ep.token_ids)
+                waiting.append(ep)
+            stepping: dict[cf.Future, Episode] = {}
+            rounds = 0
+            while waiting or stepping:
+                waiting = [ep for ep in waiting if self._has_room(ep)]
+                if waiting:
+                    for ep, sample in zip(waiting, self._generate(waiting, rounds)):
+                        if self._take_turn(ep, sample):
+                            stepping[pool.submit(_safe_step, envs[ep.index], ep.actions[-1])] = ep
+                    rounds += 1
+                    waiting = []
+                if stepping:
+                    finished, _ = cf.wait(list(stepping), return_when=cf.FIRST_COMPLETED)
+                    for future in finished:
+                        ep = stepping.pop(future)
+                        if self._after_step(ep, future.result(), renderer):
+                            waiting.append(ep)
+        return episodes
+
+    def _has_room(self, ep: Episode) -> bool:
+        if len(ep.token_ids) >= self.max_total_tokens:
+            ep._finish("max_total_tokens")
+            return False
+        return True
+
+    def _generate(self, waiting: list[Episode], rounds: int) -> list[RolloutSample]:
+        room = max(self.max_total_tokens - len(ep.token_ids) for ep in waiting)
+        seed = None if self.spec.seed is None else self.spec.seed + rounds * 1_000_003
+        spec = dataclasses.replace(self.spec, max_new_tokens=min(self.spec.max_new_tokens, room), seed=seed)
+        samples = self.generate([list(ep.token_ids) for ep in waiting], spec)
+        self.generate_calls.append(len(waiting))
+        if len(samples) != len(waiting):
+            raise RuntimeError(f"generate returned {len(samples)} samples for {len(waiting)} prompts")
+        return samples
+
+    def _take_turn(self, ep: Episode, sample: RolloutSample) -> bool:
+        """Append the generated ids; True when the environment should step on them."""
+        ids, logprobs = list(sample.response_ids), list(sample.logprobs)
+        if len(ids) != len(logprobs):
+            raise RuntimeError(f"a sample has {len(ids)} tokens but {len(logprobs)} log-probs")
+        room = self.max_total_tokens - len(ep.token_ids)
+        cut = len(ids) > room
+        ids, logprobs = ids[:room], logprobs[:room]
+        ep._extend(ids, 1, logprobs)
+        ep.turns += 1
+        ep.actions.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        ep.closed_by = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.spec.stop_token_ids else None
+        if cut or (len(ep.token_ids) >= self.max_total_tokens and ep.closed_by is None):
+            ep._finish("max_total_tokens")
+            return False
+        return True
+
+    def _after_step(self, ep: Episode, result: StepResult | BaseException, renderer: ChatRenderer) -> bool:
+        """Record a finished step; True when the episode waits for the policy again."""
+        turn = ep.turns
+        if isinstance(result, BaseException):
+            ep.reports.append({"turn": turn, "status": "error", "error": f"step: {_describe(result)}"})
+            ep._finish("error")
+            return False
+        ep.turn_rewards.append(result.reward)
+        ep.reports.extend({"turn": turn, **r} for r in result.reports)
+        if result.done:
+            ep.done = True
+            ep._finish("done")
+            return False
+        if ep.turns >= self.max_turns:
+            ep._finish("max_turns")
+            return False
+        turns = renderer.observation_turns(result.messages)
+        ids = renderer.observation_ids(result.messages, ep.closed_by)
+        if len(ep.token_ids) + len(ids) >= self.max_total_tokens:
+            ep._finish("max_total_tokens")
+            return False
+        ep.observations.append(turns)
+        ep._extend(ids, 0)
+        return True
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _safe_reset(env, row):
+    try:
+        return run_reset(env, row)
+    except Exception as exc:  # noqa: BLE001  one episode's failure is its report, not the runner's end
+        return exc
+
+
+def _safe_step(env, text: str):
+    try:
+        return run_step(env, text)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def run_episodes(generate: GenerateFn, tokenizer, env_factory: Callable[[], Any], rows: Sequence[Any],
+                 spec: SamplingSpec, **kw) -> list[Episode]:
+    """`EpisodeRunner(generate, tokenizer, env_factory, spec, **kw).run(rows)`."""
+    return EpisodeRunner(generate, tokenizer, env_factory, spec, **kw).run(rows)
