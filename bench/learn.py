@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from learn_tasks.tasks import write_arithmetic, write_gsm8k
+from learn_tasks.tasks import INSTRUCTION, write_arithmetic, write_gsm8k
 
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.telemetry.logger import read_metrics
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
     stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len)
     result = {"task": args.task, "model": args.model, "model_name": Path(args.model).name, "device":
               _device_name(gpu), "date": time.strftime("%Y-%m-%d"), "settings": {
-                  k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)},
+                  k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
+              | {"instruction": INSTRUCTION},
               "modes": {}}
     for mode in args.modes:
         run_dir = work / f"run_{mode}"
