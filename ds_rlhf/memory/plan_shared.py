@@ -47,7 +47,7 @@ def shared_roles(cfg, kind: str, sources: dict[str, str], stage: int) -> dict[st
     if kind != "rl" or not shares_base(cfg):
         return {}
     out = {}
-    if "reference" in sources:
+    if "reference" in sources and not cfg.rl.teacher:  # a teacher is its own model (recipes/rl_build.py)
         out["reference"] = "the actor with LoRA off (model.share_base): no weights of its own"
     if "critic" in sources:
         out["critic"] = "LoRA adapters + value head on the actor's base (model.share_base): no base weights of its own"

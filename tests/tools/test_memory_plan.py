@@ -248,3 +248,21 @@ def test_share_base_lora_rm_adapter_holds_only_its_adapters_and_score(rm_adapter
     zero3 = _roles(_plan(*args[:2], "--zero_stage", "3", *args[4:], "--rl.reward_model", path,
                          "--model.share_base", "true"))["reward"]
     assert zero3.num_params == full.num_params and "share_base" not in zero3.detail
+
+
+def test_a_teacher_is_planned_as_the_reference_with_its_own_size(tmp_path):
+    """On-policy distillation (`rl.teacher`): the reference row is the teacher model, a frozen copy of its own size,
+    even with `model.share_base` (the teacher is not the actor's base)."""
+    from transformers import AutoConfig
+
+    student = AutoConfig.from_pretrained(_tiny())
+    teacher = AutoConfig.from_pretrained(_tiny(), num_hidden_layers=2 * student.num_hidden_layers, layer_types=None)
+    teacher.save_pretrained(tmp_path)
+    roles = _roles(_plan("--rl.kl_coef", "1", "--rl.teacher", str(tmp_path), "--rollout.backend", "hf"))
+    plain = _roles(_plan("--rl.kl_coef", "1", "--rollout.backend", "hf"))
+    assert plain["reference"].num_params == roles["actor"].num_params
+    assert roles["reference"].num_params > roles["actor"].num_params and roles["reference"].grads == 0
+    assert student.num_hidden_layers < teacher.num_hidden_layers
+    shared = _roles(_plan("--rl.kl_coef", "1", "--rl.teacher", str(tmp_path), "--model.lora_rank", "8",
+                          "--model.share_base", "true", "--rollout.backend", "hf"))
+    assert shared["reference"].num_params == roles["reference"].num_params
