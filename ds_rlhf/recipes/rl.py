@@ -2,12 +2,13 @@
 exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation before training and
 every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, a few samples every `run.sample_log_every`
 steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHITECTURE.md's table follows:
-    1  rollout      prompt rows -> RolloutBatch (`rollout_schedule.py`: in lockstep, or one step ahead)
+    1  rollout      prompt rows -> RolloutBatch (`rollout/service.py:RolloutService.batch`: in lockstep, or one
+                    step ahead)
     2  rewards      RolloutBatch -> ScoredBatch (`reward_stage.py`, with shaping)
     2b              dynamic sampling (`rl.dynamic_sampling`): rounds of 1 and 2 hand over a ScoredBatch
     3  trajectory   ScoredBatch -> Trajectory (pad, old / reference log-probs, values, advantages)
     4  update       Trajectory -> UpdateResult (`policy_update.py`)
-    5  publish      the new weights to the rollout engine (`RolloutSchedule.after_update`)
+    5  publish      the new weights to the rollout engine (`RolloutService.publish`)
     6  metrics      the step's metrics, averaged over ranks; the KL controller moves; sample rows when due
 
 Each stage takes values and returns a new value; none writes into another's. Building the parts is `rl_build.py`;
@@ -31,7 +32,7 @@ from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.recipes.rollout_schedule import RolloutSchedule, merge_reports
+from ds_rlhf.recipes.rollout_schedule import dynamic_batch, rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoints import CheckpointManager
@@ -48,7 +49,7 @@ PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch
 
 
 class TimedDraws:
-    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout schedule draws
+    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout service draws
     inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds move from
     `time/rollout` to `time/data` and `time/step` still counts them once."""
 
@@ -107,17 +108,17 @@ class RLTrainer:
             self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
             self.timer.observer = self.memory
         self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
-        self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=0)
+        self.service = rollout_service(self.parts, self.ctx, self.timer)
         if resume_from is not None:
             self._restore(resume_from)
         # Sync before the first rollout: after a resume the engine holds the weights on disk, not the restored ones,
         # and a shared engine may hold another run's weights. It also proves the sync path before any training.
-        self.last_sync = self.schedule.first_sync(self.step)
+        self.last_sync = self.service.start(self.step)
 
     # ---- state -------------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
         state = {"loader": self.parts.loader.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "generator": self.generator.get_state(), "rollout": self.schedule.state_dict()}
+                 "generator": self.generator.get_state(), "rollout": self.service.state_dict()}
         if self.best is not None:
             state["best"] = self.best.state_dict()
         return state
@@ -128,8 +129,7 @@ class RLTrainer:
         self.parts.loader.load_state_dict(state["loader"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.generator.set_state(state["generator"])
-        self.schedule = RolloutSchedule(self.parts, self.ctx, self.timer, start_step=self.step)
-        self.schedule.load_state_dict(state.get("rollout", {}))
+        self.service.load_state_dict(state.get("rollout", {}))
         if self.best is not None and state.get("best") is not None:
             self.best.load_state_dict(state["best"])
         if self.ctx.dist.is_main:
@@ -138,6 +138,7 @@ class RLTrainer:
         self.ctx.print(f"[rl] resumed from {path} at step {self.step}")
 
     def _save(self) -> None:
+        self.service.quiesce()  # the batch in flight collected (it is saved), every sync confirmed
         path = self.ckpt.save(self.step, self.parts.engines_to_checkpoint(), self._trainer_state())
         if self.best is not None and self.best.best_step == self.step and self.ctx.dist.is_main:
             info = {"step": self.step, "metric": self.best.metric_key, "mode": self.best.mode,
@@ -153,13 +154,14 @@ class RLTrainer:
         t0 = time.perf_counter()
         cfg, ctx, parts, timer, step = self.cfg, self.ctx, self.parts, self.timer, self.step
         kl_coef = self.kl_ctl.value
-        # 1 rollout: this step's prompt rows, generated with the weights of `batch.weights_version`
-        # 2b dynamic sampling: the schedule runs rounds of 1 and 2 itself and hands over a ScoredBatch
-        batch, report = self.schedule.next_batch(step, cfg.run.steps)
-        # 2 rewards (and shaping), unless the batch came scored (2b)
-        if isinstance(batch, ScoredBatch):
-            scored = batch
+        # 1 rollout: this step's prompt rows, generated with the weights of `batch.weights_version` (their sync
+        #   confirmed); with async generation the next step's batch is submitted and generates while this one trains
+        # 2b dynamic sampling: rounds of 1 and 2 hand over a ScoredBatch
+        if cfg.rl.dynamic_sampling:
+            scored = dynamic_batch(self.service, parts, ctx, timer, step)
         else:
+            batch = self.service.batch(step)
+            # 2 rewards (and shaping)
             with timer.phase("reward"):
                 scored = parts.reward(batch, step=step)
         # 3 trajectory: padded rows, old / reference log-probs, values, advantages
@@ -167,8 +169,9 @@ class RLTrainer:
         # 4 update: the policy (and critic) optimizer steps
         with timer.phase("train"):
             update = policy_update(parts.actor, parts.critic, traj, cfg, kl_coef=kl_coef, generator=self.generator)
-        # 5 publish: the new weights to the rollout engine (when the schedule syncs after this update)
-        report = merge_reports(report, self.schedule.after_update(step + 1))
+        # 5 publish: the new weights to the rollout service (synced now, without waiting, or at the next idle point)
+        self.service.publish(step + 1)
+        report = self.service.take_report()  # this step's syncs and confirmations
         # 6 metrics: this rank's, then averaged over ranks; the KL controller moves; sample rows when due
         metrics = step_metrics(ctx, scored, traj, update, kl_coef)
         metrics["rollout/staleness"] = step - scored.rollout.weights_version
@@ -197,17 +200,15 @@ class RLTrainer:
         """Held-out `eval/...` metrics of the weights after `self.step` updates (collective: every rank).
 
         The rollout engine must be idle: with `rollout.async_generation` the next step's batch is in flight here,
-        so it is collected first and kept as a finished ticket (`RolloutSchedule.state_dict` does exactly that, as
-        a checkpoint needs it), and the schedule then trains on it as it would have. In async mode the engine
-        also still holds the weights before the last update: it is synced now, which is the sync the schedule
-        would make before its next submit anyway (`RLConfig` refuses evaluation with `rollout.max_staleness` > 1,
-        where it would not), so every later batch is generated with the same weights as without evaluation; its
-        time is the next step's `time/sync`. `rl_eval.evaluate` restores every RNG, so training and its resume
-        are exactly as without evaluation.
+        so it is collected first and kept (`RolloutService.quiesce`, as before a checkpoint), and the service then
+        returns it as it would have. In async mode the engine also still holds the weights before the last update:
+        `quiesce(self.step)` syncs it now, which is the sync the service would make before its next submit anyway
+        (`RLConfig` refuses evaluation with `rollout.max_staleness` > 1, where it would not), so every later batch
+        is generated with the same weights as without evaluation; its time is the next step's `time/sync`.
+        `rl_eval.evaluate` restores every RNG, so training and its resume are exactly as without evaluation.
         """
-        self.schedule.settle()  # waits for the generation in flight (if any) and checks the last sync: idle after it
-        if self.schedule.engine_version != self.step:
-            self.last_sync = self.schedule.sync(self.step)
+        # waits for the generation in flight (if any), checks the last sync, syncs the step's weights: idle after it
+        self.last_sync = self.service.quiesce(self.step) or self.last_sync
         return self.evaluation.run(self.parts.rollout)
 
     def _eval_due(self) -> bool:

@@ -22,18 +22,7 @@ from ds_rlhf.algos.advantages import compute_advantages, estimator_inputs, token
 from ds_rlhf.algos.kl import kl_penalty
 from ds_rlhf.algos.shaping import truncated_rows
 from ds_rlhf.config import RLConfig
-from ds_rlhf.rollout.base import RolloutSample
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    """What the rollout engine generated for one step's prompts, and with which weights."""
-
-    rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
-    samples: list[RolloutSample]
-    weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
-    # the engine's (seconds, response tokens) for the call(s) that made it; None: unknown (restored from a checkpoint)
-    generation: tuple[float, int] | None = None
+from ds_rlhf.rollout.base import RolloutBatch, RolloutSample
 
 
 @dataclass(frozen=True)

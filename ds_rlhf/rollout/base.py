@@ -91,6 +91,18 @@ class RolloutSample:
     finish_reason: str  # "stop" | "length"
 
 
+@dataclass(frozen=True)
+class RolloutBatch:
+    """What the rollout engine generated for one step's prompts, and with which weights (`service.py`'s
+    `RolloutService.batch` makes them; the recipe's stages read them)."""
+
+    rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
+    samples: list[RolloutSample]
+    weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
+    # the engine's (seconds, response tokens) for the call(s) that made it; None: unknown (restored from a checkpoint)
+    generation: tuple[float, int] | None = None
+
+
 class TensorMeta(NamedTuple):
     """What a receiver must know about one tensor of a bucket before the bytes arrive."""
 
@@ -125,6 +137,11 @@ class Pending:
         out = cls(lambda: value)
         out._state = ("ok", value)
         return out
+
+    @property
+    def ready(self) -> bool:
+        """True once the answer was read (by `result()`, or given to `done`): `result()` then waits for nothing."""
+        return self._state is not None
 
     def result(self):
         if self._state is None:

@@ -70,6 +70,11 @@ class WeightSync:
         self.history: list[dict] = []
         self._unconfirmed: tuple | None = None  # (the engine's acknowledgement, the canary check, the info)
 
+    @property
+    def pending(self) -> bool:
+        """True from a `sync(wait=False)` that handed the weights over without waiting until its `confirm()`."""
+        return self._unconfirmed is not None
+
     def sync(self, *, check: bool = True, wait: bool = True) -> dict:
         """Move the weights (see the module docstring); `wait=False` leaves the engine's acknowledgement and the
         canary's verdict to `confirm()` where the engine can defer them (merged mode, an awake engine)."""

@@ -174,8 +174,6 @@ def settled_reward(prompt, response, ground_truth, metadata):
 def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_reward, settled_only=False):
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.recipes.reward_stage import RewardStage
-    from ds_rlhf.recipes.rollout_schedule import RolloutSchedule
-    from ds_rlhf.telemetry import PhaseTimer
 
     store = tmp_path / "prompts"
     if not store.exists():
@@ -187,7 +185,25 @@ def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_re
     loader = StoreLoader(store, batch_size=4, seed=0, tokenizer=tiny_tokenizer, expect_kind="prompts")
     parts = SimpleNamespace(loader=loader, loader_iter=iter(loader), rollout=FakeRollout(settled_only),
                             reward=RewardStage(ctx, fn=reward), sync=OwedSync())
-    return ctx, parts, RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
+    return ctx, parts, Steps(ctx, parts)
+
+
+class Steps:
+    """Stage 2b as `RLTrainer.train_step` runs it: `dynamic_batch` over the run's rollout service, then the step's
+    sync report."""
+
+    def __init__(self, ctx, parts):
+        from ds_rlhf.recipes.rollout_schedule import rollout_service
+        from ds_rlhf.telemetry import PhaseTimer
+
+        self.ctx, self.parts, self.timer = ctx, parts, PhaseTimer()
+        self.service = rollout_service(parts, ctx, self.timer)
+
+    def run(self, step):
+        from ds_rlhf.recipes.rollout_schedule import dynamic_batch
+
+        scored = dynamic_batch(self.service, self.parts, self.ctx, self.timer, step)
+        return scored, self.service.take_report()
 
 
 class OwedSync:
@@ -195,6 +211,10 @@ class OwedSync:
 
     def __init__(self):
         self.confirms, self.owed = 0, {"canary_max_abs_diff": 0.01}
+
+    @property
+    def pending(self):
+        return self.owed is not None
 
     def confirm(self):
         self.confirms += 1
@@ -212,8 +232,8 @@ def _groups(scored):
 def test_dynamic_sampling_drops_zero_spread_groups_and_backfills(tmp_path, tiny_model_path, tiny_tokenizer):
     from ds_rlhf.data.loader import StoreLoader
 
-    ctx, parts, schedule = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "9")
-    scored, report = schedule.next_batch(0, 10)
+    ctx, parts, steps = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "9")
+    scored, report = steps.run(0)
     rounds = int(scored.metrics["rollout/dynamic_rounds"])
     # reference: the loader's first `rounds` batches, open prompts kept in order, the first 4 trained on; and no
     # more rounds than needed
@@ -243,9 +263,9 @@ def test_dynamic_sampling_drops_zero_spread_groups_and_backfills(tmp_path, tiny_
 def test_dynamic_sampling_tests_the_raw_reward_not_the_shaped_one(tmp_path, tiny_model_path, tiny_tokenizer):
     """Settled prompts' samples all get raw reward 1 but different lengths, so different overlong penalties: their
     shaped scores differ, yet they carry no signal from the reward functions and are dropped."""
-    _, _, schedule = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.overlong_buffer", "6",
+    _, _, steps = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.overlong_buffer", "6",
                             "--rl.dynamic_sampling_max_rounds", "9")
-    scored, _ = schedule.next_batch(0, 10)
+    scored, _ = steps.run(0)
     assert all(not FakeRollout.settled(r["input_ids"]) for r in scored.rollout.rows)
     penalty = overlong_penalty(torch.tensor([len(s.response_ids) for s in scored.samples]), 8, 6)
     assert scored.scores == pytest.approx((torch.tensor(scored.raw_scores) + penalty).tolist())
@@ -268,9 +288,9 @@ def test_reward_stage_shapes_scores_with_the_soft_penalty(tmp_path, tiny_model_p
 
 def test_dynamic_sampling_stops_at_the_round_bound(tmp_path, tiny_model_path, tiny_tokenizer):
     """No prompt ever has differing rewards: 3 rounds, then the first round's prompts (zero advantages)."""
-    _, parts, schedule = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "3",
+    _, parts, steps = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "3",
                                 reward=settled_reward, settled_only=True)
-    scored, report = schedule.next_batch(0, 10)
+    scored, report = steps.run(0)
     # the sync before the step is confirmed once, after the first round's generation, and reported with the step
     assert parts.sync.confirms == 1 and report == {"canary_max_abs_diff": 0.01}
     assert scored.metrics["rollout/dynamic_rounds"] == 3 and scored.metrics["rollout/kept_groups"] == 0
@@ -285,8 +305,8 @@ def test_every_rank_runs_the_rounds_the_neediest_rank_needs(tmp_path, tiny_model
 
     asked = []
     monkeypatch.setattr(schedule_module, "agree_max", lambda value, device: asked.append(value) or 1)
-    _, parts, schedule = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "5")
-    scored, _ = schedule.next_batch(0, 10)
+    _, parts, steps = _setup(tmp_path, tiny_model_path, tiny_tokenizer, "--rl.dynamic_sampling_max_rounds", "5")
+    scored, _ = steps.run(0)
     assert scored.metrics["rollout/dynamic_rounds"] == 5 and len(asked) == 4  # asked after every round but the last
     assert asked[-1] == 0  # this rank had enough by then
     assert len(scored.rollout.rows) == 4 and parts.loader.state_dict()["step"] == 5
@@ -299,13 +319,13 @@ def test_dynamic_sampling_resumes_exactly(tmp_path, tiny_model_path, tiny_tokeni
         return [list(r["input_ids"]) for r in scored.rollout.rows]
 
     _, _, straight = _setup(tmp_path, tiny_model_path, tiny_tokenizer)
-    expected = [rows(straight.next_batch(step, 10)[0]) for step in range(3)]
+    expected = [rows(straight.run(step)[0]) for step in range(3)]
     _, parts, first = _setup(tmp_path, tiny_model_path, tiny_tokenizer)
-    assert rows(first.next_batch(0, 10)[0]) == expected[0]
+    assert rows(first.run(0)[0]) == expected[0]
     state = parts.loader.state_dict()
     _, fresh, resumed = _setup(tmp_path, tiny_model_path, tiny_tokenizer)
     fresh.loader.load_state_dict(state)
-    assert [rows(resumed.next_batch(step, 10)[0]) for step in (1, 2)] == expected[1:]
+    assert [rows(resumed.run(step)[0]) for step in (1, 2)] == expected[1:]
 
 
 # ---- the tiny task still learns with the whole recipe on ---------------------------------------------------------

@@ -255,13 +255,13 @@ def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_r
                         "--rollout.n_samples", "4", "--rollout.max_new_tokens", "8", "--data.max_prompt_len", "64",
                         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])
     trainer = RLTrainer(cfg, rollout=lora_rollout)
-    reports, sync = [], trainer.schedule.sync
+    reports, sync = [], trainer.parts.sync.sync
 
-    def recorded(version, **kwargs):
-        reports.append(sync(version, **kwargs))
+    def recorded(**kwargs):
+        reports.append(sync(**kwargs))
         return reports[-1]
 
-    trainer.schedule.sync = recorded
+    trainer.parts.sync.sync = recorded
     history = trainer.train()
     assert len(history) == 3 and len(reports) >= 3
     for r in reports[-3:]:

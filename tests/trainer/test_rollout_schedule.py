@@ -1,5 +1,7 @@
-"""RolloutSchedule's first sync: a colocated GPU engine that sleeps between phases is asleep when the first weight
-sync runs, so the sync wakes its weights only (the KV cache stays free while the trainer gathers its weights)."""
+"""The run's RolloutService as the RL recipe builds it (`rollout_schedule.rollout_service`): a colocated GPU engine
+that sleeps between phases is asleep when the first weight sync runs, so the sync wakes its weights only (the KV
+cache stays free while the trainer gathers its weights); the trainer's caches are released before such an engine
+wakes; and the order of submits, collects, syncs and confirmations in both modes with `rollout.overlap_sync`."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.recipes.rollout_schedule import RolloutSchedule, merge_reports
+from ds_rlhf.recipes.rollout_schedule import rollout_service
 from ds_rlhf.rollout.base import RolloutEngine, RolloutTicket
+from ds_rlhf.rollout.service import merge_reports
 from ds_rlhf.telemetry import PhaseTimer
 
 
@@ -29,6 +32,8 @@ class RecordingSync:
     def __init__(self, rollout):
         self.rollout, self.seen = rollout, []
 
+    pending = False
+
     def sync(self, wait=True):
         self.seen.append(self.rollout.sleeping)
         return {"seconds": 0.0}
@@ -37,12 +42,12 @@ class RecordingSync:
         return None
 
 
-def _schedule(device: str, *args: str):
+def _service(device: str, *args: str):
     cfg = parse_config(list(args))
     rollout = Engine()
     parts = SimpleNamespace(rollout=rollout, sync=RecordingSync(rollout))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device(device)))
-    return RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0), parts
+    return rollout_service(parts, ctx, PhaseTimer()), parts
 
 
 @pytest.mark.parametrize(("device", "args", "asleep"), [
@@ -52,11 +57,11 @@ def _schedule(device: str, *args: str):
     ("cpu", (), False),                                         # no sleep on CPU
 ])
 def test_first_sync_runs_with_a_sleeping_colocated_engine(device, args, asleep):
-    schedule, parts = _schedule(device, *args)
+    service, parts = _service(device, *args)
     assert not parts.rollout.sleeping
-    schedule.first_sync(0)
+    service.start(0)
     assert parts.sync.seen == [asleep]
-    assert schedule.engine_version == 0
+    assert service.engine_version == 0
 
 
 class PartitionedEngine:
@@ -69,16 +74,16 @@ class PartitionedEngine:
 
 @pytest.mark.parametrize(("device", "released"), [("cuda", True), ("cpu", False)])
 def test_sync_releases_zero3_partition_caches_before_a_colocated_engine_wakes(device, released):
-    schedule, parts = _schedule(device)
+    service, parts = _service(device)
     calls = []
     parts.actor, parts.critic, parts.reference = PartitionedEngine(calls), PartitionedEngine(calls), object()
-    schedule.sync(1)
+    service.start(1)
     assert calls == (["released", "released"] if released else [])
-    assert schedule.engine_version == 1
+    assert service.engine_version == 1
 
 
 class ServerLikeEngine(Engine):
-    """An engine in another process, as the schedule sees it: submit returns a ticket, collect its samples."""
+    """An engine in another process, as the service sees it: submit returns a ticket, collect its samples."""
 
     def __init__(self, calls):
         super().__init__()
@@ -103,6 +108,10 @@ class DeferringSync:
     def __init__(self, calls):
         self.calls, self.owed = calls, None
 
+    @property
+    def pending(self):
+        return self.owed is not None
+
     def sync(self, wait=True):
         self.calls.append(f"sync(wait={wait})")
         self.owed = None if wait else {"canary_max_abs_diff": 0.01, "confirm_seconds": 0.0}
@@ -120,19 +129,24 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
     wait for the owed replies); the next collect confirms it before the batch goes on, and that step's report
     carries the canary of the weights that generated its batch."""
     calls = []
-    cfg = parse_config(["--rollout.placement", "sidecar", "--rollout.async_generation", "true",
+    cfg = parse_config(["--rollout.placement", "sidecar", "--rollout.async_generation", "true", "--run.steps", "3",
                         "--rollout.overlap_sync", str(overlap)])
     rollout = ServerLikeEngine(calls)
     parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
                           tokenizer=SimpleNamespace(eos_token_id=0))
-    schedule = RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
-    reports = [schedule.next_batch(step, 3)[1] for step in range(3)]
+    service = rollout_service(parts, ctx, PhaseTimer())
+    reports = []
+    for step in range(3):
+        service.batch(step)
+        service.publish(step + 1)  # async: nothing moves here
+        reports.append(service.take_report())
     assert "wake" not in calls
     sync_call = f"sync(wait={not overlap})"
-    assert calls == ["submit", "collect", "confirm", "submit",              # step 0: staleness 1 allows no sync yet
-                     "collect", "confirm", sync_call, "submit",             # step 1: sync, then the next batch
-                     "collect", "confirm"]                                  # step 2 (last): its batch's sync confirmed
+    confirm = ["confirm"] if overlap else []  # only a sync that did not wait is confirmed
+    assert calls == ["submit", "collect", "submit",                        # step 0: staleness 1 allows no sync yet
+                     "collect", sync_call, "submit",                       # step 1: sync, then the next batch
+                     "collect", *confirm]                                  # step 2 (last): its batch's sync confirmed
     assert reports[0] is None
     assert reports[1]["deferred"] == int(overlap)
     if overlap:
@@ -145,24 +159,26 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
 def test_synchronous_sync_hands_over_after_every_update_but_the_last_and_is_confirmed_at_the_collect(overlap):
     """Synchronous mode with rollout.overlap_sync: the sync after an update does not wait while another step
     follows; the next step's collect confirms it before its batch goes on, and that step's report carries both the
-    confirmed canary and its own handover. The last step's sync waits. `settle` (evaluation) confirms too."""
+    confirmed canary and its own handover. The last step's sync waits. `quiesce` (evaluation) confirms too."""
     calls = []
     cfg = parse_config(["--rollout.placement", "sidecar", "--run.steps", "3", "--rollout.overlap_sync", str(overlap)])
     rollout = ServerLikeEngine(calls)
     parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
                           tokenizer=SimpleNamespace(eos_token_id=0))
-    schedule = RolloutSchedule(parts, ctx, PhaseTimer(), start_step=0)
+    service = rollout_service(parts, ctx, PhaseTimer())
     reports = []
     for step in range(3):
-        report = schedule.next_batch(step, 3)[1]
-        reports.append(merge_reports(report, schedule.after_update(step + 1)))
+        service.batch(step)
+        service.publish(step + 1)
+        reports.append(service.take_report())
         if step == 0:
-            schedule.settle()  # an evaluation after step 1: the deferred sync is checked before it generates
+            service.quiesce(step + 1)  # an evaluation after step 1: the deferred sync is checked before it generates
     wait = f"sync(wait={not overlap})"
-    assert calls == ["submit", "collect", "confirm", wait, "confirm",            # step 1, then the evaluation's
-                     "submit", "collect", "confirm", wait,                       # step 2
-                     "submit", "collect", "confirm", "sync(wait=True)"]          # step 3: the last sync waits
+    confirm = ["confirm"] if overlap else []
+    assert calls == ["submit", "collect", wait, *confirm,                        # step 1, then the evaluation's
+                     "submit", "collect", wait,                                  # step 2
+                     "submit", "collect", *confirm, "sync(wait=True)"]           # step 3: the last sync waits
     assert [r["deferred"] for r in reports] == [int(overlap), int(overlap), 0]
     # step 3 trains on the batch of step 2's deferred sync: its report has that canary next to its own handover
     assert reports[2]["canary_max_abs_diff"] == (0.01 if overlap else None)

@@ -1,0 +1,259 @@
+"""The one owner of the rollout engine during a run: when it generates, when it gets new weights, when it sleeps.
+
+`RolloutService` holds the engine, the weight sync (`sync.py:WeightSync`, with its canary), the batch in flight and
+the version of the weights the engine holds (trainer updates applied to them; 0 = the initial weights). A recipe
+talks to it through a few calls:
+
+    service.start(version)         the first sync, before any rollout (a sleeping colocated engine is put to sleep
+                                   first, so the sync wakes its weights only)
+    service.batch(step)            stage 1: the batch step `step` (0-based: the trainer's weights after `step`
+                                   updates) trains on; never one whose weights' hand-over and canary are unconfirmed
+    service.publish(version)       stage 5: the trainer's weights after `version` updates exist
+    service.quiesce(version=None)  before an evaluation or a checkpoint: nothing in flight against the engine, every
+                                   sync confirmed; with `version`, the engine also holds those weights after it
+    service.take_report()          the syncs and confirmations since the last call, as one dict (or None)
+    service.state_dict() / load_state_dict(state)   pure: the batch in flight (call `quiesce()` first)
+
+It is handed what lies above the rollout layer: `prompts()` draws the next prompt rows (the recipe's loader),
+`spec(step)` is the step's `SamplingSpec`, `release_memory()` frees the trainer's cached device memory before a
+sleeping colocated engine wakes its weights for a sync.
+
+Synchronous (default, exact on-policy): `batch(step)` generates with the weights after `step` updates; `publish`
+syncs at once. With `overlap_sync` that sync does not wait for an engine that can defer (a server on one rank:
+`WeightSync.sync(wait=False)`) while another step follows: the engine runs its commands in order, so it loads the
+weights and scores the canary's probe before it generates the next batch, and the service confirms both
+(`WeightSync.confirm`) when that batch is collected, before it is returned. The last step's sync waits.
+
+Asynchronous (`asynchronous=True`): `batch(step)` collects the batch in flight (submitted by the previous call),
+then submits step+1's, which the engine generates while the trainer trains on step `step`'s: one step off-policy.
+Every batch carries the weights version it was generated with. The engine gets new weights only while it is idle
+(between that collect and the next submit), whenever the next batch would otherwise be more than `max_staleness`
+updates old; `publish` itself moves nothing. With `overlap_sync` that sync hands over without waiting, the next
+batch queues behind the load, and the collect of that batch confirms the load and the canary before the batch is
+returned. The canary's figures go into the report of the step that trains on the batch (`canary_*`,
+`confirm_seconds`), the hand-over's into the report of the step that made it (`seconds`, `bytes`, ...).
+
+Every confirmation happens in one place, `_confirm` (a collect, `quiesce`, a sync), and only when a sync awaits
+one (`WeightSync.pending`), so each deferred sync is confirmed exactly once.
+
+Checkpoints: `quiesce()` collects the batch in flight and keeps it as a finished batch; `state_dict()` then saves
+its rows, samples and weights version, so a resumed run trains on exactly the batch the interrupted one would have
+(exact for `max_staleness` 1; with more, the resumed engine holds newer weights than the interrupted one did).
+
+A new rollout mode (multi-turn episodes, an agent loop): subclass and override `generate(rows, spec)`, the one
+method that turns prompt rows into samples. It returns a `Pending` whose `result()` is `(samples, generation)`
+(`generation`: the engine's `(seconds, response tokens)` or None); do the work in `generate` itself and return
+`Pending.done(...)`, or in the `Pending`'s read, which the service calls when it collects the batch (in async mode
+after the trainer's step; the engine holds the same weights then: syncs happen only after a collect). The service
+keeps owning when it runs (after a wake, with the weights of `engine_version`), the syncs and their
+confirmations, sleep, the batch in flight and its checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ds_rlhf.rollout.base import Pending, RolloutBatch, RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.telemetry import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    rows: list[dict]
+    result: Pending  # (samples, the engine's (seconds, tokens) or None: restored from a checkpoint)
+    weights_version: int
+
+
+def _plain(value):
+    """Store rows hold numpy arrays; checkpoints hold plain lists (loadable with weights_only=True)."""
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def merge_reports(*reports: dict | None) -> dict | None:
+    """Sync reports of one step as one (a handover and the confirmation of an earlier sync): later values win, but
+    None never hides a value (a handover's canary figure, not known yet, leaves the confirmed one). None if empty."""
+    out: dict = {}
+    for report in reports:
+        for key, value in (report or {}).items():
+            if value is not None or key not in out:
+                out[key] = value
+    return out or None
+
+
+class RolloutService:
+    """See the module docstring. `prompts`: draws the next prompt rows; `spec`: the `SamplingSpec` of a step;
+    `total_steps`: the run's steps (the last step's sync waits, no batch is submitted past the last step);
+    `release_memory`: called before every sync when the engine `sleeps` (a colocated engine that sleeps between
+    phases); `version`: the weights version the engine holds before `start`."""
+
+    def __init__(self, engine: RolloutEngine, sync: WeightSync, *, prompts: Callable[[], list[dict]],
+                 spec: Callable[[int], SamplingSpec], total_steps: int, timer: PhaseTimer | None = None,
+                 release_memory: Callable[[], None] | None = None, asynchronous: bool = False,
+                 max_staleness: int = 1, overlap_sync: bool = True, sleeps: bool = False, version: int = 0):
+        self.engine, self.sync = engine, sync
+        self.prompts, self.spec, self.total_steps = prompts, spec, total_steps
+        self.timer = timer if timer is not None else PhaseTimer()
+        self.release_memory = release_memory
+        self.asynchronous, self.max_staleness, self.overlap_sync = asynchronous, max_staleness, overlap_sync
+        self.sleeps = sleeps
+        self.engine_version = version
+        self.in_flight: _InFlight | None = None
+        self._confirmed: dict | None = None  # figures of a sync confirmed since the last batch
+        self._report: dict | None = None  # what `take_report` returns next
+        self._held = 0  # open `awake()` blocks
+
+    # ---- what a recipe calls ---------------------------------------------------------------------------------
+    def start(self, version: int) -> dict:
+        """The sync before the first rollout (it waits). A colocated engine that sleeps between phases is put to
+        sleep first, so the sync wakes its weights only and the KV cache is not held while the trainer gathers its
+        weights (an 8B run under a 24 GiB cap ran out of memory in this sync with the fresh engine's KV cache
+        allocated). Returns the sync's report."""
+        self._sleep()
+        return self._sync(version)
+
+    def batch(self, step: int, rows: list[dict] | None = None, spec: SamplingSpec | None = None) -> RolloutBatch:
+        """The batch step `step` trains on, its weights' sync confirmed. Without `rows`: the step's prompts
+        (`prompts()`) with `spec(step)`, or the batch in flight; in async mode step+1's batch is then submitted
+        (after a sync when the staleness rule asks for one). With `rows` (and optionally `spec`): those rows,
+        generated now (synchronous mode only, nothing in flight: dynamic sampling's rounds)."""
+        if rows is not None:
+            if self.asynchronous or self.in_flight is not None:
+                raise RuntimeError("RolloutService.batch(rows=...) generates at once: synchronous mode only, with "
+                                   "no batch in flight")
+            with self.timer.phase("rollout"):
+                self._submit(rows, spec if spec is not None else self.spec(step))
+                batch = self._collect()
+            self._note(None)
+            return batch
+        report = None
+        with self.timer.phase("rollout"):
+            if self.in_flight is None:
+                self._submit(self.prompts(), self.spec(step))
+            batch = self._collect()
+        if self.asynchronous and step + 1 < self.total_steps:
+            if step + 1 - self.engine_version > self.max_staleness:
+                report = self._sync(step, wait=not self.overlap_sync)
+            with self.timer.phase("rollout"):
+                self._submit(self.prompts(), self.spec(step + 1))  # generates while this step trains
+        self._note(report)
+        return batch
+
+    def publish(self, version: int) -> None:
+        """The trainer's weights after `version` updates exist. Synchronous mode: synced now (without waiting, with
+        `overlap_sync`, while another step follows: the next `batch` confirms it). Async mode: nothing moves here;
+        `batch` syncs while the engine is idle, when the staleness rule asks for it."""
+        if self.asynchronous:
+            return
+        more = version < self.total_steps
+        self._report = merge_reports(self._report, self._sync(version, wait=not (self.overlap_sync and more)))
+
+    def quiesce(self, version: int | None = None) -> dict | None:
+        """Before an evaluation or a checkpoint: the batch in flight is collected and kept (the service then returns
+        it as it would have) and a sync made without waiting is confirmed, so nothing is owed by the engine. With
+        `version`, an engine holding other weights is synced to them now (it waits); returns that sync's report,
+        else None. Collective where the engine's calls are (every rank calls it at the same point)."""
+        if self.in_flight is not None:
+            self.in_flight.result.result()  # wait for it: it is part of the state
+        self._confirm()
+        if version is not None and self.engine_version != version:
+            return self._sync(version)
+        return None
+
+    def take_report(self) -> dict | None:
+        """The reports of the syncs made and confirmed since the last call, merged (`merge_reports`), or None."""
+        report, self._report = self._report, None
+        return report
+
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """Keep the engine awake across several `batch` calls (asleep at level 2 it would drop its weights between
+        them); it sleeps, where it sleeps between phases, when the block ends."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        self._sleep()
+
+    # ---- the replaceable part ------------------------------------------------------------------------------
+    def generate(self, rows: list[dict], spec: SamplingSpec) -> Pending:
+        """Start generating `rows`' samples (prompt-major, `spec.n` each) on the awake engine; `result()` of the
+        returned `Pending` is `(samples, (seconds, tokens) or None)`. An engine in its own process generates while
+        the caller goes on; an in-process one generates here. Override for another rollout mode (module
+        docstring)."""
+        ticket = self.engine.submit([list(r["input_ids"]) for r in rows], spec)
+        if ticket.samples is not None:  # an in-process engine generated it just now
+            return Pending.done((ticket.samples, self.engine.last_generate()))
+        return Pending(lambda: (self.engine.collect(ticket), self.engine.last_generate()))
+
+    # ---- inside ----------------------------------------------------------------------------------------------
+    def _submit(self, rows: list[dict], spec: SamplingSpec) -> None:
+        self._wake()
+        self.in_flight = _InFlight(rows, self.generate(rows, spec), self.engine_version)
+
+    def _collect(self) -> RolloutBatch:
+        job, self.in_flight = self.in_flight, None
+        samples, generation = job.result.result()
+        self._confirm()  # the sync before this generation, if made without waiting: checked before it is returned
+        self._sleep()
+        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version,
+                            generation=generation)
+
+    def _confirm(self) -> None:
+        """The one place a sync made without waiting is confirmed (`WeightSync.confirm`: the engine's
+        acknowledgement and the canary's verdict, raising `SyncCanaryError`); its figures go into the next batch's
+        report."""
+        with self.timer.phase("sync"):
+            confirmed = self.sync.confirm() if self.sync.pending else None
+        if confirmed is not None:
+            self._confirmed = confirmed
+
+    def _sync(self, version: int, *, wait: bool = True) -> dict:
+        self._confirm()
+        with self.timer.phase("sync"):
+            if self.sleeps and self.release_memory is not None:
+                self.release_memory()
+            report = self.sync.sync(wait=wait)
+        self.engine_version = version
+        return report
+
+    def _note(self, report: dict | None) -> None:
+        """A batch's sync report, then the confirmation made since the last batch, into the step's report."""
+        self._report = merge_reports(self._report, report, self._confirmed)
+        self._confirmed = None
+
+    def _wake(self) -> None:
+        """Wake a sleeping engine before it generates; an awake one is left alone (a call to a server would wait
+        for every reply still owed, e.g. a weight update handed over without waiting)."""
+        if self.engine.sleeping:
+            self.engine.wake()
+
+    def _sleep(self) -> None:
+        if self.sleeps and not self._held:  # free it for training
+            self.engine.sleep()
+
+    # ---- checkpoint ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The batch in flight (its rows, samples and weights version) or None. Pure: call `quiesce()` first when a
+        batch may still be generating (it raises then)."""
+        job = self.in_flight
+        if job is None:
+            return {"in_flight": None}
+        if not job.result.ready:
+            raise RuntimeError("RolloutService.state_dict: the batch in flight is still generating; call quiesce() "
+                               "first")
+        samples, _ = job.result.result()
+        return {"in_flight": {"rows": [{k: _plain(v) for k, v in r.items()} for r in job.rows],
+                              "samples": [list(vars(s).values()) for s in samples],
+                              "weights_version": job.weights_version}}
+
+    def load_state_dict(self, state: dict) -> None:
+        job = state.get("in_flight")
+        self.in_flight = None if job is None else _InFlight(
+            job["rows"], Pending.done(([RolloutSample(*s) for s in job["samples"]], None)), int(job["weights_version"]))
