@@ -3,6 +3,13 @@
 The backbone runs as usual; the output head is swapped, for the duration of one call, for the chunked log-prob
 function of `ds_rlhf.algos.logprobs`. Calling it *through the head module* keeps DeepSpeed's ZeRO-3 hooks in
 charge of gathering the (possibly tied) head weight for forward and backward, exactly as for a normal Linear.
+
+The whole pass (backbone, head) runs as the forward of the model's root module, called through the model as
+given: for a DeepSpeed engine that is `engine(...)`, i.e. `DeepSpeedEngine.forward`, which does DeepSpeed's
+per-forward bookkeeping. Under ZeRO-3 that bookkeeping is where the optimizer counts micro-batches
+(`clear_backward_seen_flag` advances `micro_step_id` after each backward); a pass that called the submodules
+directly would leave the count at 0, and each micro-batch's gradient would then overwrite, not add to, the ones
+before it in the same optimizer step.
 """
 
 from __future__ import annotations
@@ -16,17 +23,29 @@ from ds_rlhf.engines.models import unwrap
 
 
 @contextmanager
+def _replaced_forward(module: torch.nn.Module, forward):
+    """`module(...)` runs `forward` (with all of the module's hooks) until exit; then its own forward again."""
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield module
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward  # back to the class's own forward
+
+
+@contextmanager
 def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bool, chunk_size: int):
     def forward(hidden, targets):
         return token_logprobs_from_hidden(hidden, head.weight, targets, chunk_size=chunk_size,
                                           temperature=temperature, with_entropy=with_entropy,
                                           lm_head_bias=getattr(head, "bias", None))
 
-    head.forward = forward
-    try:
+    with _replaced_forward(head, forward):
         yield head
-    finally:
-        del head.forward  # back to the class's own forward
 
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
@@ -43,6 +62,23 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     still goes through the head, so the head weight gets its (zero) gradient on every rank alike, and all read 0.
     """
     hf = unwrap(model, peft=True)
+
+    def forward(input_ids, attention_mask, position_ids, score_mask):
+        return _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, temperature=temperature,
+                             with_entropy=with_entropy, chunk_size=chunk_size)
+
+    root = unwrap(model)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  score_mask=score_mask)
+    if not isinstance(root, torch.nn.Module):  # a model-like view (engines/shared_base.py): its submodules only
+        return forward(**inputs)
+    with _replaced_forward(root, forward):
+        return model(**inputs)  # a DeepSpeed engine: DeepSpeedEngine.forward around the root module's forward
+
+
+def _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, *, temperature: float,
+                  with_entropy: bool, chunk_size: int):
+    """The backbone and the chunked head of `sequence_logprobs` (run as the root module's forward)."""
     backbone = hf.get_decoder()
     head = hf.get_output_embeddings()
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

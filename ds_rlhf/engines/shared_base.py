@@ -9,8 +9,10 @@ then `get_decoder()` and `get_output_embeddings()`; the decoder given here runs 
 `disable_adapter()`, in eval mode and without autograd, then puts the actor's mode back. The head (peft's
 `all-linear` never adapts the output layer) is the actor's own.
 
-Calling the actor's submodules directly is what `sequence_logprobs` does for the actor itself, so DeepSpeed's
-ZeRO-3 forward hooks gather the partitioned weights exactly as in the actor's own no-grad passes.
+`sequence_logprobs` calls these submodules directly (for the actor itself it calls the same submodules inside the
+engine's forward), so DeepSpeed's ZeRO-3 module hooks gather the partitioned weights as in the actor's passes; the
+reference's passes run without autograd, so the engine's per-forward gradient-accumulation bookkeeping has nothing
+to count for them.
 
 peft's `disable_adapter()` also sets `requires_grad=False` on the adapters and `True` again on exit; DeepSpeed keeps
 its gradient hooks across that (`tests/engines/test_shared_base.py` trains after reference passes).
