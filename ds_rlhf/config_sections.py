@@ -285,13 +285,11 @@ class RLConfig:
     overlong_mask: bool = False  # DAPO overlong filtering: truncated responses get zero loss weight
     overlong_buffer: int = opt(0, ge=0)  # DAPO soft overlong penalty over the last N of rollout.max_new_tokens; 0 = off
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
-    # multi-turn episodes (docs/AGENTIC.md): path/to/file.py:Name, an environment class (reset/step) or a list of
-    # tool functions; each prompt plays rollout.n_samples episodes, scored by the environment's reward
-    environment: str = ""
+    # each prompt plays rollout.n_samples episodes scored by the environment's reward (docs/AGENTIC.md)
+    environment: str = ""  # multi-turn episodes: file.py:Name, an environment class or a list of tool functions
     max_turns: int = opt(4, ge=1)  # rl.environment: generated turns per episode at most (then it is truncated)
-    # rl.environment: tokens per episode at most, prompt and observations included; 0 = the rollout context
-    # (rollout.max_model_len, else data.max_prompt_len + rollout.max_new_tokens); each turn is rollout.max_new_tokens
-    episode_max_tokens: int = opt(0, ge=0)
+    # 0 = the rollout context (rollout.max_model_len, else data.max_prompt_len + rollout.max_new_tokens)
+    episode_max_tokens: int = opt(0, ge=0)  # rl.environment: tokens per episode, prompt and observations included
 
     def check(self, cfg: Config) -> None:
         r = cfg.rollout
