@@ -285,6 +285,11 @@ class RLConfig:
     overlong_mask: bool = False  # DAPO overlong filtering: truncated responses get zero loss weight
     overlong_buffer: int = opt(0, ge=0)  # DAPO soft overlong penalty over the last N of rollout.max_new_tokens; 0 = off
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget
+    # each prompt plays rollout.n_samples episodes scored by the environment's reward (docs/AGENTIC.md)
+    environment: str = ""  # multi-turn episodes: file.py:Name, an environment class or a list of tool functions
+    max_turns: int = opt(4, ge=1)  # rl.environment: generated turns per episode at most (then it is truncated)
+    # 0 = the rollout context (rollout.max_model_len, else data.max_prompt_len + rollout.max_new_tokens)
+    episode_max_tokens: int = opt(0, ge=0)  # rl.environment: tokens per episode, prompt and observations included
 
     def check(self, cfg: Config) -> None:
         r = cfg.rollout
@@ -306,6 +311,7 @@ class RLConfig:
             raise ConfigError(f"rl.reward_model_weight={self.reward_model_weight} weighs the reward model against "
                               "reward functions: it needs both rl.reward_model and rl.reward_fn (or leave it at 1)")
         self._check_dapo(cfg)
+        self._check_environment(cfg)
         samples = self.prompts_per_step * r.n_samples
         if self.mini_batch_size > samples:
             raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
@@ -326,6 +332,39 @@ class RLConfig:
             raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than the generation budget "
                               f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
                               "overlong_buffer; 0 = off)")
+
+    def episode_context(self, cfg: Config) -> int:
+        """The rollout context: the most tokens an episode may hold under `rl.episode_max_tokens` = 0."""
+        return cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+
+    def _check_environment(self, cfg: Config) -> None:
+        """What multi-turn episodes (`rl.environment`) run with; the rest is refused here, one line each."""
+        if not self.environment:
+            return
+        key, r, run = f"rl.environment={self.environment!r}", cfg.rollout, cfg.run
+        if ":" not in self.environment:
+            raise ConfigError(f"{key}: give path/to/file.py:Name (an environment class or a list of tool "
+                              "functions in that file)")
+        if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("critic"):
+            raise ConfigError(f"{key} with rl.algo={self.algo}: episodes train critic-free estimators only (their "
+                              "observation tokens would sit inside the critic's GAE); use --rl.algo grpo (or rloo, "
+                              "reinforce_pp, dr_grpo)")
+        if r.async_generation:
+            raise ConfigError(f"{key}: episodes are played in the step that trains on them; set "
+                              "--rollout.async_generation false")
+        if self.dynamic_sampling:
+            raise ConfigError(f"{key}: rl.dynamic_sampling is not supported with episodes; set "
+                              "--rl.dynamic_sampling false")
+        if self.overlong_buffer:
+            raise ConfigError(f"{key}: rl.overlong_buffer measures a single response against rollout.max_new_tokens, "
+                              "not an episode; set --rl.overlong_buffer 0 (rl.overlong_mask drops truncated episodes)")
+        if run.eval_every > 0 or run.eval_before_train:
+            raise ConfigError(f"{key}: held-out evaluation generates single turns without the environment; set "
+                              "--run.eval_every 0 and --run.eval_before_train false")
+        context = self.episode_context(cfg)
+        if self.episode_max_tokens > context:
+            raise ConfigError(f"rl.episode_max_tokens={self.episode_max_tokens} is longer than the rollout context "
+                              f"of {context} tokens; raise --rollout.max_model_len to at least it")
 
     def eval_ks(self) -> list[int]:
         """`eval_k` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""

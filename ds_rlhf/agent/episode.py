@@ -45,6 +45,7 @@ class Episode:
     prompt_length: int = 0
     turn_rewards: list[float] = field(default_factory=list)
     turns: int = 0  # generated turns
+    tool_turns: int = 0  # steps that ran at least one tool call (a tool turn other than a malformed call's error)
     done: bool = False  # the environment ended it
     truncated: bool = False
     end: str = ""  # "done" | "max_turns" | "max_total_tokens" | "error"
@@ -165,6 +166,8 @@ class EpisodeRunner:
             ep._finish("error")
             return False
         ep.turn_rewards.append(result.reward)
+        if any(m.get("role") == "tool" and m.get("name") != "error" for m in result.messages):
+            ep.tool_turns += 1
         ep.reports.extend({"turn": turn, **r} for r in result.reports)
         if result.done:
             ep.done = True

@@ -93,13 +93,33 @@ def reward_items(samples: list[RolloutSample], rows: list[dict], texts: list[str
     return items
 
 
+def episode_stats(samples: list[RolloutSample]) -> dict:
+    """`episode/...` metrics of the samples that are multi-turn episodes (`RolloutSample.episode`): generated turns
+    per episode, the share of turns that called a tool, the share a budget truncated, the environment's mean
+    reward, and the share that ended on an error (an environment or reset that raised). Empty for none."""
+    eps = [s.episode for s in samples if s.episode is not None]
+    if not eps:
+        return {}
+    turns = sum(e["turns"] for e in eps)
+    return {"episode/turns_mean": turns / len(eps),
+            "episode/tool_call_rate": sum(e["tool_turns"] for e in eps) / max(turns, 1),
+            "episode/truncated_frac": sum(bool(e["truncated"]) for e in eps) / len(eps),
+            "episode/reward_mean": sum(e["reward"] for e in eps) / len(eps),
+            "episode/error_frac": sum(e["end"] == "error" for e in eps) / len(eps)}
+
+
 class RewardStage:
     """Scores rollout samples with reward functions, the reward model, or both (`rl.reward_model_weight` x the RM
-    score + the functions' weighted sum), and applies the bad-reward policy to the functions' rewards."""
+    score + the functions' weighted sum), and applies the bad-reward policy to the functions' rewards.
+
+    A multi-turn episode (`rl.environment`) brings its environment's reward (`RolloutSample.episode["reward"]`):
+    it is the sample's reward, with the reward functions' and the reward model's scores added when those are set
+    too."""
 
     def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
-        if fn is None and model is None and not ctx.cfg.rl.teacher:
-            raise ValueError("RewardStage needs a reward function, a reward model or both (or rl.teacher)")
+        if fn is None and model is None and not ctx.cfg.rl.teacher and not ctx.cfg.rl.environment:
+            raise ValueError("RewardStage needs a reward function, a reward model or both (or rl.teacher, or "
+                             "rl.environment)")
         self.ctx, self.fn, self.model = ctx, fn, model
         self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
         self.bad_total = 0
@@ -119,6 +139,8 @@ class RewardStage:
             model_scores = self._model_scores(samples)
             weight = self.ctx.cfg.rl.reward_model_weight if self.fn is not None else 1.0
             scores = [v + weight * m for v, m in zip(scores, model_scores)]
+        if any(s.episode is not None for s in samples):  # the environment's reward, plus the above when set
+            scores = [v + (s.episode["reward"] if s.episode is not None else 0.0) for v, s in zip(scores, samples)]
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
@@ -135,6 +157,7 @@ class RewardStage:
             metrics["reward/model"] = sum(kept_model) / max(1, len(kept_model))
         if exact is not None:
             metrics["reward/exact_match"] = exact
+        metrics.update(episode_stats(samples))
         shaped, shaping = self._shape(kept, kept_scores)
         metrics.update(shaping)
         return ScoredBatch(rollout=batch, samples=kept, scores=shaped, metrics=metrics,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_rlhf.agent.environment import load_environment
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.loader import StoreLoader
@@ -57,6 +58,7 @@ class RLParts:
     loader_iter: Iterator[list[dict]]
     reward: RewardStage
     owns_rollout: bool = True
+    environment: Callable[[], Any] | None = None  # rl.environment: makes one environment per episode
 
     def engines_to_checkpoint(self) -> dict[str, Engine]:
         """The trained engines (frozen ones are rebuilt from their model paths)."""
@@ -80,6 +82,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
     functions = reward_functions(cfg, announce=ctx.print) if rl.reward_fn else None
+    environment = load_environment(rl.environment) if rl.environment else None  # its file imports here, early
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
                                   gpus_on_node=physical_gpu_count())
@@ -115,7 +118,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     sync = _weight_sync(ctx, actor, rollout, sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
-                   loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout)
+                   loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout, environment=environment)
 
 
 def _prompt_loader(ctx: RunContext) -> StoreLoader:

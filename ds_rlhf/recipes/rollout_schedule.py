@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 
+from ds_rlhf.agent.rollout import EpisodeRolloutService
 from ds_rlhf.algos.shaping import informative_groups
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.recipes.reward_stage import merge_reward_metrics
@@ -75,13 +76,19 @@ def release_trainer_memory(parts: RLParts) -> None:
 
 def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> RolloutService:
     """The run's `RolloutService` over `parts.rollout` and `parts.sync`: prompts from `parts.loader_iter` (read at
-    each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`."""
-    r = ctx.cfg.rollout
-    return RolloutService(parts.rollout, parts.sync, prompts=lambda: next(parts.loader_iter),
-                          spec=partial(sampling_spec, ctx), total_steps=ctx.cfg.run.steps, timer=timer,
-                          release_memory=partial(release_trainer_memory, parts),
-                          asynchronous=r.async_generation, max_staleness=r.max_staleness,
-                          overlap_sync=r.overlap_sync, sleeps=sleeps_between_phases(ctx))
+    each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `rl.environment`
+    an `agent/rollout.py:EpisodeRolloutService`, whose batches are multi-turn episodes."""
+    r, rl = ctx.cfg.rollout, ctx.cfg.rl
+    args = (parts.rollout, parts.sync)
+    kwargs = dict(prompts=lambda: next(parts.loader_iter), spec=partial(sampling_spec, ctx),
+                  total_steps=ctx.cfg.run.steps, timer=timer, release_memory=partial(release_trainer_memory, parts),
+                  asynchronous=r.async_generation, max_staleness=r.max_staleness, overlap_sync=r.overlap_sync,
+                  sleeps=sleeps_between_phases(ctx))
+    if parts.environment is not None:  # rl.environment: the batch is multi-turn episodes
+        return EpisodeRolloutService(*args, tokenizer=ctx.tokenizer, env_factory=parts.environment,
+                                     max_turns=rl.max_turns,
+                                     max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
+    return RolloutService(*args, **kwargs)
 
 
 def dynamic_batch(service: RolloutService, parts: RLParts, ctx: RunContext, timer: PhaseTimer,

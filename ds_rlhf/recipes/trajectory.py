@@ -101,6 +101,9 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     ids with `pad_id`, which only fills the right padding: a response's final stop token (EOS, end-of-turn) is
     attended, trained on and in the mismatch metrics even where the tokenizer's pad id equals it.
 
+    A sample with a `loss_mask` (a multi-turn episode) acts on its generated tokens only: its observation tokens'
+    `action_mask` entries are 0, so the policy loss, the KL and the entropy never read them.
+
     `mask_truncated` (DAPO's overlong filtering, `rl.overlong_mask`): a response that hit the generation budget
     (`finish_reason == "length"`) gets an all-zero `action_mask` row, so it carries no loss weight (nor counts
     in token-mean's denominator); its score still enters its group's baseline (`with_advantages`)."""
@@ -129,6 +132,13 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     rollout_logp = np.zeros((batch, width - 1), dtype=np.float32)
     rollout_logp[acting] = np.fromiter(chain.from_iterable(s.logprobs for s in samples), dtype=np.float32,
                                        count=int(r_lens.sum()))
+    if any(s.loss_mask is not None for s in samples):  # episodes: observation tokens are not the policy's actions
+        for row, s in enumerate(samples):
+            if s.loss_mask is not None and len(s.loss_mask) != r_lens[row]:
+                raise ValueError(f"sample {row}: {r_lens[row]} response tokens but a loss mask of {len(s.loss_mask)}")
+        acting[acting] = np.fromiter(chain.from_iterable(s.loss_mask if s.loss_mask is not None
+                                                         else [1] * len(s.response_ids) for s in samples),
+                                     dtype=np.int64, count=int(r_lens.sum())) > 0
     if mask_truncated:
         acting &= ~truncated_rows([s.finish_reason for s in samples]).numpy()[:, None]
     return Trajectory(

@@ -89,6 +89,11 @@ class RolloutSample:
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # Multi-turn episodes (`agent/rollout.py`): 1 on the response tokens the policy generated, 0 on the
+    # observation tokens between its turns (trained on: none); None = every response token was generated.
+    loss_mask: list[int] | None = None
+    # the episode's outcome ({"reward", "turns", "tool_turns", "truncated", "end"}), or None for a single turn
+    episode: dict | None = None
 
 
 @dataclass(frozen=True)

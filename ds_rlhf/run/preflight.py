@@ -114,9 +114,9 @@ def check_rl_eval(cfg: Config) -> None:
 
 def check_reward(cfg: Config) -> None:
     rl = cfg.rl
-    if not rl.reward_fn and not rl.reward_model and not rl.teacher:
+    if not rl.reward_fn and not rl.reward_model and not rl.teacher and not rl.environment:
         raise ConfigError("no reward: set --rl.reward_fn (gsm8k | format | math_shaped | file.py:func) or "
-                          "--rl.reward_model <reward model dir or Hub id>")
+                          "--rl.reward_model <reward model dir or Hub id> (or --rl.environment file.py:Name)")
     if rl.reward_fn:
         _check_reward_spec("rl.reward_fn", rl.reward_fn, rl.reward_weights)
     if rl.eval_reward_fn and rl_eval_on(cfg):

@@ -1,0 +1,94 @@
+"""The episode rollout mode of an RL run (`rl.environment`): a `RolloutService` whose batch is multi-turn episodes.
+
+`EpisodeRolloutService.generate(rows, spec)` plays `spec.n` episodes per prompt row with the rollout engine
+(`episode.py:EpisodeRunner`, token in / token out; each turn samples with `spec`, `n` = 1) and returns one
+`RolloutSample` per episode, prompt-major as the single-turn mode does, so a prompt's `n` episodes are its GRPO
+group:
+
+- `prompt_ids`: the episode's first prompt (the environment's first user message, rendered by the chat template
+  with the tools); `response_ids`: every token after it, generated turns and observation turns alike;
+- `logprobs`: the rollout log-prob of each generated token, 0.0 on observation tokens;
+- `loss_mask`: 1 on generated tokens, 0 on observation tokens (the trajectory multiplies its action mask by it, so
+  the policy loss, the KL and the entropy read generated tokens only);
+- `finish_reason`: "length" when a budget ended the episode (`rl.max_turns`, `rl.episode_max_tokens`), else
+  "stop" (so `rl.overlong_mask` drops truncated episodes' loss weight);
+- `episode`: the environment's reward (the sum of its step rewards) and the episode's turns, tool-calling turns,
+  truncation and end, which the reward stage turns into the sample's reward and the `episode/...` metrics.
+
+What the environment's `reset(row)` gets (`environment_row`): the store row's columns (`ground_truth`,
+`data_source`, `row_id`, the extra fields kept by data prep) plus `prompt` (the question: the last user message of
+a conversational prompt, else the stored prompt text, which is the question itself when the store was prepared
+with `--no-apply_chat_template`) and `answer` (the ground truth), unless the extra fields already have them.
+
+The episodes run in `generate` itself (`Pending.done`): the service generates them in the step that trains on
+them; the engine's weights are those of `engine_version` throughout, as for a single-turn batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ds_rlhf.agent.episode import Episode, EpisodeRunner
+from ds_rlhf.data.convert import row_prompt_messages
+from ds_rlhf.rollout.base import Pending, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.service import RolloutService
+
+
+def environment_row(row: dict) -> dict:
+    """The row an environment's `reset` gets for a prompt store row (module docstring)."""
+    out = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in row.items() if k not in ("input_ids", "extra")}
+    if row.get("extra"):
+        extra = json.loads(row["extra"])
+        out.update({k: v for k, v in extra.items() if k not in out})
+    messages = row_prompt_messages(row)
+    users = [m.get("content") for m in messages or [] if m.get("role") == "user"]
+    question = users[-1] if users and isinstance(users[-1], str) else row.get("prompt_text")
+    out.setdefault("prompt", question)
+    out.setdefault("answer", row.get("ground_truth"))
+    return out
+
+
+def episode_sample(ep: Episode, prompt_index: int, sample_index: int) -> RolloutSample:
+    """One finished episode as the trainer's `RolloutSample` (module docstring)."""
+    p = ep.prompt_length
+    return RolloutSample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=list(ep.token_ids[:p]),
+                         response_ids=list(ep.token_ids[p:]), logprobs=list(ep.logprobs[p:]),
+                         finish_reason="length" if ep.truncated else "stop", loss_mask=list(ep.loss_mask[p:]),
+                         episode={"reward": ep.reward, "turns": ep.turns, "tool_turns": ep.tool_turns,
+                                  "truncated": ep.truncated, "end": ep.end})
+
+
+class EpisodeRolloutService(RolloutService):
+    """`RolloutService` whose `generate` plays episodes (module docstring). `tokenizer`: the run's; `env_factory`:
+    `environment.load_environment(...)`'s result; `max_turns` / `max_total_tokens`: each episode's budgets;
+    everything else as `RolloutService`."""
+
+    def __init__(self, *args, tokenizer, env_factory: Callable[[], Any], max_turns: int, max_total_tokens: int,
+                 max_workers: int = 8, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokenizer, self.env_factory = tokenizer, env_factory
+        self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
+        self.last_episodes: list[Episode] = []  # the last batch's episodes, prompt-major (for inspection)
+
+    def generate(self, rows: list[dict], spec: SamplingSpec) -> Pending:
+        n = spec.n
+        runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
+                               max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
+                               max_workers=self.max_workers)
+        env_rows = [environment_row(row) for row in rows]
+        start = time.perf_counter()
+        episodes = runner.run([r for r in env_rows for _ in range(n)])
+        seconds = time.perf_counter() - start
+        for ep in episodes:
+            if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on
+                error = next((r["error"] for r in ep.reports if r.get("status") == "error"), "no first message")
+                raise RuntimeError(f"rl.environment: the environment could not start an episode for prompt row "
+                                   f"{ep.index // n} ({error})")
+        self.last_episodes = episodes
+        samples = [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]
+        generated = sum(sum(s.loss_mask) for s in samples)
+        return Pending.done((samples, (seconds, generated)))

@@ -1,0 +1,136 @@
+"""Multi-turn episodes in the RL loop (`rl.environment`): a GRPO run on the calculator environment with the tiny
+model and the HF engine; the mask that reaches the loss is 0 exactly on observation tokens; the trained ids are the
+ids the engine generated and the runner recorded."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.data.prep import prep_prompts
+from ds_rlhf.engines.chat_tokens import end_of_turn_id
+from ds_rlhf.recipes.rl import RLTrainer, make_trajectory
+from ds_rlhf.rollout.base import RolloutSample
+from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+CALCULATOR = f"{ROOT / 'ds_rlhf' / 'agent' / 'examples' / 'calculator.py'}:CalculatorEnv"
+QUESTIONS = [("What is 12 * 3?", 36), ("What is 7 + 5?", 12), ("What is 9 - 4?", 5), ("What is 6 * 7?", 42)]
+EXPRESSION = re.compile(r"What is (\d+ [-+*] \d+)\?")
+
+
+class FirstTurnCalls(HFRolloutEngine):
+    """The tiny HF engine, except that each episode's first turn is a calculator call on the question's expression,
+    teacher-forced: its log-probs are the model's own (`logprobs`), so the run trains on real tool-calling episodes
+    although the random tiny model never writes one. Later turns are sampled. `returned`: every (prompt, sample)
+    pair this engine handed out, in order."""
+
+    def __init__(self, *args, tokenizer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tok, self.eot = tokenizer, end_of_turn_id(tokenizer)
+        self.returned: list[tuple[list[int], RolloutSample]] = []
+
+    def generate(self, prompts, spec):
+        samples = super().generate(prompts, spec)
+        for i, prompt in enumerate(prompts):
+            text = self.tok.decode(prompt)
+            if text.count("<|im_start|>assistant") == 1:  # the episode's first turn
+                ids = self.tok.encode(f'calculator("{EXPRESSION.search(text).group(1)}")',
+                                      add_special_tokens=False) + [self.eot]
+                logprobs = self.logprobs([list(prompt) + ids])[0][len(prompt) - 1:]
+                samples[i] = RolloutSample(i, 0, list(prompt), ids, logprobs, "stop")
+        self.returned += list(zip([list(p) for p in prompts], samples))
+        return samples
+
+
+@pytest.fixture(scope="module")
+def arithmetic_store(tiny_model_path, tmp_path_factory):
+    """A prompts store of plain questions (no chat template: the episode runner renders the prompt with the tools)
+    with their answers as ground truth."""
+    out = tmp_path_factory.mktemp("arithmetic")
+    raw = out / "prompts.jsonl"
+    raw.write_text("".join(json.dumps({"prompt": q, "label": str(a)}) + "\n" for q, a in QUESTIONS))
+    prep_prompts(raw, out / "store", str(tiny_model_path), input_key="prompt", label_key="label",
+                 apply_chat_template=False, progress=False, overwrite=True, on_error="fail")
+    return out / "store"
+
+
+def episode_args(model, store, out, steps):
+    return ["--model.path", str(model), "--data.train", str(store), "--run.output_dir", str(out),
+            "--run.steps", str(steps), "--rl.algo", "grpo", "--rl.environment", CALCULATOR, "--rl.max_turns", "3",
+            "--rl.prompts_per_step", "2", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "12",
+            "--rollout.max_model_len", "400", "--rollout.backend", "hf", "--optim.lr", "1e-3",
+            "--optim.micro_batch_size", "4", "--run.progress", "false", "--run.tensorboard", "false",
+            "--run.export_hf", "false"]
+
+
+def make_engine(model, tokenizer):
+    return FirstTurnCalls(str(model), dtype="float32", batch_size=8, tokenizer=tokenizer)
+
+
+def test_grpo_on_calculator_episodes_logs_episode_metrics(tiny_model_path, tiny_tokenizer, arithmetic_store,
+                                                           dist_single, tmp_path):
+    engine = make_engine(tiny_model_path, tiny_tokenizer)
+    history = RLTrainer(parse_config(episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)),
+                        rollout=engine).train()
+    assert len(history) == 2
+    for h in history:
+        # every first turn called the calculator, so each episode has >= 2 turns and tool calls in its turns
+        assert 2 <= h["episode/turns_mean"] <= 3, h
+        assert 1 / 3 <= h["episode/tool_call_rate"] <= 1, h
+        assert 0 <= h["episode/truncated_frac"] <= 1 and h["episode/error_frac"] == 0, h
+        assert h["reward/mean"] == pytest.approx(h["episode/reward_mean"])  # no rl.reward_fn: the env's reward
+        assert h["rollout/samples"] == 4 and "actor/loss" in h and "actor/entropy" in h
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "episode/turns_mean" in m] == [1, 2]
+
+
+def test_loss_mask_is_zero_exactly_on_observations_and_trained_ids_are_the_generated_ones(
+        tiny_model_path, tiny_tokenizer, arithmetic_store, dist_single, tmp_path):
+    engine = make_engine(tiny_model_path, tiny_tokenizer)
+    trainer = RLTrainer(parse_config(episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)),
+                        rollout=engine)
+    batch = trainer.service.batch(0)
+    scored = trainer.parts.reward(batch, step=0)
+    traj = make_trajectory(trainer.parts, trainer.ctx, scored, kl_coef=0.0, timer=trainer.timer)
+    episodes = trainer.service.last_episodes
+    assert len(episodes) == len(scored.samples) == len(traj) == 4
+    for i, ep in enumerate(episodes):
+        n = len(ep.token_ids)
+        # token in / token out: the trained row is the episode's ids, nothing decoded and re-encoded
+        assert traj.input_ids[i, :n].tolist() == ep.token_ids
+        assert int(traj.attention_mask[i].sum()) == n
+        # the mask reaching the loss: position t scores token t+1, 1 exactly where the runner generated it
+        mask = traj.action_mask[i].tolist()
+        assert mask[: n - 1] == [float(m) for m in ep.loss_mask[1:]]
+        assert not any(mask[n - 1:])
+        observation = [t for t in range(ep.prompt_length, n) if ep.loss_mask[t] == 0]
+        assert observation, "every episode here has a tool result between its turns"
+        assert all(mask[t - 1] == 0.0 for t in observation)
+        assert traj.rollout_logp[i, : n - 1].tolist() == pytest.approx(ep.logprobs[1:])
+        # the ids trained on (mask 1) are, in order, exactly the ids the engine returned for this episode's turns
+        trained = traj.input_ids[i, 1:n][traj.action_mask[i, : n - 1] > 0].tolist()
+        # (each turn of an episode has its own prompt length; a group's episodes share their first turn)
+        turns = {len(prompt): s.response_ids for prompt, s in engine.returned
+                 if ep.token_ids[: len(prompt) + len(s.response_ids)] == prompt + s.response_ids}
+        returned = [t for length in sorted(turns) for t in turns[length]]
+        assert len(turns) == ep.turns
+        assert trained == returned and len(returned) == sum(ep.loss_mask)
+        assert ep.turns >= 2
+    trainer.train()  # the run's step, then everything closed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rl.algo", "ppo"], "episodes train critic-free estimators only"),
+    (["--rollout.async_generation", "true"], "set --rollout.async_generation false"),
+    (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
+    (["--run.eval_every", "5"], "held-out evaluation generates single turns"),
+    (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
+])
+def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", *extra])
