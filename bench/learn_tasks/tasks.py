@@ -21,8 +21,8 @@ import json
 import random
 from pathlib import Path
 
-# No example number: under GRPO, SmolLM2-135M given an instruction that showed one ("for example: #### 42") learned to end
-# every response with that number, which the format reward paid for.
+# No example number: under GRPO, SmolLM2-135M given an instruction that showed one ("for example: #### 42")
+# learned to end every response with that number, which the format reward paid for.
 INSTRUCTION = "Solve the problem. Then give the final answer as a number after '####'."
 NAMES = ["Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "Tom", "Yuki", "Ines"]
 ITEMS = ["apples", "stickers", "marbles", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
