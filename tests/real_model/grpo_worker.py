@@ -38,14 +38,20 @@ def main() -> None:
 
     submit, collect = engine.submit, engine.collect
 
+    def record_samples(samples):
+        record["samples"].append([{"response_ids": list(s.response_ids), "finish_reason": s.finish_reason}
+                                  for s in samples])
+
     def submit_recorded(batch, spec):
         record["stop_token_ids"].append(list(spec.stop_token_ids))
-        return submit(batch, spec)
+        ticket = submit(batch, spec)
+        if ticket.samples is not None:  # the in-process engine generated them now: no collect() follows
+            record_samples(ticket.samples)
+        return ticket
 
     def collect_recorded(ticket):
         samples = collect(ticket)
-        record["samples"].append([{"response_ids": list(s.response_ids), "finish_reason": s.finish_reason}
-                                  for s in samples])
+        record_samples(samples)
         return samples
 
     pad_trajectory = rl_step.pad_trajectory

@@ -183,8 +183,8 @@ def _setup(tmp_path, tiny_model_path, tiny_tokenizer, *extra, reward=finished_re
     ctx = SimpleNamespace(cfg=cfg, tokenizer=tiny_tokenizer, print=print,
                           dist=SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), is_main=True))
     loader = StoreLoader(store, batch_size=4, seed=0, tokenizer=tiny_tokenizer, expect_kind="prompts")
-    parts = SimpleNamespace(loader=loader, loader_iter=iter(loader), rollout=FakeRollout(settled_only),
-                            reward=RewardStage(ctx, fn=reward), sync=OwedSync())
+    parts = SimpleNamespace(environment=None, loader=loader, loader_iter=iter(loader),
+                            rollout=FakeRollout(settled_only), reward=RewardStage(ctx, fn=reward), sync=OwedSync())
     return ctx, parts, Steps(ctx, parts)
 
 

@@ -45,7 +45,7 @@ class RecordingSync:
 def _service(device: str, *args: str):
     cfg = parse_config(list(args))
     rollout = Engine()
-    parts = SimpleNamespace(rollout=rollout, sync=RecordingSync(rollout))
+    parts = SimpleNamespace(environment=None, rollout=rollout, sync=RecordingSync(rollout))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device(device)))
     return rollout_service(parts, ctx, PhaseTimer()), parts
 
@@ -132,7 +132,8 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
     cfg = parse_config(["--rollout.placement", "sidecar", "--rollout.async_generation", "true", "--run.steps", "3",
                         "--rollout.overlap_sync", str(overlap)])
     rollout = ServerLikeEngine(calls)
-    parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
+    parts = SimpleNamespace(environment=None, rollout=rollout, sync=DeferringSync(calls),
+                            loader_iter=iter([[{"input_ids": [1]}]] * 4))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
                           tokenizer=SimpleNamespace(eos_token_id=0))
     service = rollout_service(parts, ctx, PhaseTimer())
@@ -163,7 +164,8 @@ def test_synchronous_sync_hands_over_after_every_update_but_the_last_and_is_conf
     calls = []
     cfg = parse_config(["--rollout.placement", "sidecar", "--run.steps", "3", "--rollout.overlap_sync", str(overlap)])
     rollout = ServerLikeEngine(calls)
-    parts = SimpleNamespace(rollout=rollout, sync=DeferringSync(calls), loader_iter=iter([[{"input_ids": [1]}]] * 4))
+    parts = SimpleNamespace(environment=None, rollout=rollout, sync=DeferringSync(calls),
+                            loader_iter=iter([[{"input_ids": [1]}]] * 4))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
                           tokenizer=SimpleNamespace(eos_token_id=0))
     service = rollout_service(parts, ctx, PhaseTimer())
