@@ -247,6 +247,11 @@ class RLConfig:
     # per-token reverse KL to it is a reward (rl.kl_in reward, rl.kl_estimator k1) or a loss term (rl.kl_in loss);
     # needs rl.kl_coef > 0; rl.reward_fn / rl.reward_model become optional (docs/DISTILLATION.md)
     teacher: str = ""
+    # rl.teacher: a full-distribution loss in the policy update, `jsd` = DeepSpeed's generalized Jensen-Shannon
+    # divergence between the student's and the teacher's next-token distributions at every response token
+    distill_loss: str = opt("none", choices=("none", "jsd"))
+    jsd_beta: float = opt(0.5, ge=0, le=1)  # rl.distill_loss jsd: 0 = forward KL teacher->student, 1 = reverse KL
+    distill_coef: float = opt(1.0, gt=0)  # rl.distill_loss jsd: its weight in the policy loss (a token mean)
     kl_estimator: str = opt("k3", choices="kl")  # k1 | k2 | k3
     kl_in: str = opt("loss", choices=("loss", "reward"))  # loss | reward
     kl_target: float = opt(0.0, ge=0)  # > 0 turns on the adaptive controller
@@ -304,9 +309,11 @@ class RLConfig:
         if self.dual_clip and not POLICY_LOSSES.get(self.policy_loss).meta.get("dual_clip"):
             raise ConfigError(f"rl.dual_clip={self.dual_clip} is a PPO-loss setting, but rl.policy_loss="
                               f"{self.policy_loss} does not take it: set --rl.dual_clip 0 or --rl.policy_loss ppo")
-        if self.teacher and not (self.kl_coef > 0 or self.kl_target > 0):
+        if self.teacher and not (self.kl_coef > 0 or self.kl_target > 0 or self.distill_loss != "none"):
             raise ConfigError(f"rl.teacher={self.teacher!r} distils through the KL term: set --rl.kl_coef > 0 (e.g. 1 "
-                              "with --rl.kl_in reward --rl.kl_estimator k1 for the per-token reverse KL as a reward)")
+                              "with --rl.kl_in reward --rl.kl_estimator k1 for the per-token reverse KL as a reward), "
+                              "or --rl.distill_loss jsd")
+        self._check_distill()
         if self.reward_model_weight != 1.0 and not (self.reward_fn and self.reward_model):
             raise ConfigError(f"rl.reward_model_weight={self.reward_model_weight} weighs the reward model against "
                               "reward functions: it needs both rl.reward_model and rl.reward_fn (or leave it at 1)")
@@ -317,6 +324,19 @@ class RLConfig:
             raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
                               "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
         self._check_eval(cfg)
+
+    def uses_reference(self) -> bool:
+        """A frozen reference (the teacher, with `rl.teacher`) is built: for the KL term or the distillation loss."""
+        return self.kl_coef > 0 or self.kl_target > 0 or self.distill_loss != "none"
+
+    def _check_distill(self) -> None:
+        if self.distill_loss != "none" and not self.teacher:
+            raise ConfigError(f"rl.distill_loss={self.distill_loss} distils into a teacher's distributions: set "
+                              "--rl.teacher (a model with the actor's tokenizer) or --rl.distill_loss none")
+        for key, value, default in (("jsd_beta", self.jsd_beta, 0.5), ("distill_coef", self.distill_coef, 1.0)):
+            if value != default and self.distill_loss != "jsd":
+                raise ConfigError(f"rl.{key}={value:g} is a setting of the JSD distillation loss: add "
+                                  f"--rl.distill_loss jsd (with --rl.teacher) or leave it at {default:g}")
 
     def _check_dapo(self, cfg: Config) -> None:
         r = cfg.rollout

@@ -76,6 +76,45 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         return model(**inputs)  # a DeepSpeed engine: DeepSpeedEngine.forward around the root module's forward
 
 
+def response_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, score_mask: torch.Tensor, *,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The output head's full-vocabulary logits `[N, V]` at the `N` positions set in `score_mask` (bool, `[B, L-1]`;
+    position t holds the logits that predict token t+1), in row-major order of `score_mask`.
+
+    Run like `sequence_logprobs`: the whole pass is the forward of the model's root module called through the model
+    as given (a DeepSpeed engine's forward), the head called as a module (ZeRO-3 gathers its weight). Only the
+    selected positions go through the head, so the memory is `N x V` logits, not `B x L x V`. Where `score_mask`
+    selects nothing every position still goes through the head (its weight gets a zero gradient on every rank
+    alike) and the result has 0 rows."""
+    hf = unwrap(model, peft=True)
+
+    def forward(input_ids, attention_mask, position_ids, score_mask):
+        return _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask)
+
+    root = unwrap(model)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  score_mask=score_mask)
+    if not isinstance(root, torch.nn.Module):  # a model-like view (engines/shared_base.py): its submodules only
+        return forward(**inputs)
+    with _replaced_forward(root, forward):
+        return model(**inputs)
+
+
+def _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask) -> torch.Tensor:
+    """The backbone and the head of `response_logits` (run as the root module's forward)."""
+    hidden = hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    if score_mask.shape != input_ids[:, 1:].shape:
+        raise ValueError(f"score_mask shape {tuple(score_mask.shape)} != scored positions "
+                         f"{tuple(input_ids[:, 1:].shape)}")
+    rows = score_mask.reshape(-1).nonzero().squeeze(1)
+    head = hf.get_output_embeddings()
+    if rows.numel() == 0:
+        return head(hidden)[:0]
+    return head(hidden.index_select(0, rows))
+
+
 def _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, *, temperature: float,
                   with_entropy: bool, chunk_size: int):
     """The backbone and the chunked head of `sequence_logprobs` (run as the root module's forward)."""

@@ -62,7 +62,7 @@ def role_sources(cfg, kind: str) -> dict[str, str]:
     out = {"actor": cfg.model.path}
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
         out["critic"] = rl.critic_path or rl.reward_model or cfg.model.path
-    if rl.kl_coef > 0 or rl.kl_target > 0:  # the teacher (on-policy distillation) is the reference when set
+    if rl.uses_reference():  # the teacher (on-policy distillation) is the reference when set
         out["reference"] = rl.teacher or cfg.model.path
     if rl.reward_model:
         out["reward"] = rl.reward_model

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
 from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
-from ds_rlhf.engines.policy_forward import sequence_logprobs
+from ds_rlhf.engines.policy_forward import response_logits, sequence_logprobs
 from ds_rlhf.recipes.batching import split_micro
 from ds_rlhf.recipes.packed_batch import pack_rows
 from ds_rlhf.recipes.trajectory import Trajectory
@@ -91,6 +92,32 @@ def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = F
     return packed.unpack(logp), (packed.unpack(entropy) if entropy is not None else None)
 
 
+def micro_response_logits(model, mb: Trajectory, cfg: Config):
+    """Full-vocabulary logits `[N, V]` of micro-batch `mb` under `model` at its `N` response positions, and a
+    function that maps per-row values `[N]` back to the `[b, w-1]` layout (0 elsewhere, differentiable); padded or
+    packed like `micro_logprobs`, the rows in the same order for any model."""
+    scored = mb.action_mask > 0
+    if not cfg.data.rl_packing:
+        logits = response_logits(model, mb.input_ids, None, scored, attention_mask=mb.attention_mask)
+        mask, targets, unpack = scored, mb.input_ids[:, 1:], (lambda x: x)
+    else:
+        packed = pack_rows(mb.input_ids, mb.attention_mask)
+        mask = packed.packed_mask(scored)
+        logits = response_logits(model, packed.input_ids, packed.position_ids, mask)
+        targets, unpack = packed.input_ids[:, 1:], packed.unpack
+
+    def to_rows(values: torch.Tensor) -> torch.Tensor:
+        return unpack(values.new_zeros(mask.shape).masked_scatter(mask, values))
+
+    return logits, targets[mask], to_rows
+
+
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Per-row log-prob of `targets` and entropy (fp32) of logits `[N, V]` at `temperature`."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp_all.gather(1, targets[:, None]).squeeze(1), -(logp_all.exp() * logp_all).sum(-1)
+
+
 def micro_values(critic, mb: Trajectory, cfg: Config) -> torch.Tensor:
     """The critic's values `[b, w-1]` of micro-batch `mb` (position t: the state before token t+1), padded or
     packed like `micro_logprobs`."""
@@ -115,12 +142,29 @@ def _share(mb: Trajectory, mode: str, total_tokens: float, total_seqs: int) -> f
     return len(mb) / max(total_seqs, 1)
 
 
-def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: float):
-    """Forward, loss and backward for one micro-batch; returns (metrics, detached log-probs)."""
+def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: float, *, teacher=None,
+                     token_share: float | None = None):
+    """Forward, loss and backward for one micro-batch; returns (metrics, detached log-probs).
+
+    With a `teacher` (`rl.distill_loss jsd`) the student's log-probs and entropy come from its full-vocabulary logits
+    at the response positions (one forward), and `rl.distill_coef` x the token-mean generalized JSD to the teacher's
+    logits (no gradient) is added, weighted by the micro-batch's share of the mini-batch's response tokens
+    (`token_share`, default `share`)."""
     mode, const = _agg_mode(cfg)
     rl = cfg.rl
     mask = mb.action_mask
-    logp, entropy = micro_logprobs(actor, mb, cfg, with_entropy=True)
+    jsd = None
+    if teacher is None:
+        logp, entropy = micro_logprobs(actor, mb, cfg, with_entropy=True)
+    else:
+        temperature = cfg.rollout.temperature
+        student, targets, to_rows = micro_response_logits(actor, mb, cfg)
+        with torch.no_grad():
+            teacher_logits, _, _ = micro_response_logits(teacher, mb, cfg)
+        jsd = generalized_jsd(student, teacher_logits, beta=rl.jsd_beta, temperature=temperature)
+        del teacher_logits
+        logp_rows, entropy_rows = _logprobs_from_logits(student, targets, temperature)
+        logp, entropy = to_rows(logp_rows), to_rows(entropy_rows)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)
     entry = POLICY_LOSSES.get(rl.policy_loss)
@@ -137,7 +181,11 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
         loss = loss - rl.entropy_coef * entropy_bonus(entropy, mask, mode, const)
     metrics["actor/entropy"] = aggregate(entropy, mask, "token-mean").detach()
     metrics["actor/loss"] = loss.detach()
-    actor.backward(loss * share, scale_wrt_gas=False)
+    loss = loss * share
+    if jsd is not None:
+        loss = loss + rl.distill_coef * jsd * (share if token_share is None else token_share)
+        metrics["distill/jsd"] = jsd.detach()
+    actor.backward(loss, scale_wrt_gas=False)
     return metrics, logp.detach()
 
 
@@ -151,10 +199,15 @@ def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict
 
 
 def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
-               generator: torch.Generator) -> UpdateResult:
+               generator: torch.Generator, teacher=None) -> UpdateResult:
     """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
     pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single
-    update's own forward pass (`single_update`)."""
+    update's own forward pass (`single_update`). `teacher` (frozen): the distillation loss's teacher
+    (`rl.distill_loss`), or None."""
+    if (teacher is not None) != (cfg.rl.distill_loss != "none"):
+        raise ValueError(f"rl.distill_loss={cfg.rl.distill_loss} needs a teacher engine exactly when it is not none")
+    if teacher is not None:
+        teacher.eval()
     n = len(exp)
     record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
     mini = cfg.rl.mini_batch_size or n
@@ -179,7 +232,9 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
                 micro = micro or [0]
                 mb = exp.select(micro)
                 share = _share(mb, mode, total_tokens, len(rows)) if share is None else share
-                metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share)
+                token_share = float(mb.action_mask.sum()) / max(total_tokens, 1.0) if share > 0 else 0.0
+                metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share, teacher=teacher,
+                                                 token_share=token_share)
                 stats.add(metrics, share)
                 if record is not None and share > 0:
                     record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask

@@ -168,7 +168,9 @@ class RLTrainer:
         traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
         # 4 update: the policy (and critic) optimizer steps
         with timer.phase("train"):
-            update = policy_update(parts.actor, parts.critic, traj, cfg, kl_coef=kl_coef, generator=self.generator)
+            teacher = parts.reference if cfg.rl.distill_loss != "none" else None  # rl.teacher: the reference
+            update = policy_update(parts.actor, parts.critic, traj, cfg, kl_coef=kl_coef, generator=self.generator,
+                                   teacher=teacher)
         # 5 publish: the new weights to the rollout service (synced now, without waiting, or at the next idle point)
         self.service.publish(step + 1)
         report = self.service.take_report()  # this step's syncs and confirmations

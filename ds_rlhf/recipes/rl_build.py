@@ -159,11 +159,11 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:
-    """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0: the teacher (`rl.teacher`, on-policy
-    distillation), or with `model.share_base` the actor with its adapters off (no second copy of the base), else a
-    frozen engine of `model.path`."""
+    """The KL reference when `rl.kl_coef` or `rl.kl_target` > 0 or `rl.distill_loss` is set: the teacher
+    (`rl.teacher`, on-policy distillation), or with `model.share_base` the actor with its adapters off (no second
+    copy of the base), else a frozen engine of `model.path`."""
     cfg = ctx.cfg
-    if not (cfg.rl.kl_coef > 0 or cfg.rl.kl_target > 0):
+    if not cfg.rl.uses_reference():
         return None
     frozen = ctx.ds_config(role="reference", micro_batch_size=_micro_size(cfg), lr=0.0, total_steps=1, frozen=True)
     if cfg.rl.teacher:
