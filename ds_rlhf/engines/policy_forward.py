@@ -37,6 +37,17 @@ def _replaced_forward(module: torch.nn.Module, forward):
             del module.forward  # back to the class's own forward
 
 
+
+def _as_root_forward(model, forward, **inputs):
+    """`forward(**inputs)` run as the forward of `model`'s root module, called through `model` as given: for a
+    DeepSpeed engine that is `DeepSpeedEngine.forward`, where ZeRO-3 counts micro-batches. A model-like view that is
+    no module (engines/shared_base.py) runs `forward` on its submodules directly."""
+    root = unwrap(model)
+    if not isinstance(root, torch.nn.Module):
+        return forward(**inputs)
+    with _replaced_forward(root, forward):
+        return model(**inputs)
+
 @contextmanager
 def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bool, chunk_size: int):
     def forward(hidden, targets):
@@ -67,13 +78,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         return _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, temperature=temperature,
                              with_entropy=with_entropy, chunk_size=chunk_size)
 
-    root = unwrap(model)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  score_mask=score_mask)
-    if not isinstance(root, torch.nn.Module):  # a model-like view (engines/shared_base.py): its submodules only
-        return forward(**inputs)
-    with _replaced_forward(root, forward):
-        return model(**inputs)  # a DeepSpeed engine: DeepSpeedEngine.forward around the root module's forward
+    return _as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, score_mask=score_mask)
 
 
 def response_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, score_mask: torch.Tensor, *,
@@ -91,13 +97,8 @@ def response_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor |
     def forward(input_ids, attention_mask, position_ids, score_mask):
         return _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask)
 
-    root = unwrap(model)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  score_mask=score_mask)
-    if not isinstance(root, torch.nn.Module):  # a model-like view (engines/shared_base.py): its submodules only
-        return forward(**inputs)
-    with _replaced_forward(root, forward):
-        return model(**inputs)
+    return _as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, score_mask=score_mask)
 
 
 def _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask) -> torch.Tensor:
