@@ -21,6 +21,11 @@ estimate); this module adds what an RL step holds on top of them:
   [tokens x vocab] fp32 logits, only one chunk's (`chunk_size` x vocab) at a time plus three fp32 values per token.
   Frozen roles run without autograd; their forward is estimated as a checkpointed one (an upper bound). At ZeRO-3
   the activations column also holds one gathered layer's full weights plus the prefetch bucket;
+- with `rl.distill_loss jsd` the actor's update also holds, per micro-batch, the `[response tokens, vocab]` logits
+  of the student (with its graph) and of the teacher in the compute dtype, and DeepSpeed's `generalized_jsd_loss`
+  intermediates (`jsd_logits_bytes`), added to the actor's activations. Its response tokens: a fixed-size
+  micro-batch's rows x `rollout.max_new_tokens`; under a token budget the whole budget (a micro-batch of short
+  prompts is nearly all response);
 - the rollout engine: vLLM claims `rollout.gpu_memory_utilization` of the device at start-up for its weights, a
   profiling forward of `VLLM_PROFILE_TOKENS` tokens and the KV cache (the rest); the sidecar's engines (processes
   on the training GPU, never asleep) hold that budget in both phases. Colocated with `rollout.sleep` it
@@ -58,6 +63,12 @@ from ds_rlhf.memory.role_plan import RolePlan, Settings, logprob_head_bytes, pla
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
 
 GiB = 1024 ** 3
+# fp32 [response tokens, vocab] tensors live at the peak of the JSD path (DeepSpeed's generalized_jsd_loss on both
+# models' logits, forward and backward, with the student's log-probs and entropy from the same logits), measured
+# with torch.profiler on CPU (tests/tools/test_memory_plan.py re-measures it): 0 < beta < 1 keeps both models'
+# fp32 and temperature-scaled logits, log-softmaxes and probabilities, the mixture's log-probs and its two shifted
+# inputs and the pointwise terms; beta 0 or 1 (one KL, no mixture) fewer
+JSD_FP32_TENSORS = {"mixture": 14, "one_kl": 8}
 VLLM_PROFILE_TOKENS = 8192  # vLLM's profiling forward (its max_num_batched_tokens; an assumption, not read from vLLM)
 DEFAULT_RESERVE_GB = {"cuda": 2.0, "cpu": 1.0}
 ROLES_BY_KIND = {"rl": ("actor", "critic", "reference", "reward"), "sft": ("actor",), "rm": ("reward",)}
@@ -143,6 +154,25 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def jsd_response_tokens(cfg, s: Settings) -> int:
+    """Response tokens of one micro-batch, at most: `optim.micro_batch_size` rows x `rollout.max_new_tokens`
+    (within the micro-batch's tokens), or under `data.micro_batch_tokens` the whole budget."""
+    if cfg.data.micro_batch_tokens > 0:
+        return s.tokens
+    return min(s.tokens, max(1, cfg.optim.micro_batch_size) * cfg.rollout.max_new_tokens)
+
+
+def jsd_logits_bytes(cfg, hf_config, s: Settings) -> int:
+    """`rl.distill_loss jsd`: the bytes the actor's update holds per micro-batch for the full-distribution loss:
+    both models' `[N, vocab]` logits in the compute dtype and `JSD_FP32_TENSORS` fp32 tensors of that shape, N the
+    micro-batch's response tokens (`jsd_response_tokens`). 0 without the JSD loss."""
+    if cfg.rl.distill_loss != "jsd":
+        return 0
+    act = 2 if s.precision in ("bf16", "fp16") else 4
+    fp32 = JSD_FP32_TENSORS["mixture" if 0 < cfg.rl.jsd_beta < 1 else "one_kl"]
+    return jsd_response_tokens(cfg, s) * hf_config.vocab_size * (2 * act + 4 * fp32)
+
+
 # ---- the plan ----------------------------------------------------------------------------------------------------
 def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) -> tuple[dict[str, int], int]:
     """Device bytes per rank in the rollout and train phases, and host bytes per rank."""
@@ -198,6 +228,10 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
                 plan = quantized_base(plan, module, s, cfg.model.quantize_base)
             roles.append(plan)
     notes += shared_notes(cfg, shared, s.zero_stage)
+    if kind == "rl" and (jsd := jsd_logits_bytes(cfg, configs["actor"], s)):
+        actor = roles[0]
+        roles[0] = dataclasses.replace(actor, activations=actor.activations + jsd,
+                                       detail=f"{actor.detail}, JSD logits {fmt_bytes(jsd)}")
     rollout = None
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)

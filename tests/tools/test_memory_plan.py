@@ -7,11 +7,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
+from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines.memory import activation_bytes
-from ds_rlhf.memory.plan import GiB, kv_bytes_per_token, plan_memory
+from ds_rlhf.memory.plan import JSD_FP32_TENSORS, GiB, kv_bytes_per_token, plan_memory
+from ds_rlhf.memory.split import MARGIN, choose_split
 from ds_rlhf.ops import memory as memory_cli
+from ds_rlhf.recipes.policy_update import _logprobs_from_logits
 
 # In a fresh process: load the model as the trainer's actor is loaded (fp32), take one AdamW step, then report
 # (a) the bytes of every parameter, gradient and optimizer-state tensor (unique storages) and (b) the growth of
@@ -266,3 +271,85 @@ def test_a_teacher_is_planned_as_the_reference_with_its_own_size(tmp_path):
     shared = _roles(_plan("--rl.kl_coef", "1", "--rl.teacher", str(tmp_path), "--model.lora_rank", "8",
                           "--model.share_base", "true", "--rollout.backend", "hf"))
     assert shared["reference"].num_params == roles["reference"].num_params
+
+
+def _jsd_shape(tmp_path, vocab_size=1000):
+    """A small Qwen2-shaped student (and teacher) of `vocab_size` tokens."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=vocab_size, tie_word_embeddings=True).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_the_jsd_loss_adds_both_models_response_logits_and_its_intermediates(tmp_path):
+    """`rl.distill_loss jsd`: per micro-batch the actor's update holds the student's and the teacher's
+    [response tokens, vocab] logits (bf16 here: 2 bytes each) and 14 fp32 tensors of that shape (8 at beta 0 or 1);
+    the response tokens are micro_batch_size x max_new_tokens, or the whole token budget."""
+    path = _jsd_shape(tmp_path)
+    base = ("--model.path", path, "--rl.teacher", path, "--model.dtype", "bf16", "--optim.micro_batch_size", "2",
+            "--data.max_prompt_len", "100", "--rollout.max_new_tokens", "64", "--rollout.backend", "hf")
+    kl = _plan(*base, "--rl.kl_coef", "1", device="cuda", capacity=80 * GiB)  # the same teacher, sampled-token KL
+    for extra, expected in (((), 2 * 64 * 1000 * (2 * 2 + 4 * 14)),
+                            (("--rl.jsd_beta", "1"), 2 * 64 * 1000 * (2 * 2 + 4 * 8)),
+                            (("--rl.jsd_beta", "0"), 2 * 64 * 1000 * (2 * 2 + 4 * 8)),
+                            (("--data.micro_batch_tokens", "512"), 512 * 1000 * (2 * 2 + 4 * 14))):
+        jsd = _plan(*base, "--rl.distill_loss", "jsd", *extra, device="cuda", capacity=80 * GiB)
+        plain = kl if not extra or extra[0] != "--data.micro_batch_tokens" else _plan(
+            *base, "--rl.kl_coef", "1", *extra, device="cuda", capacity=80 * GiB)
+        assert _roles(jsd)["actor"].activations - _roles(plain)["actor"].activations == expected, extra
+        assert jsd.phases["train"] - plain.phases["train"] == expected and jsd.peak - plain.peak == expected, extra
+        assert jsd.phases["rollout"] == plain.phases["rollout"]
+        assert _roles(jsd)["reference"] == _roles(plain)["reference"]
+        assert "JSD logits" in _roles(jsd)["actor"].detail
+
+
+def _measured_jsd_peak(n: int, vocab: int, dtype, beta: float) -> int:
+    """Peak bytes (torch.profiler, CPU) of the actor step's JSD path on [n, vocab] logits: the student's logits
+    (with a graph) and the teacher's, the generalized JSD, the student's log-probs and entropy from the same
+    logits, and the backward."""
+    weight = torch.randn(n, vocab, dtype=dtype, requires_grad=True)
+    teacher_rows = torch.randn(n, vocab, dtype=dtype)
+    targets = torch.randint(0, vocab, (n,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        student = weight * 1  # the head's output: a tensor of the graph
+        teacher = teacher_rows.clone()
+        jsd = generalized_jsd(student, teacher, beta=beta, temperature=0.7)
+        del teacher
+        logp, entropy = _logprobs_from_logits(student, targets, 0.7)
+        del student
+        (jsd + logp.sum() + entropy.sum()).backward()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(("dtype", "beta"), [("float32", 0.5), ("bfloat16", 0.3), ("bfloat16", 1.0)])
+def test_the_planned_jsd_bytes_match_the_measured_peak(dtype, beta):
+    """The plan's per-token JSD bytes (`jsd_logits_bytes`) against the allocator peak of the real loss path on CPU
+    (within 1%: the rest are scalars)."""
+    n, vocab = 96, 3000
+    act = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    planned = n * vocab * (2 * act + 4 * JSD_FP32_TENSORS["mixture" if 0 < beta < 1 else "one_kl"])
+    measured = _measured_jsd_peak(n, vocab, getattr(torch, dtype), beta)
+    assert abs(measured - planned) <= 0.01 * planned, (measured, planned)
+
+
+def test_a_capped_split_gives_the_jsd_loss_a_smaller_micro_batch(tmp_path):
+    """`run.max_gpu_memory_gb`: the split's micro-batch search plans the JSD logits, so a 150k-vocabulary JSD run
+    gets a smaller micro-batch than the same run with the sampled-token KL, and its pick fits the cap."""
+    path = _jsd_shape(tmp_path, vocab_size=151936)
+    base = ["--model.path", path, "--rl.teacher", path, "--model.dtype", "bf16", "--rollout.backend", "hf",
+            "--data.max_prompt_len", "512", "--rollout.max_new_tokens", "1536", "--rl.prompts_per_step", "64",
+            "--run.max_gpu_memory_gb", "40"]
+    kl = choose_split(parse_config([*base, "--rl.kl_coef", "1"]), 80 * GiB)
+    jsd = choose_split(parse_config([*base, "--rl.distill_loss", "jsd"]), 80 * GiB)
+    print("capped split, micro-batch tokens: kl", kl.micro_batch_tokens, "jsd", jsd.micro_batch_tokens)
+    assert jsd.micro_batch_tokens < kl.micro_batch_tokens, (jsd.micro_batch_tokens, kl.micro_batch_tokens)
+    picked = _plan(*base, "--rl.distill_loss", "jsd", "--data.micro_batch_tokens", str(jsd.micro_batch_tokens),
+                   device="cuda", capacity=40 * GiB)
+    vocab_logits = jsd.micro_batch_tokens * 151936 * (2 * 2 + 4 * 14)
+    assert _roles(picked)["actor"].activations > vocab_logits and picked.peak == jsd.peak
+    assert picked.peak + picked.settings.reserve <= 40 * GiB * (1 - MARGIN)
