@@ -32,7 +32,7 @@ from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.recipes.rollout_schedule import dynamic_batch, rollout_service
+from ds_rlhf.recipes.rollout_schedule import dynamic_batch, eval_generate, rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoints import CheckpointManager
@@ -97,7 +97,8 @@ class RLTrainer:
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
                        else FixedKLController(rl.kl_coef))
-        self.evaluation = RunEvaluation(self.ctx, self.parts.reward.fn) if rl_eval_on(cfg) else None
+        self.evaluation = (RunEvaluation(self.ctx, self.parts.reward.fn, episode_scores=self.parts.reward.combined)
+                           if rl_eval_on(cfg) else None)
         self.best = BestCheckpointTracker(rl.best_metric, rl.best_mode) if rl.best_metric else None
         self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
         self.step = 0
@@ -211,7 +212,7 @@ class RLTrainer:
         """
         # waits for the generation in flight (if any), checks the last sync, syncs the step's weights: idle after it
         self.last_sync = self.service.quiesce(self.step) or self.last_sync
-        return self.evaluation.run(self.parts.rollout)
+        return self.evaluation.run(self.parts.rollout, generate=eval_generate(self.service))  # episodes: played
 
     def _eval_due(self) -> bool:
         every = self.cfg.run.eval_every

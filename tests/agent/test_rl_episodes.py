@@ -47,6 +47,34 @@ class FirstTurnCalls(HFRolloutEngine):
         return samples
 
 
+class ScriptedAnswers(FirstTurnCalls):
+    """`FirstTurnCalls`, and each episode's second turn teacher-forced too: `#### <answer>` (no tool call, so the
+    calculator environment scores it and ends the episode) for the questions in `RIGHT`, `#### 0` for the others.
+    `specs`: the sampling spec of every call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.specs: list = []
+
+    def generate(self, prompts, spec):
+        self.specs.append(spec)
+        samples = super().generate(prompts, spec)
+        for i, prompt in enumerate(prompts):
+            text = self.tok.decode(prompt)
+            if text.count("<|im_start|>assistant") == 2:  # the turn after the calculator's result
+                expression = EXPRESSION.search(text).group(1)
+                answer = ANSWERS[expression] if expression in RIGHT else 0
+                ids = self.tok.encode(f"#### {answer}", add_special_tokens=False) + [self.eot]
+                logprobs = self.logprobs([list(prompt) + ids])[0][len(prompt) - 1:]
+                samples[i] = RolloutSample(i, 0, list(prompt), ids, logprobs, "stop")
+                self.returned[len(self.returned) - len(prompts) + i] = (list(prompt), samples[i])
+        return samples
+
+
+ANSWERS = {EXPRESSION.search(q).group(1): a for q, a in QUESTIONS}
+RIGHT = {"12 * 3", "7 + 5"}  # ScriptedAnswers answers these two of the four questions right
+
+
 @pytest.fixture(scope="module")
 def arithmetic_store(tiny_model_path, tmp_path_factory):
     """A prompts store of plain questions (no chat template: the episode runner renders the prompt with the tools)
@@ -124,11 +152,39 @@ def test_loss_mask_is_zero_exactly_on_observations_and_trained_ids_are_the_gener
     trainer.train()  # the run's step, then everything closed
 
 
+@pytest.mark.parametrize("reward_fn", [None, "half"])
+def test_held_out_evaluation_plays_greedy_episodes_scored_as_training(reward_fn, tiny_model_path, tiny_tokenizer,
+                                                                      arithmetic_store, dist_single, tmp_path):
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    args += ["--data.eval", str(arithmetic_store), "--run.eval_before_train", "true", "--run.eval_every", "1"]
+    if reward_fn:  # its score is added to the environment's, in training and in evaluation alike
+        args += ["--rl.reward_fn", f"{ROOT / 'tests' / 'agent' / 'agent_helpers.py'}:{reward_fn}",
+                 "--rl.reward_workers", "0"]
+    history = RLTrainer(parse_config(args), rollout=engine).train()
+    greedy = [spec for spec in engine.specs if spec.temperature == 0.0]
+    assert greedy and all(spec.n == 1 for spec in greedy)  # the evaluation's turns, one episode per prompt
+    added = 0.5 if reward_fn else 0.0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 1]
+    for m in evals:
+        # every episode: a calculator call, then the answer; two of the four answers are right
+        assert m["eval/prompts"] == m["eval/samples"] == 4
+        assert m["eval/pass@1"] == pytest.approx(0.5)  # the environment's correctness (threshold 1)
+        assert m["eval/reward_mean"] == pytest.approx(0.5 + added)
+        assert m["eval/episode/turns_mean"] == pytest.approx(2.0)
+        assert m["eval/episode/tool_call_rate"] == pytest.approx(0.5)
+        assert m["eval/episode/truncated_frac"] == 0.0 and m["eval/truncated_frac"] == 0.0
+        if reward_fn:
+            assert m["eval/reward/half"] == pytest.approx(0.5)
+    assert history[0]["reward/mean"] == pytest.approx(0.5 + added)  # training scored the same episodes alike
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--rl.algo", "ppo"], "episodes train critic-free estimators only"),
     (["--rollout.async_generation", "true"], "set --rollout.async_generation false"),
     (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
-    (["--run.eval_every", "5"], "held-out evaluation generates single turns"),
     (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
 ])
 def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):
