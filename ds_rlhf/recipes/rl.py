@@ -42,7 +42,7 @@ from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
 from ds_rlhf.run.signals import GracefulStop
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
-from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
+from ds_rlhf.telemetry.samples import SampleLogger, episode_fields, truncate_samples
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
@@ -363,6 +363,8 @@ def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) 
                     "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
                     "sample_index": s.sample_index, "prompt_index": s.prompt_index,
                     "finish_reason": s.finish_reason})
+        if s.episode is not None:  # a multi-turn episode: its turns, tool calls and truncation
+            out[-1].update(episode_fields(s.response_ids, s.loss_mask, s.episode, ctx.tokenizer))
     return out
 
 

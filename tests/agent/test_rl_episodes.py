@@ -16,6 +16,7 @@ from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.rl import RLTrainer, make_trajectory
 from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+from ds_rlhf.telemetry.samples import read_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = f"{ROOT / 'ds_rlhf' / 'agent' / 'examples' / 'calculator.py'}:CalculatorEnv"
@@ -179,6 +180,31 @@ def test_held_out_evaluation_plays_greedy_episodes_scored_as_training(reward_fn,
         if reward_fn:
             assert m["eval/reward/half"] == pytest.approx(0.5)
     assert history[0]["reward/mean"] == pytest.approx(0.5 + added)  # training scored the same episodes alike
+
+
+def test_sample_log_holds_each_episodes_transcript_with_its_turns(tiny_model_path, tiny_tokenizer, arithmetic_store,
+                                                                  dist_single, tmp_path):
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    RLTrainer(parse_config([*args, "--run.sample_log_every", "1", "--run.sample_log_k", "4"]), rollout=engine).train()
+    records = read_samples(tmp_path / "run")
+    assert len(records) == 4
+    specials = tiny_tokenizer.all_special_tokens
+    for rec in records:
+        expression = EXPRESSION.search(rec["prompt"]).group(1)
+        turns = rec["turns"]
+        # a calculator call, the tool's result, the final answer: the turn boundaries of the loss mask
+        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
+        assert turns[0]["text"] == f'calculator("{expression}")<|im_end|>'
+        assert str(ANSWERS[expression]) in turns[1]["text"] and "<|im_start|>assistant" in turns[1]["text"]
+        right = expression in RIGHT
+        assert turns[2]["text"] == f"#### {ANSWERS[expression] if right else 0}<|im_end|>"
+        joined = "".join(t["text"] for t in turns)
+        for token in specials:
+            joined = joined.replace(token, "")
+        assert joined == rec["response"]  # the turns are the whole response, nothing left out
+        assert rec["tool_calls"] == 1 and rec["truncated"] is False and rec["episode_end"] == "done"
+        assert rec["episode_reward"] == rec["reward"] == float(right)
 
 
 @pytest.mark.parametrize("extra, message", [
