@@ -17,6 +17,22 @@ against seconds and against steps, both modes) into `--out`.
     python3 bench/learn.py --tiny --out /tmp/learn                         # CPU: the tiny model, end to end
     ds-rlhf bench learn --model ... [same options]
 
+Multi-turn episodes with a tool: `--environment path.py:Name` (a path from the current directory or from the
+repository) runs the trainer with `rl.environment` instead of the reward files, synchronous mode only (episodes are
+played in the step that trains on them):
+
+    python3 bench/learn.py --model X --task arithmetic --modes sync \
+        --environment ds_rlhf/agent/examples/calculator.py:CalculatorEnv
+
+Each prompt then plays `--max-turns` turns at most (`rl.max_turns`), every turn up to `--max-new-tokens`; the
+stores are prepared as plain text (`--no-apply_chat_template`: the episode runner renders the chat prompt with the
+tools). The training reward and the held-out score are the environment's: for the calculator, 1 when the last
+number of the final answer (the turn without a tool call) equals the answer, so the exact match is the
+environment's correctness (a `#### N` ending the answer satisfies it; so does any answer ending in the right
+number). Each evaluation point also records `tool_call_rate` (turns that called a tool / generated turns) and
+`turns_mean`, each step the training `tool_call_rate` and `turns_mean`; the PNG draws the tool-call rate beside the
+exact match.
+
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the format: one
 `#### N` ending the response); `--reward lenient` trains on `lenient_train_reward` (the last number after any
 `####`), which a policy can game. The held-out evaluation reports both exact-match rules.
@@ -51,6 +67,7 @@ EXACT = "eval/pass@1"
 FORMAT = "eval/reward/eval_reward/format"
 LENIENT = "eval/reward/eval_reward/lenient"
 TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward"}
+EPISODE_OBSERVATION_TOKENS = 64  # --environment: room per turn for a tool's result turn beside the generated tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--model", default="", help="HF model directory, Hub id or .gguf file (required unless --tiny)")
     ap.add_argument("--task", choices=("arithmetic", "gsm8k"), default="arithmetic")
-    ap.add_argument("--modes", default="sync,async", help="comma list of sync, async")
+    ap.add_argument("--modes", default="", help="comma list of sync, async (default: both; sync with "
+                    "--environment)")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--minutes", type=float, default=0, help="stop each mode's run after this long (0 = no limit)")
     ap.add_argument("--eval-every", type=int, default=15)
@@ -73,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
                     "phase's token budget per micro-batch (-1: 49152 on a GPU, the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
+    ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
+                    "with this environment (rl.environment), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
+    ap.add_argument("--max-turns", type=int, default=4, help="--environment: generated turns per episode")
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
@@ -85,13 +106,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.model = "tiny"
         args.steps, args.eval_every, args.eval_size = min(args.steps, 2), 1, args.eval_size or 16
         args.prompts_per_step, args.n_samples, args.max_new_tokens = 4, 4, min(args.max_new_tokens, 16)
-        args.max_prompt_len = min(args.max_prompt_len, 256)
+        args.max_prompt_len, args.max_turns = min(args.max_prompt_len, 256), min(args.max_turns, 2)
     elif not args.model:
         ap.error("--model is required (or --tiny)")
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes or ("sync" if args.environment else "sync,async")
+    args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     if not set(args.modes) <= {"sync", "async"} or not args.modes:
         ap.error(f"--modes: comma list of sync, async; got {','.join(args.modes)!r}")
+    if args.environment:
+        args.environment = environment_spec(args.environment)
+        if "async" in args.modes:
+            raise SystemExit("learn: --modes async with --environment: episodes are played in the step that trains "
+                             "on them; use --modes sync")
     return args
+
+
+def environment_spec(spec: str) -> str:
+    """`path.py:Name` with the path made absolute: from the current directory, else from the repository."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise SystemExit(f"learn: --environment {spec!r}: give path/to/file.py:Name")
+    for base in (Path.cwd(), ROOT):
+        if (base / path).is_file():
+            return f"{(base / path).resolve()}:{name}"
+    raise SystemExit(f"learn: --environment {spec!r}: no file {path} here or in {ROOT}")
 
 
 def has_gpu() -> bool:
@@ -129,13 +167,16 @@ def task_files(args, work: Path) -> dict[str, Path]:
     return write_gsm8k(args.gsm8k, work / "task")
 
 
-def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: int) -> dict[str, Path]:
+def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: int,
+                text: bool = False) -> dict[str, Path]:
+    """The prompt stores; `text`: the prompts as plain text (no chat template), as episodes read them."""
     stores = {}
     for key, src in files.items():
-        out = work / f"store_{key}"
+        out = work / f"store_{key}{'_text' if text else ''}"
         if not (out / "manifest.json").is_file():
             ds_rlhf("prep-prompts", "--tokenizer", model, "--input", str(src), "--output", str(out), "--quiet",
-                    "--max_prompt_len", str(max_prompt_len), log=work / f"prep_{key}.log")
+                    "--max_prompt_len", str(max_prompt_len), *(["--no-apply_chat_template"] if text else []),
+                    log=work / f"prep_{out.name}.log")
         stores[key] = out
     return stores
 
@@ -149,9 +190,7 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
            "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",
            "--run.save_every", "0", "--run.export_hf", "false", "--run.progress", "false",
            "--run.tensorboard", "false", "--run.sample_log_every", str(args.eval_every),
-           "--rl.algo", "grpo", "--rl.kl_coef", "0",
-           "--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}",
-           "--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward", "--rl.eval_max_prompts", str(args.eval_size),
+           "--rl.algo", "grpo", "--rl.kl_coef", "0", *reward_args(args), "--rl.eval_max_prompts", str(args.eval_size),
            "--rl.prompts_per_step", str(args.prompts_per_step), "--rollout.n_samples", str(args.n_samples),
            "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.temperature", "1.0",
            "--data.max_prompt_len", str(args.max_prompt_len), "--optim.lr", str(args.lr),
@@ -160,6 +199,23 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
         key, _, value = item.partition("=")
         cfg += [f"--{key.removeprefix('--')}", value]
     return cfg
+
+
+def reward_args(args) -> list[str]:
+    """The reward files' functions, or with `--environment` the environment (its reward trains and scores)."""
+    if args.environment:
+        context = args.max_prompt_len + args.max_turns * (args.max_new_tokens + EPISODE_OBSERVATION_TOKENS)
+        return ["--rl.environment", args.environment, "--rl.max_turns", str(args.max_turns),
+                "--rollout.max_model_len", str(context)]
+    return ["--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}",
+            "--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward"]
+
+
+def _episode(h: dict, prefix: str) -> dict:
+    """The episode figures of a metrics record (`episode/...`, `eval/episode/...`); empty for single turns."""
+    if f"{prefix}episode/tool_call_rate" not in h:
+        return {}
+    return {"tool_call_rate": h[f"{prefix}episode/tool_call_rate"], "turns_mean": h.get(f"{prefix}episode/turns_mean")}
 
 
 def curve(history: list[dict]) -> dict:
@@ -172,13 +228,13 @@ def curve(history: list[dict]) -> dict:
             tokens += h.get("response/len_mean", 0.0) * h.get("rollout/samples", 0.0)
             lengths.append({k: h.get(f"response/{k}") for k in ("len_mean", "len_p50", "len_max", "truncated_frac")}
                            | {"step": h["step"], "rollout_seconds": h.get("time/rollout"),
-                              "tail_decode_frac": h.get("rollout/tail_decode_frac")})
+                              "tail_decode_frac": h.get("rollout/tail_decode_frac")} | _episode(h, ""))
         if EXACT in h:
             points.append({"step": h.get("step", 0), "seconds": round(seconds, 2), "generated_tokens": int(tokens),
                            "exact_match": h[EXACT], "exact_match_lenient": h.get(LENIENT),
                            "format": h.get(FORMAT),
                            "response_len_mean": h.get("eval/response_len_mean"),
-                           "truncated_frac": h.get("eval/truncated_frac")})
+                           "truncated_frac": h.get("eval/truncated_frac")} | _episode(h, "eval/"))
     steps = [h for h in history if h.get("step", 0) > 0]
     summary = {"steps": len(steps), "train_seconds": round(seconds, 1), "generated_tokens": int(tokens)}
     if steps:
@@ -209,9 +265,13 @@ def plot(result: dict, png: Path) -> None:
     for mode, run in result["modes"].items():
         pts = run["points"]
         exact, fmt = [100 * p["exact_match"] for p in pts], [100 * (p["format"] or 0) for p in pts]
+        tools = [100 * p["tool_call_rate"] for p in pts if "tool_call_rate" in p]
         for ax, x in ((by_time, [p["seconds"] for p in pts]), (by_step, [p["step"] for p in pts])):
             line, = ax.plot(x, exact, "o-", label=f"{mode}: exact match")
-            ax.plot(x, fmt, "--", color=line.get_color(), alpha=0.6, label=f"{mode}: format")
+            if any(p["format"] is not None for p in pts):
+                ax.plot(x, fmt, "--", color=line.get_color(), alpha=0.6, label=f"{mode}: format")
+            if len(tools) == len(pts):  # episodes: the share of turns that called a tool
+                ax.plot(x, tools, ":", color=line.get_color(), label=f"{mode}: tool-call rate")
     by_time.set_xlabel("training seconds (evaluation excluded)")
     by_step.set_xlabel("step")
     for ax in (by_time, by_step):
@@ -219,8 +279,10 @@ def plot(result: dict, png: Path) -> None:
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    reward = result["settings"].get("reward", "strict")
-    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']}, {reward} reward ({result['device']})")
+    settings = result["settings"]
+    reward = (f"{Path(settings['environment'].rpartition(':')[0]).stem} episodes" if settings.get("environment")
+              else f"{settings.get('reward', 'strict')} reward")
+    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']}, {reward} ({result['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -248,7 +310,7 @@ def main(argv=None) -> int:
     work.mkdir(exist_ok=True)
     gpu = has_gpu()
     model = resolve_model_source(args.model)  # tiny, a directory, a Hub id, or a .gguf converted once (cached)
-    stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len)
+    stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len, text=bool(args.environment))
     result = {"task": args.task, "model": args.model, "model_name": Path(args.model).name, "device":
               _device_name(gpu), "date": time.strftime("%Y-%m-%d"), "settings": {
                   k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}

@@ -361,7 +361,7 @@ class RLConfig:
         """What multi-turn episodes (`rl.environment`) run with; the rest is refused here, one line each."""
         if not self.environment:
             return
-        key, r, run = f"rl.environment={self.environment!r}", cfg.rollout, cfg.run
+        key, r = f"rl.environment={self.environment!r}", cfg.rollout
         if ":" not in self.environment:
             raise ConfigError(f"{key}: give path/to/file.py:Name (an environment class or a list of tool "
                               "functions in that file)")
@@ -378,9 +378,6 @@ class RLConfig:
         if self.overlong_buffer:
             raise ConfigError(f"{key}: rl.overlong_buffer measures a single response against rollout.max_new_tokens, "
                               "not an episode; set --rl.overlong_buffer 0 (rl.overlong_mask drops truncated episodes)")
-        if run.eval_every > 0 or run.eval_before_train:
-            raise ConfigError(f"{key}: held-out evaluation generates single turns without the environment; set "
-                              "--run.eval_every 0 and --run.eval_before_train false")
         context = self.episode_context(cfg)
         if self.episode_max_tokens > context:
             raise ConfigError(f"rl.episode_max_tokens={self.episode_max_tokens} is longer than the rollout context "

@@ -20,6 +20,8 @@ What the environment's `reset(row)` gets (`environment_row`): the store row's co
 a conversational prompt, else the stored prompt text, which is the question itself when the store was prepared
 with `--no-apply_chat_template`) and `answer` (the ground truth), unless the extra fields already have them.
 
+Held-out evaluation plays its episodes through `play(rows, spec)`, the same runner on the same engine.
+
 The episodes run in `generate` itself (`Pending.done`): the service generates them in the step that trains on
 them; the engine's weights are those of `engine_version` throughout, as for a single-turn batch.
 """
@@ -75,20 +77,27 @@ class EpisodeRolloutService(RolloutService):
         self.last_episodes: list[Episode] = []  # the last batch's episodes, prompt-major (for inspection)
 
     def generate(self, rows: list[dict], spec: SamplingSpec) -> Pending:
+        start = time.perf_counter()
+        episodes, samples = self._play(rows, spec)
+        seconds = time.perf_counter() - start
+        self.last_episodes = episodes
+        generated = sum(sum(s.loss_mask) for s in samples)
+        return Pending.done((samples, (seconds, generated)))
+
+    def play(self, rows: list[dict], spec: SamplingSpec) -> list[RolloutSample]:
+        """`spec.n` episodes per row on the engine as it is (awake, holding the weights to evaluate), as samples,
+        prompt-major: held-out evaluation's `generate` (`rl_eval.evaluate`). Leaves `last_episodes` alone."""
+        return self._play(rows, spec)[1]
+
+    def _play(self, rows: list[dict], spec: SamplingSpec) -> tuple[list[Episode], list[RolloutSample]]:
         n = spec.n
         runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
                                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
                                max_workers=self.max_workers)
-        env_rows = [environment_row(row) for row in rows]
-        start = time.perf_counter()
-        episodes = runner.run([r for r in env_rows for _ in range(n)])
-        seconds = time.perf_counter() - start
+        episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
             if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on
                 error = next((r["error"] for r in ep.reports if r.get("status") == "error"), "no first message")
                 raise RuntimeError(f"rl.environment: the environment could not start an episode for prompt row "
                                    f"{ep.index // n} ({error})")
-        self.last_episodes = episodes
-        samples = [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]
-        generated = sum(sum(s.loss_mask) for s in samples)
-        return Pending.done((samples, (seconds, generated)))
+        return episodes, [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]

@@ -134,13 +134,7 @@ class RewardStage:
                                  f"{row.get('row_id')}/sample{s.sample_index}")
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
             scores, keep, bad, components = list(report.scores), report.keep, report.bad, report.components
-        model_scores = None
-        if self.model is not None:
-            model_scores = self._model_scores(samples)
-            weight = self.ctx.cfg.rl.reward_model_weight if self.fn is not None else 1.0
-            scores = [v + weight * m for v, m in zip(scores, model_scores)]
-        if any(s.episode is not None for s in samples):  # the environment's reward, plus the above when set
-            scores = [v + (s.episode["reward"] if s.episode is not None else 0.0) for v, s in zip(scores, samples)]
+        scores, model_scores = self.combined(samples, scores if report is not None else None)
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
@@ -165,6 +159,22 @@ class RewardStage:
                            components={name: [v for v, k in zip(values, keep) if k]
                                        for name, values in components.items()},
                            raw_scores=kept_scores)
+
+    def combined(self, samples: list[RolloutSample],
+                 fn_scores: list[float] | None) -> tuple[list[float], list[float] | None]:
+        """The sequence reward training gives each sample, from its reward functions' scores (`fn_scores`, None
+        without functions): plus the reward model's score (x `rl.reward_model_weight` beside functions), plus an
+        episode's environment reward (`RolloutSample.episode["reward"]`). Returns it and the reward model's scores
+        (None without a reward model). Held-out evaluation of episodes scores with it too (`rl_eval.evaluate`)."""
+        scores = list(fn_scores) if fn_scores is not None else [0.0] * len(samples)
+        model_scores = None
+        if self.model is not None:
+            model_scores = self._model_scores(samples)
+            weight = self.ctx.cfg.rl.reward_model_weight if fn_scores is not None else 1.0
+            scores = [v + weight * m for v, m in zip(scores, model_scores)]
+        if any(s.episode is not None for s in samples):  # the environment's reward, plus the above when set
+            scores = [v + (s.episode["reward"] if s.episode is not None else 0.0) for v, s in zip(scores, samples)]
+        return scores, model_scores
 
     def _shape(self, samples, raw: list[float]) -> tuple[list[float], dict]:
         """The shaped scores (raw + DAPO's soft overlong penalty, `rl.overlong_buffer`) and their metrics. The raw

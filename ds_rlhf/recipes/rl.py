@@ -32,7 +32,7 @@ from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.recipes.rollout_schedule import dynamic_batch, rollout_service
+from ds_rlhf.recipes.rollout_schedule import dynamic_batch, eval_generate, rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoints import CheckpointManager
@@ -42,7 +42,7 @@ from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
 from ds_rlhf.run.signals import GracefulStop
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
-from ds_rlhf.telemetry.samples import SampleLogger, truncate_samples
+from ds_rlhf.telemetry.samples import SampleLogger, episode_fields, truncate_samples
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
@@ -97,7 +97,8 @@ class RLTrainer:
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
                        else FixedKLController(rl.kl_coef))
-        self.evaluation = RunEvaluation(self.ctx, self.parts.reward.fn) if rl_eval_on(cfg) else None
+        self.evaluation = (RunEvaluation(self.ctx, self.parts.reward.fn, episode_scores=self.parts.reward.combined)
+                           if rl_eval_on(cfg) else None)
         self.best = BestCheckpointTracker(rl.best_metric, rl.best_mode) if rl.best_metric else None
         self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
         self.step = 0
@@ -211,7 +212,7 @@ class RLTrainer:
         """
         # waits for the generation in flight (if any), checks the last sync, syncs the step's weights: idle after it
         self.last_sync = self.service.quiesce(self.step) or self.last_sync
-        return self.evaluation.run(self.parts.rollout)
+        return self.evaluation.run(self.parts.rollout, generate=eval_generate(self.service))  # episodes: played
 
     def _eval_due(self) -> bool:
         every = self.cfg.run.eval_every
@@ -362,6 +363,8 @@ def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) 
                     "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
                     "sample_index": s.sample_index, "prompt_index": s.prompt_index,
                     "finish_reason": s.finish_reason})
+        if s.episode is not None:  # a multi-turn episode: its turns, tool calls and truncation
+            out[-1].update(episode_fields(s.response_ids, s.loss_mask, s.episode, ctx.tokenizer))
     return out
 
 

@@ -19,6 +19,14 @@ correct, "correct" meaning reward >= `threshold`):
   `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0), `eval/response_len_mean`,
   `eval/truncated_frac`, `eval/seconds`.
 
+Multi-turn episodes (`rl.environment`): `generate` is the episode service's (`rollout_schedule.eval_generate`),
+so each sample is one episode played with the run's environment on the same engine and weights, `n` episodes per
+prompt (greedy: one), and its score is what training gives it (`episode_scores`: the reward stage's `combined`,
+the environment's reward plus the reward functions' and the reward model's scores where the run has them; the
+functions are `rl.eval_reward_fn` when set). Overall they add `eval/episode/turns_mean` (generated turns per
+episode), `eval/episode/tool_call_rate` (turns that called a tool / generated turns) and
+`eval/episode/truncated_frac` (episodes a budget ended).
+
 Greedy evaluation (`greedy=True`) decodes at temperature 0 with one sample per prompt (vLLM refuses n > 1 at
 temperature 0, and greedy samples would be identical anyway), so only k = 1 is reported. A k larger than the
 samples per prompt is skipped.
@@ -57,6 +65,9 @@ from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.rollout.stops import stop_token_ids as tokenizer_stop_ids
 from ds_rlhf.run.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
 
+GenerateRows = Callable[[list[dict], SamplingSpec], list[RolloutSample]]  # rows, spec -> samples (prompt-major)
+# samples, their reward functions' scores (None: no functions) -> (each sample's reward, reward model scores)
+EpisodeScores = Callable[[list[RolloutSample], list[float] | None], tuple[list[float], list[float] | None]]
 PAD_KEY = "eval_pad"  # rows added by load_eval_rows so every rank has as many: generated, never counted
 _OVERALL = ""  # the tally key of the whole eval set
 
@@ -161,11 +172,12 @@ def preserved_rng() -> Iterator[None]:
 
 
 def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
-             reward_fn: RewardSet | Callable, samples_per_prompt: int = 1, greedy: bool = False,
+             reward_fn: RewardSet | Callable | None, samples_per_prompt: int = 1, greedy: bool = False,
              max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
              seed: int | None = 0, k_values: Sequence[int] = (1,), threshold: float = 1.0,
              stop_token_ids: Sequence[int] | None = None, on_bad_reward: str = "zero",
-             sleep_after: bool = False) -> dict[str, float]:
+             sleep_after: bool = False, generate: GenerateRows | None = None,
+             episode_scores: EpisodeScores | None = None) -> dict[str, float]:
     """Generate for `eval_rows`, score each response, return the `eval/...` metrics (see the module docstring).
 
     Rows are prompt-store rows (`input_ids`, `prompt_text`, `ground_truth`, `data_source`); rows with `eval_pad`
@@ -175,7 +187,14 @@ def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
     `RunEvaluation` passes the run's training stop ids). A bad reward is scored 0 and counted in `eval/bad`
     (`on_bad_reward="fail"` raises instead). The engine is woken first (a no-op when awake) and put to sleep after
     only with `sleep_after`. Collective over ranks (see above).
+
+    Episodes: `generate(rows, spec)` returns the rows' samples (prompt-major, `spec.n` each) in place of the
+    engine's single turns; `episode_scores` gives each sample its score from the reward functions' (None where
+    `reward_fn` is None): it runs over every sample, padding rows included, so a reward model scores as many on
+    every rank.
     """
+    if reward_fn is None and episode_scores is None:
+        raise ValueError("evaluate needs a reward function (reward_fn) or episode_scores")
     t0 = time.perf_counter()
     stops = tokenizer_stop_ids(tokenizer) if stop_token_ids is None else tuple(stop_token_ids)
     spec = eval_spec(greedy=greedy, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
@@ -183,14 +202,21 @@ def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
     ks = sorted(k for k in set(k_values) | {1} if 1 <= k <= spec.n)
     with preserved_rng():
         rollout_engine.wake()
-        samples = rollout_engine.generate([list(r["input_ids"]) for r in eval_rows], spec)
+        samples = (generate(eval_rows, spec) if generate is not None
+                   else rollout_engine.generate([list(r["input_ids"]) for r in eval_rows], spec))
         if sleep_after:
             rollout_engine.sleep()
         if len(samples) != len(eval_rows) * spec.n:
             raise RuntimeError(f"rollout engine returned {len(samples)} samples for {len(eval_rows)} prompts x "
                                f"n={spec.n}")
-        counted = [s for s in samples if not eval_rows[s.prompt_index].get(PAD_KEY)]
-        rewards, bad, parts = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
+        counted_at = [i for i, s in enumerate(samples) if not eval_rows[s.prompt_index].get(PAD_KEY)]
+        counted = [samples[i] for i in counted_at]
+        if reward_fn is not None:
+            rewards, bad, parts = _score(counted, eval_rows, tokenizer, reward_fn, on_bad_reward)
+        else:
+            rewards, bad, parts = None, [False] * len(counted), {}
+        if episode_scores is not None:
+            rewards = _episode_rewards(samples, counted_at, rewards, episode_scores)
     tally = _tally(counted, rewards, bad, eval_rows, threshold, ks, spec)
     _tally_parts(tally, parts)
     metrics = _metrics(_merge(_all_gather(tally)))
@@ -209,6 +235,19 @@ def _score(samples: list[RolloutSample], rows: list[dict], tokenizer, reward_fn,
     bad_ids = {sid for sid, _ in report.bad}
     return ([float(v) for v in report.scores], [it["id"] in bad_ids for it in items],
             {**report.components, **report.extras})
+
+
+def _episode_rewards(samples: list[RolloutSample], counted_at: list[int], fn_rewards: list[float] | None,
+                     episode_scores: EpisodeScores) -> list[float]:
+    """The counted samples' scores as training gives them: `episode_scores` over every sample (padding rows with
+    a function score of 0), then the counted ones."""
+    full = None
+    if fn_rewards is not None:
+        full = [0.0] * len(samples)
+        for at, value in zip(counted_at, fn_rewards):
+            full[at] = value
+    scores, _ = episode_scores(samples, full)
+    return [float(scores[at]) for at in counted_at]
 
 
 def _tally_parts(tally: dict[str, dict[str, float]], parts: dict[str, list[float | None]]) -> None:
@@ -235,6 +274,12 @@ def _tally(samples, rewards, bad, rows, threshold, ks, spec) -> dict[str, dict[s
         stats["bad"] = float(sum(bad[p] for p in positions))
         stats["response_len"] = float(sum(len(samples[p].response_ids) for p in positions))
         stats["truncated"] = float(sum(samples[p].finish_reason == "length" for p in positions))
+        episodes = [samples[p].episode for p in positions if samples[p].episode is not None]
+        if episodes:
+            stats["episodes"] = float(len(episodes))
+            stats["episode_turns"] = float(sum(e["turns"] for e in episodes))
+            stats["episode_tool_turns"] = float(sum(e["tool_turns"] for e in episodes))
+            stats["episode_truncated"] = float(sum(bool(e["truncated"]) for e in episodes))
         source = str(rows[prompt_index].get("data_source") or "unknown")
         for key in (_OVERALL, source):
             acc = tally.setdefault(key, {})
@@ -286,15 +331,22 @@ def _metrics(merged: dict[str, dict[str, float]]) -> dict[str, float]:
             out.update({"eval/samples": sums["samples"], "eval/bad": sums["bad"],
                         "eval/response_len_mean": sums["response_len"] / samples,
                         "eval/truncated_frac": sums["truncated"] / samples})
+            if episodes := sums.get("episodes", 0.0):
+                out.update({"eval/episode/turns_mean": sums["episode_turns"] / episodes,
+                            "eval/episode/tool_call_rate": sums["episode_tool_turns"] / max(sums["episode_turns"], 1.0),
+                            "eval/episode/truncated_frac": sums["episode_truncated"] / episodes})
     return out
 
 
 # ---- evaluation as an RL run configures it ---------------------------------------------------------------------
-def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable, bool]:
+def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable | None, bool]:
     """The eval reward: a RewardSet from `rl.eval_reward_fn` (started here; the bool says the caller must close
-    it), else the training reward stage's functions `training_fn` (not ours to close)."""
+    it), else the training reward stage's functions `training_fn` (not ours to close). With `rl.environment` and
+    neither, None: episodes are scored by their environment's reward (and the reward model where the run has one)."""
     rl = cfg.rl
     if not rl.eval_reward_fn:
+        if training_fn is None and rl.environment:
+            return None, False
         if training_fn is None:
             raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
         return training_fn, False
@@ -315,10 +367,11 @@ class RunEvaluation:
 
     The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
     weights; responses stop at the training rollouts' stop ids (`rollout.stops.run_stop_token_ids`). `close()`
-    stops an eval reward's workers (a reward shared with training is closed by training).
+    stops an eval reward's workers (a reward shared with training is closed by training). `episode_scores`: the
+    reward stage's `combined`, which scores episodes when `run` is given the episode service's `generate`.
     """
 
-    def __init__(self, ctx, training_fn: RewardSet | Callable | None):
+    def __init__(self, ctx, training_fn: RewardSet | Callable | None, episode_scores: EpisodeScores | None = None):
         cfg, dist = ctx.cfg, ctx.dist
         rl = cfg.rl
         self.rows = load_eval_rows(cfg.data.eval, ctx.tokenizer, rl.eval_max_prompts, rank=dist.rank,
@@ -326,6 +379,7 @@ class RunEvaluation:
                                    overlong=cfg.data.overlong_prompts)
         self.tokenizer = ctx.tokenizer
         self.reward, self._owns_reward = eval_reward_fn(cfg, training_fn)
+        self.episode_scores = episode_scores
         self.options = dict(samples_per_prompt=rl.eval_samples, greedy=rl.eval_greedy,
                             max_new_tokens=rl.eval_max_new_tokens or cfg.rollout.max_new_tokens,
                             temperature=rl.eval_temperature, top_p=rl.eval_top_p,
@@ -333,14 +387,19 @@ class RunEvaluation:
                             k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero",
                             stop_token_ids=run_stop_token_ids(ctx))
 
-    def run(self, engine: RolloutEngine) -> dict[str, float]:
-        """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step)."""
-        return evaluate(engine, self.rows, tokenizer=self.tokenizer, reward_fn=self.reward, **self.options)
+    def run(self, engine: RolloutEngine, generate: GenerateRows | None = None) -> dict[str, float]:
+        """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step).
+        `generate`: the episode service's (`rollout_schedule.eval_generate`), which plays episodes with the engine;
+        None: single turns."""
+        if generate is not None and self.episode_scores is None:
+            raise ValueError("evaluating episodes needs the reward stage's episode_scores (RunEvaluation(...))")
+        return evaluate(engine, self.rows, tokenizer=self.tokenizer, reward_fn=self.reward, generate=generate,
+                        episode_scores=self.episode_scores if generate is not None else None, **self.options)
 
     def close(self) -> None:
         if self._owns_reward and isinstance(self.reward, RewardSet):
             self.reward.close()
 
 
-__all__ = ["BestCheckpointTracker", "RunEvaluation", "eval_reward_fn", "eval_spec", "evaluate", "keep_best",
-           "load_eval_rows", "pass_at_k", "preserved_rng", "prompt_stats"]
+__all__ = ["BestCheckpointTracker", "EpisodeScores", "GenerateRows", "RunEvaluation", "eval_reward_fn", "eval_spec",
+           "evaluate", "keep_best", "load_eval_rows", "pass_at_k", "preserved_rng", "prompt_stats"]

@@ -4,7 +4,8 @@
 - `sampling_spec`: the `SamplingSpec` of a step (and of a dynamic-sampling round), from the run's config.
 - `release_trainer_memory`: the trainer's roles' cached device memory, freed before a sleeping colocated engine
   wakes its weights for a sync.
-- `rollout_service`: the run's service, built from the parts and the config.
+- `rollout_service`: the run's service, built from the parts and the config; `eval_generate`: what held-out
+  evaluation generates with (the episode service's episodes with `rl.environment`).
 - `dynamic_batch`: DAPO's dynamic sampling, which needs the rewards.
 
 Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `RLConfig` refuses it with async
@@ -32,6 +33,7 @@ from ds_rlhf.algos.shaping import informative_groups
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.recipes.reward_stage import merge_reward_metrics
 from ds_rlhf.recipes.rl_build import RLParts
+from ds_rlhf.recipes.rl_eval import GenerateRows
 from ds_rlhf.recipes.trajectory import ScoredBatch, take_groups
 from ds_rlhf.rollout.base import SamplingSpec
 from ds_rlhf.rollout.service import RolloutService
@@ -89,6 +91,13 @@ def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> Rollo
                                      max_turns=rl.max_turns,
                                      max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
     return RolloutService(*args, **kwargs)
+
+
+def eval_generate(service: RolloutService) -> GenerateRows | None:
+    """What held-out evaluation generates with (`rl_eval.RunEvaluation.run`): with `rl.environment` the episode
+    service's `play` (episodes with the run's environment on the same engine), else None (the engine's single
+    turns)."""
+    return service.play if isinstance(service, EpisodeRolloutService) else None
 
 
 def dynamic_batch(service: RolloutService, parts: RLParts, ctx: RunContext, timer: PhaseTimer,

@@ -107,7 +107,7 @@ def check_rl_eval(cfg: Config) -> None:
         raise ConfigError(f"{why} evaluates on held-out prompts: pass --data.eval <prompts store dir> "
                           f"(data_prep/{PREP_SCRIPTS['prompts']}), or turn evaluation off")
     check_prompt_store(cfg, "data.eval")
-    if cfg.rl.reward_model and not (cfg.rl.eval_reward_fn or cfg.rl.reward_fn):
+    if cfg.rl.reward_model and not (cfg.rl.eval_reward_fn or cfg.rl.reward_fn or cfg.rl.environment):
         raise ConfigError(f"{why} with rl.reward_model: evaluation scores with a reward function (pass@k needs a "
                           "verifiable reward): set --rl.eval_reward_fn (gsm8k | math_shaped | file.py:func)")
 

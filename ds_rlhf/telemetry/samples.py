@@ -19,6 +19,13 @@ A row is a dict with these keys (the caller builds them; more keys are kept in t
 and may carry `prompt_index` (int: the prompt's position in the step's batch, i.e. its group of samples); the
 logger then adds `group` = "<step>/<prompt_index>", one id per prompt and step, so the samples of one group can be
 collected and compared (e.g. their rewards, which decide the group-relative advantages).
+
+A multi-turn episode's row (`rl.environment`) also carries `episode_fields`: `turns`, its whole response as a list
+of `{"role": "assistant" | "tool", "text": ...}`, one per run of generated (loss mask 1: assistant) or observation
+(loss mask 0: tool) tokens, each decoded from its token ids with special tokens kept, so the texts joined are the
+response exactly as the model read and wrote it (a tool turn holds the chat template's framing around the tool's
+result); `tool_calls` (turns that called a tool), `truncated` (a budget ended the episode), `episode_end`
+(`done`, `max_turns`, `max_total_tokens` or `error`) and `episode_reward` (the environment's reward).
 """
 
 from __future__ import annotations
@@ -59,6 +66,28 @@ def _cell(value, max_chars: int) -> str:
     if len(text) > max_chars:
         text = text[:max_chars] + f"... ({len(text) - max_chars} more chars)"
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
+def episode_transcript(response_ids, loss_mask, tokenizer) -> list[dict]:
+    """An episode's response as turns: each maximal run of equal `loss_mask` values is one turn, "assistant" where
+    the mask is 1 (generated), "tool" where it is 0 (observation), its text `tokenizer.decode`d with special tokens
+    kept."""
+    turns: list[dict] = []
+    start = 0
+    for end in range(1, len(response_ids) + 1):
+        if end == len(response_ids) or loss_mask[end] != loss_mask[start]:
+            turns.append({"role": "assistant" if loss_mask[start] else "tool",
+                          "text": tokenizer.decode(list(response_ids[start:end]), skip_special_tokens=False)})
+            start = end
+    return turns
+
+
+def episode_fields(response_ids, loss_mask, episode: dict, tokenizer) -> dict:
+    """The sample-log fields of a multi-turn episode (module docstring) from its response ids, loss mask and
+    `RolloutSample.episode` record."""
+    return {"turns": episode_transcript(response_ids, loss_mask, tokenizer), "tool_calls": int(episode["tool_turns"]),
+            "truncated": bool(episode["truncated"]), "episode_end": episode["end"],
+            "episode_reward": float(episode["reward"])}
 
 
 def markdown_table(step: int, records: list[dict], max_chars: int = 2000) -> str:
@@ -143,4 +172,5 @@ def truncate_samples(run_dir: str | os.PathLike, step: int) -> int:
     return len(records) - len(kept)
 
 
-__all__ = ["ROW_KEYS", "SAMPLES_FILE", "SampleLogger", "markdown_table", "read_samples", "truncate_samples"]
+__all__ = ["ROW_KEYS", "SAMPLES_FILE", "SampleLogger", "episode_fields", "episode_transcript", "markdown_table",
+           "read_samples", "truncate_samples"]

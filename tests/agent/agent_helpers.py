@@ -64,6 +64,11 @@ def dial() -> str:
     return "connected"
 
 
+def half(prompt, response, ground_truth, metadata=None) -> float:
+    """A reward function scoring every response 0.5."""
+    return 0.5
+
+
 TOOLS = [add, hang]
 NOT_TOOLS = 3
 

@@ -16,6 +16,7 @@ from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.rl import RLTrainer, make_trajectory
 from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
+from ds_rlhf.telemetry.samples import read_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = f"{ROOT / 'ds_rlhf' / 'agent' / 'examples' / 'calculator.py'}:CalculatorEnv"
@@ -45,6 +46,34 @@ class FirstTurnCalls(HFRolloutEngine):
                 samples[i] = RolloutSample(i, 0, list(prompt), ids, logprobs, "stop")
         self.returned += list(zip([list(p) for p in prompts], samples))
         return samples
+
+
+class ScriptedAnswers(FirstTurnCalls):
+    """`FirstTurnCalls`, and each episode's second turn teacher-forced too: `#### <answer>` (no tool call, so the
+    calculator environment scores it and ends the episode) for the questions in `RIGHT`, `#### 0` for the others.
+    `specs`: the sampling spec of every call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.specs: list = []
+
+    def generate(self, prompts, spec):
+        self.specs.append(spec)
+        samples = super().generate(prompts, spec)
+        for i, prompt in enumerate(prompts):
+            text = self.tok.decode(prompt)
+            if text.count("<|im_start|>assistant") == 2:  # the turn after the calculator's result
+                expression = EXPRESSION.search(text).group(1)
+                answer = ANSWERS[expression] if expression in RIGHT else 0
+                ids = self.tok.encode(f"#### {answer}", add_special_tokens=False) + [self.eot]
+                logprobs = self.logprobs([list(prompt) + ids])[0][len(prompt) - 1:]
+                samples[i] = RolloutSample(i, 0, list(prompt), ids, logprobs, "stop")
+                self.returned[len(self.returned) - len(prompts) + i] = (list(prompt), samples[i])
+        return samples
+
+
+ANSWERS = {EXPRESSION.search(q).group(1): a for q, a in QUESTIONS}
+RIGHT = {"12 * 3", "7 + 5"}  # ScriptedAnswers answers these two of the four questions right
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +153,64 @@ def test_loss_mask_is_zero_exactly_on_observations_and_trained_ids_are_the_gener
     trainer.train()  # the run's step, then everything closed
 
 
+@pytest.mark.parametrize("reward_fn", [None, "half"])
+def test_held_out_evaluation_plays_greedy_episodes_scored_as_training(reward_fn, tiny_model_path, tiny_tokenizer,
+                                                                      arithmetic_store, dist_single, tmp_path):
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    args += ["--data.eval", str(arithmetic_store), "--run.eval_before_train", "true", "--run.eval_every", "1"]
+    if reward_fn:  # its score is added to the environment's, in training and in evaluation alike
+        args += ["--rl.reward_fn", f"{ROOT / 'tests' / 'agent' / 'agent_helpers.py'}:{reward_fn}",
+                 "--rl.reward_workers", "0"]
+    history = RLTrainer(parse_config(args), rollout=engine).train()
+    greedy = [spec for spec in engine.specs if spec.temperature == 0.0]
+    assert greedy and all(spec.n == 1 for spec in greedy)  # the evaluation's turns, one episode per prompt
+    added = 0.5 if reward_fn else 0.0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 1]
+    for m in evals:
+        # every episode: a calculator call, then the answer; two of the four answers are right
+        assert m["eval/prompts"] == m["eval/samples"] == 4
+        assert m["eval/pass@1"] == pytest.approx(0.5)  # the environment's correctness (threshold 1)
+        assert m["eval/reward_mean"] == pytest.approx(0.5 + added)
+        assert m["eval/episode/turns_mean"] == pytest.approx(2.0)
+        assert m["eval/episode/tool_call_rate"] == pytest.approx(0.5)
+        assert m["eval/episode/truncated_frac"] == 0.0 and m["eval/truncated_frac"] == 0.0
+        if reward_fn:
+            assert m["eval/reward/half"] == pytest.approx(0.5)
+    assert history[0]["reward/mean"] == pytest.approx(0.5 + added)  # training scored the same episodes alike
+
+
+def test_sample_log_holds_each_episodes_transcript_with_its_turns(tiny_model_path, tiny_tokenizer, arithmetic_store,
+                                                                  dist_single, tmp_path):
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    RLTrainer(parse_config([*args, "--run.sample_log_every", "1", "--run.sample_log_k", "4"]), rollout=engine).train()
+    records = read_samples(tmp_path / "run")
+    assert len(records) == 4
+    specials = tiny_tokenizer.all_special_tokens
+    for rec in records:
+        expression = EXPRESSION.search(rec["prompt"]).group(1)
+        turns = rec["turns"]
+        # a calculator call, the tool's result, the final answer: the turn boundaries of the loss mask
+        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
+        assert turns[0]["text"] == f'calculator("{expression}")<|im_end|>'
+        assert str(ANSWERS[expression]) in turns[1]["text"] and "<|im_start|>assistant" in turns[1]["text"]
+        right = expression in RIGHT
+        assert turns[2]["text"] == f"#### {ANSWERS[expression] if right else 0}<|im_end|>"
+        joined = "".join(t["text"] for t in turns)
+        for token in specials:
+            joined = joined.replace(token, "")
+        assert joined == rec["response"]  # the turns are the whole response, nothing left out
+        assert rec["tool_calls"] == 1 and rec["truncated"] is False and rec["episode_end"] == "done"
+        assert rec["episode_reward"] == rec["reward"] == float(right)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--rl.algo", "ppo"], "episodes train critic-free estimators only"),
     (["--rollout.async_generation", "true"], "set --rollout.async_generation false"),
     (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
-    (["--run.eval_every", "5"], "held-out evaluation generates single turns"),
     (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
 ])
 def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):

@@ -1,5 +1,6 @@
-"""The learning benchmark (`bench/learn.py`, `ds-rlhf bench learn`): its task files and rewards, and a tiny run end
-to end on CPU that writes the JSON and the PNG."""
+"""The learning benchmark (`bench/learn.py`, `ds-rlhf bench learn`): its task files and rewards, the calculator
+environment's reward on the task's answer format, and tiny runs end to end on CPU (single turns; calculator
+episodes with `--environment`) that write the JSON and the PNG."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from ds_rlhf.agent.examples.calculator import final_number_reward
 from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "bench" / "learn_tasks"
+CALCULATOR = "ds_rlhf/agent/examples/calculator.py:CalculatorEnv"  # as a user passes it, from the repository
 
 
 def _load(name: str):
@@ -110,3 +113,56 @@ def test_tiny_learning_run_writes_json_and_png(tmp_path):
         assert [x["step"] for x in run["lengths"]] == [1, 2] and run["summary"]["steps"] == 2
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exact_match_end" in out.stdout  # the table of the summaries
+
+
+def test_the_calculator_environment_scores_the_tasks_answer_format():
+    """With `--environment` the held-out exact match is the calculator's reward: every answer the task's exact
+    match counts right it counts right, a wrong `#### N` wrong; it also takes a last number without `####`."""
+    for row in tasks.heldout_rows(200):
+        truth = row["label"]
+        for response in (f"So the total is {truth}.\n#### {truth}", f"#### {truth}.", f"12 + 3 = 15. #### {truth}"):
+            assert rewards.correct(None, response, truth) == final_number_reward(response, {"answer": truth}) == 1.0
+        wrong = f"#### {int(truth) + 1}"
+        assert rewards.correct(None, wrong, truth) == final_number_reward(wrong, {"answer": truth}) == 0.0
+    assert final_number_reward("#### 1,200", {"answer": "1200"}) == rewards.correct(None, "#### 1,200", "1200") == 1.0
+    assert final_number_reward("The answer is 7", {"answer": "7"}) == 1.0 > rewards.correct(None, "The answer is 7", 7)
+
+
+def test_environment_runs_sync_only_and_says_so_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--tiny", "--modes", "sync,async",
+                          "--environment", CALCULATOR, "--out", str(tmp_path)], capture_output=True, text=True,
+                         env=clean_env(), cwd=tmp_path, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "learn: --modes async with --environment: episodes are played in the step that trains on them; use --modes "
+        "sync"]
+    assert not list(tmp_path.iterdir())  # refused before any store or run
+
+
+@pytest.mark.slow
+def test_tiny_calculator_episodes_run_writes_tool_calls_to_json_and_png(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--steps", "1",
+                          "--eval-size", "4", "--environment", CALCULATOR, "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "learn_arithmetic.json").read_text())
+    assert set(result["modes"]) == {"sync"}  # the default with --environment
+    assert result["settings"]["environment"] == f"{ROOT / CALCULATOR}"
+    run = result["modes"]["sync"]
+    metrics = [json.loads(line) for line in (tmp_path / "work_arithmetic" / "run_sync" / "metrics.jsonl").open()]
+    evals = [m for m in metrics if "eval/pass@1" in m]
+    assert [p["step"] for p in run["points"]] == [m["step"] for m in evals] == [0, 1]
+    for point, m in zip(run["points"], evals):
+        # the exact match is the held-out episodes' pass@1, scored by the environment alone
+        assert point["exact_match"] == m["eval/pass@1"] and 0 <= point["exact_match"] <= 1
+        assert point["tool_call_rate"] == m["eval/episode/tool_call_rate"] and 0 <= point["tool_call_rate"] <= 1
+        assert 1 <= point["turns_mean"] <= 2 and point["format"] is None
+    assert [x["step"] for x in run["lengths"]] == [1]
+    assert run["lengths"][0]["tool_call_rate"] == metrics[-1]["episode/tool_call_rate"]
+    config = json.loads((tmp_path / "work_arithmetic" / "run_sync" / "config.json").read_text())
+    assert config["rl"]["environment"] == result["settings"]["environment"]
+    assert not config["rl"]["reward_fn"] and not config["rl"]["eval_reward_fn"]
+    samples = [json.loads(line) for line in (tmp_path / "work_arithmetic" / "run_sync" / "samples.jsonl").open()]
+    assert samples and all(s["turns"][0]["role"] == "assistant" and s["reward"] == s["episode_reward"]
+                           for s in samples)
+    assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

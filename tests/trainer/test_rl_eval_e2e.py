@@ -178,6 +178,7 @@ def test_sample_rows_one_per_prompt_first_with_the_masked_mean_advantage():
     assert rows[1]["ground_truth"] == "2" and all(r["weights_version"] == 3 for r in rows)
     assert set(ROW_KEYS) <= set(rows[0])
     assert [r["prompt_index"] for r in rows] == [0, 1, 1]  # the samples.jsonl group of each row
+    assert not {"turns", "tool_calls", "truncated"} & set(rows[0])  # single turns: no episode fields
     assert sample_rows(ctx, scored, traj, 0) == []
 
 

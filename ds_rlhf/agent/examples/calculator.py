@@ -5,7 +5,8 @@ parentheses only; no names, calls, attributes or subscripts, so `__import__('os'
 goes through `eval`). Exponents are capped and results bounded so one call cannot eat the CPU or memory.
 
 `CalculatorEnv` is a `ToolEnvironment` over it; a row is `{"prompt": ..., "answer": ...}` and the final answer
-(the turn without a tool call) scores 1.0 when its last number equals `answer`.
+(the turn without a tool call) scores 1.0 when its last number equals `answer` (`final_number_reward`; an answer
+ending in `#### N`, as the arithmetic and GSM8K prompts ask, is scored by its N).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MAX_ABS = 1e15
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,200 is one number
 
 
 def calculator(expression: str) -> str:
@@ -68,11 +69,16 @@ TOOLS = [calculator]
 
 
 def final_number_reward(text: str, row) -> float:
-    """1.0 when the last number in `text` equals the row's `answer`."""
+    """1.0 when the last number in `text` (thousands commas allowed: `1,200`) equals the row's `answer`. A
+    `#### N` ending the text, the arithmetic and GSM8K answer format, is such a last number."""
     found = _NUMBER.findall(text)
-    if not found or not isinstance(row, dict) or "answer" not in row:
+    if not found or not isinstance(row, dict) or row.get("answer") is None:
         return 0.0
-    return float(math.isclose(float(found[-1]), float(row["answer"]), abs_tol=1e-6))
+    try:
+        answer = float(str(row["answer"]).replace(",", ""))
+    except ValueError:
+        return 0.0
+    return float(math.isclose(float(found[-1].replace(",", "")), answer, abs_tol=1e-6))
 
 
 class CalculatorEnv(ToolEnvironment):
