@@ -245,3 +245,30 @@ def test_bench_flag_leaves_the_split_to_the_run_and_keeps_the_defaults(tmp_path,
 
     argv, _ = argv_for("--workdir", str(tmp_path), "--max-gpu-memory-gb", "48", "--gpu-mem", "0.2")
     assert value(argv, "--rollout.gpu_memory_utilization") == "0.2" and "--data.micro_batch_tokens" not in argv
+
+
+def test_bench_records_each_process_at_the_device_peak():
+    import os
+    import subprocess
+    import sys
+
+    bench = load_bench()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        me = os.getpid()
+        assert bench.ProcessMemory.role(me) == "trainer" and bench.ProcessMemory.role(child.pid) == "engine"
+        assert bench.ProcessMemory.role(1) == "other"
+        # three reads (device used GiB, {pid: GiB}): the device peaks at the second, the child's own peak is the third
+        reads = iter([(20.0, {me: 6.0, child.pid: 6.3}), (50.6, {me: 37.3, child.pid: 6.4}),
+                      (40.0, {me: 27.0, child.pid: 6.5, 999999999: 0.5})])
+        processes = bench.ProcessMemory(read=lambda: next(reads))
+        for _ in range(3):
+            processes.sample()
+        out = processes.summary()
+    finally:
+        child.kill()
+        child.wait()
+    peak = out["at_device_peak"]
+    assert peak["device_used_gib"] == 50.6 and peak["processes_gib"] == pytest.approx(43.7)
+    assert [(p["role"], p["used_gib"]) for p in peak["processes"]] == [("trainer", 37.3), ("engine", 6.4)]
+    assert {p["role"]: p["used_gib"] for p in out["process_peaks"]} == {"trainer": 37.3, "engine": 6.5, "other": 0.5}
