@@ -27,7 +27,10 @@ and the values the run used. Without it the settings are the defaults above.
 
 An NVML sampler (100 ms) runs through the whole run; the JSON reports its mean over the steady steps and per
 phase, and a PNG timeline with the phases shaded is written beside it (`bench/gpu_timeline.py` renders it later
-where matplotlib is missing). `mfu` is the training phase's 6*N*tokens / time over the 790 TFLOP/s bf16 peak.
+where matplotlib is missing). `gpu_processes` says what each process on the GPU held (`ProcessMemory`, every
+500 ms): at the sample where the whole device peaked and each process's own peak, with this process (the trainer)
+and its child processes (the sidecar engines) labelled, and the trainer's PyTorch `max_memory_allocated` /
+`max_memory_reserved` at the end. `mfu` is the training phase's 6*N*tokens / time over the 790 TFLOP/s bf16 peak.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -318,6 +323,119 @@ def _overrides(p, items: list[str]) -> list[str]:
     return out
 
 
+class ProcessMemory:
+    """GPU memory per process on device `index`, every `period_s` in a thread: NVML's compute processes (pynvml),
+    else `nvidia-smi --query-compute-apps=pid,used_memory`; with each sample the whole device's used memory, so
+    `summary()` can give the processes at the device's peak. A process is "trainer" (this one), "engine" (a
+    descendant of this one: the sidecar vLLM processes) or "other" (another process, or a PID from outside this
+    container's PID namespace, which NVML may report)."""
+
+    SMI = ("nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
+    SMI_DEVICE = ("nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits")
+
+    def __init__(self, period_s: float = 0.5, index: int = 0, read=None):
+        self.period_s, self.index, self.source = period_s, index, None
+        self.samples: list[tuple[float, float, dict[int, float]]] = []  # (time, device used GiB, {pid: GiB})
+        self._stop = threading.Event()
+        self._read = read
+        if read is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+                self._read, self.source = self._read_nvml, "nvml"
+            except Exception:  # noqa: BLE001 - no NVML: nvidia-smi where it is on PATH, else nothing recorded
+                if shutil.which("nvidia-smi"):
+                    self._read, self.source = self._read_smi, "nvidia-smi"
+        else:
+            self.source = "given"
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read_nvml(self) -> tuple[float, dict[int, float]]:
+        used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30
+        procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        return used, {int(p.pid): (p.usedGpuMemory or 0) / 2**30 for p in procs}
+
+    def _read_smi(self) -> tuple[float, dict[int, float]]:
+        def run(cmd):
+            return subprocess.run([*cmd, f"--id={self.index}"], capture_output=True, text=True, timeout=10).stdout
+
+        used = float(run(self.SMI_DEVICE).split()[0]) / 1024
+        procs = {}
+        for line in run(self.SMI).splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().replace(".", "", 1).isdigit():
+                procs[int(pid)] = float(mib) / 1024
+        return used, procs
+
+    def sample(self) -> None:
+        used, procs = self._read()
+        self.samples.append((time.time(), used, procs))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a failed read (a process gone mid-query) skips one sample
+                continue
+
+    def __enter__(self) -> ProcessMemory:
+        if self._read is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    @staticmethod
+    def role(pid: int, me: int | None = None) -> str:
+        """"trainer" (`me`, default this process), "engine" (a descendant of it, from /proc) or "other"."""
+        me = os.getpid() if me is None else me
+        seen = set()
+        while pid > 1 and pid not in seen:
+            if pid == me:
+                return "trainer" if not seen else "engine"
+            seen.add(pid)
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's PID (field 4)
+            except (OSError, ValueError, IndexError):
+                return "other"
+        return "other"
+
+    def summary(self, me: int | None = None) -> dict:
+        def listed(procs: dict[int, float]) -> list[dict]:
+            return [{"pid": pid, "role": self.role(pid, me), "used_gib": round(gib, 3)}
+                    for pid, gib in sorted(procs.items(), key=lambda kv: -kv[1])]
+
+        out = {"source": self.source, "period_s": self.period_s, "samples": len(self.samples), "at_device_peak": None,
+               "process_peaks": []}
+        if not self.samples:
+            return out
+        t, used, procs = max(self.samples, key=lambda s: s[1])
+        peaks: dict[int, float] = {}
+        for _, _, each in self.samples:
+            for pid, gib in each.items():
+                peaks[pid] = max(gib, peaks.get(pid, 0.0))
+        out["at_device_peak"] = {"time": t, "device_used_gib": round(used, 3), "processes": listed(procs),
+                                 "processes_gib": round(sum(procs.values()), 3)}
+        out["process_peaks"] = listed(peaks)
+        return out
+
+
+def trainer_torch_memory() -> dict | None:
+    """This process's PyTorch allocator peaks (GiB): what it allocated, and what it reserved from the driver."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return {"max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            "max_memory_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
+
+
 def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: list[str], rollout, *,
             keep_engine: bool):
     """One bench run; returns the rollout engine when `keep_engine` (for the next variant), else None."""
@@ -343,7 +461,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     from low_memory_machine import git_commit
 
     t1 = time.time()
-    with Sampler(0.1) as sampler:
+    with Sampler(0.1) as sampler, ProcessMemory(0.5) as processes:
         trainer = RLTrainer(cfg, rollout=rollout)
         if keep_engine:
             trainer.parts.owns_rollout = False  # the next variant trains on it; main() closes it at the end
@@ -366,6 +484,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
               "gpu": summarize_gpu(sampler.samples, events, window), "history": history,
+              "gpu_processes": {**processes.summary(), "trainer_torch": trainer_torch_memory()},
               "timeline": {"samples": sampler.samples, "events": events, "window": window}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

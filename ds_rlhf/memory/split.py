@@ -9,13 +9,15 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   `data.max_prompt_len + rollout.max_new_tokens` tokens (or `rollout.max_model_len`), rounded up to vLLM's
   16-token blocks, at the model's KV bytes per token, times `KV_HEADROOM`; plus, per engine, the plan's weights
   and profiling forward, or vLLM's sampler warm-up (`max_num_seqs` rows of fp32 logits and two copies, 1024 rows
-  unless `rollout.max_num_seqs` says otherwise) when that is larger, plus `VLLM_FIXED` (CUDA context, CUDA graphs,
-  vLLM's non-torch buffers). Rounded up to 0.01 of M;
+  unless `rollout.max_num_seqs` says otherwise) when that is larger, plus `VLLM_FIXED` (CUDA graphs, the non-torch
+  buffers of its profiling). Rounded up to 0.01 of M. Each engine's CUDA context and what it allocates before vLLM
+  measures its budget sit outside the budget (`device.VLLM_OUTSIDE_BUDGET`, counted in the whole-device peak);
 - `data.micro_batch_tokens`: the largest of `MICRO_BATCH_CANDIDATES` (at least one sequence long, at most the
-  first that holds the whole step) whose plan, with that vLLM share, keeps its peak plus the reserve under
-  M x (1 - `MARGIN`). The margin is what the plan misses: measured on the H200 for the 0.5B GRPO bench, the plan
-  is 5% under the allocator's peak and 10% under NVML's used memory (docs/OPERATOR_TOOLS.md). With the sidecar the
-  trainer's planned peak must also fit the allocator fraction the trainer process gets (`cap.trainer_memory_fraction`);
+  first that holds the whole step) whose plan, with that vLLM share, fits the cap less the plan's reserve, and whose
+  whole-device peak (`device.device_peak`: the plan plus NVML's idle baseline, the trainer process's overhead and
+  activation factor, and each sidecar engine's bytes beyond its budget, fitted to H200 runs of the bench) stays
+  under M x (1 - `MARGIN`). With the sidecar the trainer's allocations (its planned part, activations x the
+  factor) must also fit the allocator fraction the trainer process gets (`cap.trainer_memory_fraction`);
 - `rollout.sidecar_engines` is kept (each engine holds its own weights and warm-up), and lowered one at a time only
   when nothing fits with it.
 
@@ -33,14 +35,20 @@ from dataclasses import dataclass, field
 from ds_rlhf.config import ConfigError, set_value
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
+from ds_rlhf.memory.device import ACTIVATION_FACTOR, DevicePeak, activations_in_train_phase, device_peak
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, kv_bytes_per_token, plan_memory, remedies
 from ds_rlhf.memory.settings import rollout_backend
 
 MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048,
                           1024, 512)
-MARGIN = 0.10  # of the capped bytes, kept free beyond the plan's reserve (see the module docstring)
+# of the capped bytes, kept free beyond the whole-device peak: what its two-run fit has not seen (NVML's 100 ms
+# samples miss shorter spikes; other shapes). The fit itself is above both measured peaks (by 0.25 and 0.40 GiB)
+MARGIN = 0.04
 KV_HEADROOM = 1.25  # KV cache for the step's sequences x this
-VLLM_FIXED = 1 * GiB  # per engine: CUDA context, CUDA graphs, non-torch buffers (an assumption, not read from vLLM)
+# per engine, inside its budget: CUDA graphs (vLLM >= 0.21 takes its estimate of them out of the budget) and the
+# non-torch bytes its profiling adds (an assumption, not read from vLLM; the CUDA context is outside the budget:
+# device.VLLM_OUTSIDE_BUDGET)
+VLLM_FIXED = 1 * GiB
 VLLM_BLOCK = 16  # vLLM's KV cache block, in tokens
 VLLM_MAX_NUM_SEQS = 1024  # vLLM's default max_num_seqs on GPUs of 70 GiB and more (its sampler warm-up rows)
 MAX_VLLM_SHARE = 0.9  # of the cap: vLLM alone never takes more
@@ -63,6 +71,7 @@ class Split:
     reserve: int
     reasons: tuple[str, ...] = field(default=())
     backend: str = "vllm"  # the rollout backend the plan assumes (on a GPU): no vLLM share to pick without vLLM
+    device: DevicePeak | None = None  # the whole-device peak NVML would read (`device.device_peak`)
 
     def values(self) -> dict:
         return {"rollout.gpu_memory_utilization": self.gpu_memory_utilization,
@@ -72,7 +81,9 @@ class Split:
         return {**self.values(), "picked": list(self.picked), "user": list(self.user), "capacity_bytes": self.capacity,
                 "device_total_bytes": self.device_total, "vllm_fraction_of_gpu": round(self.vllm_fraction, 4),
                 "planned_peak_bytes": self.peak, "reserve_bytes": self.reserve, "reasons": list(self.reasons),
-                "rollout_backend": self.backend}
+                "rollout_backend": self.backend,
+                "planned_device_peak_bytes": self.device.total if self.device else None,
+                "device_peak": self.device.to_dict() if self.device else None}
 
     def line(self, cap_gb: float, kind: str = "rl") -> str:
         """`[rl] run.max_gpu_memory_gb=48: vLLM 0.06 of the GPU (2 engines), micro-batch 16384 tokens (...)`."""
@@ -81,10 +92,15 @@ class Split:
         vllm = (f"vLLM {self.vllm_fraction:.3f} of the GPU (rollout.gpu_memory_utilization "
                 f"{self.gpu_memory_utilization:g} of the cap{tag[KEYS[0]]}; {engines}{tag[KEYS[2]]})"
                 if self.backend == "vllm" else f"rollout backend {self.backend} on a GPU (no vLLM share to pick)")
+        d = self.device
+        device = (f"planned device peak {fmt_bytes(d.total)} of {fmt_bytes(self.capacity)}, {MARGIN:.0%} kept free: "
+                  f"plan {fmt_bytes(d.plan)} + idle {fmt_bytes(d.baseline)} + trainer process "
+                  f"{fmt_bytes(d.trainer)}" + (f" + engines beyond their budget {fmt_bytes(d.engines)}"
+                                               if d.engines else "") if d else
+                  f"planned peak {fmt_bytes(self.peak)} + reserve {fmt_bytes(self.reserve)} of "
+                  f"{fmt_bytes(self.capacity)}")
         return (f"[{kind}] run.max_gpu_memory_gb={cap_gb:g}: {vllm}, "
-                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} (planned "
-                f"peak {fmt_bytes(self.peak)} + reserve {fmt_bytes(self.reserve)} of {fmt_bytes(self.capacity)}, "
-                f"{MARGIN:.0%} kept free); " + "; ".join(self.reasons))
+                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} ({device}); " + "; ".join(self.reasons))
 
 
 def user_set(cfg, key: str) -> bool:
@@ -122,7 +138,7 @@ def vllm_share_bytes(cfg, plan: MemoryPlan, engines: int, world_size: int) -> tu
     weights, profile = row.params // planned_engines, row.activations // planned_engines
     per_engine = weights + max(profile, sampler) + VLLM_FIXED
     what = (f"KV cache for {seqs} sequences of {plan.settings.seq_len} tokens x {KV_HEADROOM:g} "
-            f"({fmt_bytes(kv)}) + {engines} x {fmt_bytes(per_engine)} (weights, warm-up, CUDA context)")
+            f"({fmt_bytes(kv)}) + {engines} x {fmt_bytes(per_engine)} (weights, warm-up, CUDA graphs)")
     return engines * per_engine + kv, what
 
 
@@ -142,14 +158,22 @@ def _plan(cfg, capacity: int, world_size: int) -> MemoryPlan:
 
 
 def _fits(cfg, plan: MemoryPlan, capacity: int, total: int, vllm_bytes: int) -> bool:
-    """The plan fits the cap less the reserve and `MARGIN`; with the sidecar the trainer's part also fits the
-    allocator fraction its process gets."""
-    if not plan.fits or plan.peak + plan.settings.reserve > capacity * (1 - MARGIN):
+    """The plan fits the cap less the reserve, and its whole-device peak the cap less `MARGIN`; with the sidecar
+    the trainer's allocations (its planned part, activations x `device.ACTIVATION_FACTOR`) also fit the allocator
+    fraction its process gets."""
+    if not plan.fits or device_peak(cfg, plan).total > capacity * (1 - MARGIN):
         return False
     if cfg.rollout.placement == "sidecar" and plan.settings.rollout == "vllm":
-        trainer = plan.peak - vllm_bytes
+        trainer = _trainer_allocations(plan, vllm_bytes)
         return trainer <= trainer_memory_fraction(cfg, total, "sidecar") * total
     return True
+
+
+def _trainer_allocations(plan: MemoryPlan, vllm_bytes: int) -> int:
+    """The sidecar trainer's allocator bytes at the plan's peak: its part of the plan (the engines' budget off),
+    its activations scaled as `device.device_peak` scales them."""
+    extra = int((ACTIVATION_FACTOR - 1) * activations_in_train_phase(plan))
+    return plan.peak - vllm_bytes + extra
 
 
 def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split | None:
@@ -195,14 +219,16 @@ def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split 
             continue
         tokens, plan = chosen
         if pick_tokens:
-            reasons.append(f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned peak fits")
+            reasons.append(f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned device "
+                           "peak fits")
         if sidecar and engines < cfg.rollout.sidecar_engines:
             reasons.append(f"{cfg.rollout.sidecar_engines} sidecar engines do not fit (a weight copy each)")
         picked = tuple(k for k, on in zip(KEYS, (pick_util, pick_tokens, sidecar and engines
                                                  != cfg.rollout.sidecar_engines)) if on)
         user = tuple(k for k in KEYS if user_set(cfg, k))
         return Split(util, tokens, engines, picked, user, capacity, total, vllm_memory_fraction(trial, total),
-                     plan.peak, plan.settings.reserve, tuple(reasons), plan.settings.rollout)
+                     plan.peak, plan.settings.reserve, tuple(reasons), plan.settings.rollout,
+                     device_peak(trial, plan))
     raise ConfigError(_nothing_fits(cfg, capacity, last))
 
 
@@ -229,9 +255,11 @@ def _nothing_fits(cfg, capacity: int, last) -> str:
     fixes += [f for f in remedies(trial, list(plan.roles), rollout, plan.phases, s)
               if "micro-batch" not in f and "gpu_memory_utilization" not in f]
     fixes = list(dict.fromkeys(fixes)) or ["a bigger cap"]
+    device = device_peak(trial, plan).total
     return (f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: no split of the cap fits this rl run: with "
-            f"{what} the plan needs about {fmt_bytes(plan.peak + s.reserve)} per GPU (reserve included) and "
-            f"{MARGIN:.0%} of the cap ({fmt_bytes(capacity)}) is kept free; to fit: {'; '.join(fixes)} "
+            f"{what} the plan needs about {fmt_bytes(plan.peak + s.reserve)} per GPU (reserve included), "
+            f"{fmt_bytes(device)} of the whole device as NVML reads it, and {MARGIN:.0%} of the cap "
+            f"({fmt_bytes(capacity)}) is kept free; to fit: {'; '.join(fixes)} "
             "(`ds-rlhf memory --kind rl` with the same arguments prints the plan)")
 
 

@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines.memory import activation_bytes
+from ds_rlhf.memory.device import device_peak
 from ds_rlhf.memory.plan import JSD_FP32_TENSORS, GiB, kv_bytes_per_token, plan_memory
 from ds_rlhf.memory.split import MARGIN, choose_split
 from ds_rlhf.ops import memory as memory_cli
@@ -352,4 +353,5 @@ def test_a_capped_split_gives_the_jsd_loss_a_smaller_micro_batch(tmp_path):
                    device="cuda", capacity=40 * GiB)
     vocab_logits = jsd.micro_batch_tokens * 151936 * (2 * 2 + 4 * 14)
     assert _roles(picked)["actor"].activations > vocab_logits and picked.peak == jsd.peak
-    assert picked.peak + picked.settings.reserve <= 40 * GiB * (1 - MARGIN)
+    cfg = parse_config([*base, "--rl.distill_loss", "jsd", "--data.micro_batch_tokens", str(jsd.micro_batch_tokens)])
+    assert device_peak(cfg, picked).total <= 40 * GiB * (1 - MARGIN) and jsd.device == device_peak(cfg, picked)

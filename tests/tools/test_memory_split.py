@@ -12,6 +12,7 @@ import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.memory import cap as memory_cap
+from ds_rlhf.memory.device import device_peak
 from ds_rlhf.memory.plan import GiB, plan_memory
 from ds_rlhf.memory.split import KEYS, MARGIN, apply_split, choose_split
 from ds_rlhf.ops import autotune
@@ -58,14 +59,14 @@ def test_the_bench_shape_fits_48_and_80_gib_with_a_larger_micro_batch_at_80(qwen
         assert split.sidecar_engines == 2  # kept: both engines fit
         apply_split(cfg, split)
         plan = planned(cfg, cap)
-        assert plan.fits and plan.peak + plan.settings.reserve <= cap * GiB * (1 - MARGIN)
-        assert plan.peak == split.peak
+        assert plan.fits and device_peak(cfg, plan).total <= cap * GiB * (1 - MARGIN)
+        assert plan.peak == split.peak and device_peak(cfg, plan) == split.device
         # vLLM's share holds the whole step (256 sequences of 384 tokens) in one wave, in both engines together
         assert not any("waves" in n for n in plan.notes), plan.notes
         assert split.vllm_fraction == pytest.approx(split.gpu_memory_utilization * cap / 141)
         # the trainer's part fits the allocator fraction its process gets beside the sidecar
         trainer = plan.peak - int(split.gpu_memory_utilization * cap * GiB)
-        assert trainer <= memory_cap.trainer_memory_fraction(cfg, H200, "sidecar") * H200
+        assert trainer < memory_cap.trainer_memory_fraction(cfg, H200, "sidecar") * H200
         assert memory_cap.check_memory_cap(cfg, total_bytes=H200, world_size=1) is not None
         chosen[cap] = split
     assert chosen[48].micro_batch_tokens < chosen[80].micro_batch_tokens
@@ -76,7 +77,38 @@ def test_the_bench_shape_fits_48_and_80_gib_with_a_larger_micro_batch_at_80(qwen
     assert bigger, chosen[48]
     cfg.data.micro_batch_tokens = bigger
     over = planned(cfg, 48)
-    assert over.peak + over.settings.reserve > 48 * GiB * (1 - MARGIN)
+    assert device_peak(cfg, over).total > 48 * GiB * (1 - MARGIN)
+
+
+# Whole-device NVML peaks measured on one H200 (device total 150109880320 bytes) by `bench/rl_step_gpu.py
+# --max-gpu-memory-gb 48` and `... 80` (this file's workload, two sidecar engines, ZeRO-2, synchronous; the JSONs
+# `rl_step_cap48_sync.json` / `rl_step_cap80_sync.json`: the largest memory value of `timeline.samples`), with the
+# split the run picked then: cap -> (rollout.gpu_memory_utilization, data.micro_batch_tokens, NVML peak GiB)
+H200_MEASURED_TOTAL = 150109880320
+MEASURED_NVML_PEAKS = {48: (0.19, 16384, 51.04), 80: (0.11, 32768, 72.85)}
+
+
+def test_the_device_peak_covers_the_nvml_peaks_measured_on_the_h200(qwen):
+    for cap, (util, tokens, nvml_gib) in MEASURED_NVML_PEAKS.items():
+        cfg = parse_config(bench_args(qwen, cap, "--rollout.gpu_memory_utilization", str(util),
+                                      "--data.micro_batch_tokens", str(tokens)), ENGINES)
+        plan = planned(cfg, cap)
+        peak = device_peak(cfg, plan)
+        print(f"cap {cap}: planned device peak {peak.total / GiB:.2f} GiB, measured {nvml_gib} GiB")
+        # at or above what NVML read, and not by more than 1 GiB (a looser fit would waste the cap)
+        assert nvml_gib * GiB <= peak.total <= (nvml_gib + 1) * GiB, (cap, peak)
+        assert peak.engines > 0 and peak.phase == "train"
+
+
+def test_the_split_keeps_the_device_peak_under_the_cap_on_the_measured_h200(qwen):
+    for cap, (_, measured_tokens, nvml_gib) in MEASURED_NVML_PEAKS.items():
+        split = choose_split(parse_config(bench_args(qwen, cap), ENGINES), H200_MEASURED_TOTAL)
+        print(f"cap {cap}: {split.line(cap)}")
+        assert split.device.total <= cap * GiB * (1 - MARGIN)
+        if nvml_gib > cap:  # that run went over the cap: the split now takes a smaller micro-batch
+            assert split.micro_batch_tokens < measured_tokens
+        else:  # that run stayed under: the same micro-batch still fits
+            assert split.micro_batch_tokens >= measured_tokens
 
 
 def test_an_explicit_value_is_never_overridden(qwen, capsys):
@@ -104,12 +136,13 @@ def test_an_explicit_value_is_never_overridden(qwen, capsys):
 
 
 def test_fewer_sidecar_engines_only_when_the_count_is_not_the_users(qwen):
-    cfg = parse_config(bench_args(qwen, 20), ENGINES)  # two weight copies and warm-ups leave the trainer too little
+    cfg = parse_config(bench_args(qwen, 26), ENGINES)  # two engines (a weight copy, warm-up and context each) leave
+    # the trainer too little
     split = choose_split(cfg, H200)
     assert split.sidecar_engines == 1 and "rollout.sidecar_engines" in split.picked
     assert any("2 sidecar engines do not fit" in r for r in split.reasons)
     with pytest.raises(ConfigError, match="no split of the cap fits"):
-        choose_split(parse_config(bench_args(qwen, 20, "--rollout.sidecar_engines", "2")), H200)
+        choose_split(parse_config(bench_args(qwen, 26, "--rollout.sidecar_engines", "2")), H200)
 
 
 def test_a_cap_too_small_for_anything_is_one_config_error_line(qwen):
@@ -126,7 +159,7 @@ def test_preflight_applies_and_prints_the_split(qwen, capsys):
     preflight.check_memory_cap(cfg, "rl", total_bytes=H200)
     line = capsys.readouterr().out.strip()
     assert line.startswith("[rl] run.max_gpu_memory_gb=48: vLLM 0.0") and "of the GPU" in line
-    assert f"micro-batch {cfg.data.micro_batch_tokens} tokens (planned peak" in line
+    assert f"micro-batch {cfg.data.micro_batch_tokens} tokens (planned device peak" in line
     assert cfg.data.micro_batch_tokens > 0 and cfg.rollout.gpu_memory_utilization < 0.5
 
 
@@ -212,3 +245,30 @@ def test_bench_flag_leaves_the_split_to_the_run_and_keeps_the_defaults(tmp_path,
 
     argv, _ = argv_for("--workdir", str(tmp_path), "--max-gpu-memory-gb", "48", "--gpu-mem", "0.2")
     assert value(argv, "--rollout.gpu_memory_utilization") == "0.2" and "--data.micro_batch_tokens" not in argv
+
+
+def test_bench_records_each_process_at_the_device_peak():
+    import os
+    import subprocess
+    import sys
+
+    bench = load_bench()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        me = os.getpid()
+        assert bench.ProcessMemory.role(me) == "trainer" and bench.ProcessMemory.role(child.pid) == "engine"
+        assert bench.ProcessMemory.role(1) == "other"
+        # three reads (device used GiB, {pid: GiB}): the device peaks at the second, the child's own peak is the third
+        reads = iter([(20.0, {me: 6.0, child.pid: 6.3}), (50.6, {me: 37.3, child.pid: 6.4}),
+                      (40.0, {me: 27.0, child.pid: 6.5, 999999999: 0.5})])
+        processes = bench.ProcessMemory(read=lambda: next(reads))
+        for _ in range(3):
+            processes.sample()
+        out = processes.summary()
+    finally:
+        child.kill()
+        child.wait()
+    peak = out["at_device_peak"]
+    assert peak["device_used_gib"] == 50.6 and peak["processes_gib"] == pytest.approx(43.7)
+    assert [(p["role"], p["used_gib"]) for p in peak["processes"]] == [("trainer", 37.3), ("engine", 6.4)]
+    assert {p["role"]: p["used_gib"] for p in out["process_peaks"]} == {"trainer": 37.3, "engine": 6.5, "other": 0.5}
