@@ -22,6 +22,10 @@ with `--no-apply_chat_template`) and `answer` (the ground truth), unless the ext
 
 Held-out evaluation plays its episodes through `play(rows, spec)`, the same runner on the same engine.
 
+The runner plays in lockstep rounds (`EpisodeRunner(lockstep=True)`): a batch's episodes follow from the step's
+seed, the weights and the rows, not from how long the environment's steps took, so a resumed run plays exactly the
+episodes an uninterrupted one would.
+
 The episodes run in `generate` itself (`Pending.done`): the service generates them in the step that trains on
 them; the engine's weights are those of `engine_version` throughout, as for a single-turn batch.
 """
@@ -93,7 +97,7 @@ class EpisodeRolloutService(RolloutService):
         n = spec.n
         runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
                                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
-                               max_workers=self.max_workers)
+                               max_workers=self.max_workers, lockstep=True)
         episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
             if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.data.prep import prep_prompts
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.rl import RLTrainer, make_trajectory
 from ds_rlhf.rollout.base import RolloutSample
@@ -74,18 +73,6 @@ class ScriptedAnswers(FirstTurnCalls):
 
 ANSWERS = {EXPRESSION.search(q).group(1): a for q, a in QUESTIONS}
 RIGHT = {"12 * 3", "7 + 5"}  # ScriptedAnswers answers these two of the four questions right
-
-
-@pytest.fixture(scope="module")
-def arithmetic_store(tiny_model_path, tmp_path_factory):
-    """A prompts store of plain questions (no chat template: the episode runner renders the prompt with the tools)
-    with their answers as ground truth."""
-    out = tmp_path_factory.mktemp("arithmetic")
-    raw = out / "prompts.jsonl"
-    raw.write_text("".join(json.dumps({"prompt": q, "label": str(a)}) + "\n" for q, a in QUESTIONS))
-    prep_prompts(raw, out / "store", str(tiny_model_path), input_key="prompt", label_key="label",
-                 apply_chat_template=False, progress=False, overwrite=True, on_error="fail")
-    return out / "store"
 
 
 def episode_args(model, store, out, steps):
