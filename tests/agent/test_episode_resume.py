@@ -57,9 +57,9 @@ def marker_lines(path: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_9_mid_episode_batch_then_resume_is_exact(mode, tiny_model_path, arithmetic_store, tmp_path):
-    extra = ["--rollout.async_generation", str(mode == "async")]
+    extra = ["--rollout.async_generation", "true", "--rl.mismatch", "tis"] if mode == "async" else []
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_to_end(run_args(tiny_model_path, arithmetic_store, straight, extra), tmp_path / "straight.log")
 
