@@ -86,9 +86,13 @@ def test_kill_9_mid_episode_batch_then_resume_is_exact(mode, tiny_model_path, ar
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     assert min(r["episode/turns_mean"] for r in a) >= 2  # every episode called the calculator, then went on
-    assert [r.keys() for r in a] == [r.keys() for r in b]
+    # the same metrics, but: a batch restored from a checkpoint has no generation timing, and the resumed process
+    # hands its weights to the engine at start, so the report of a weight hand-over (`sync/...`) may sit elsewhere
+    computed = [[{k for k in r if not not_the_computation(k) and not k.startswith("sync/")} for r in run]
+                for run in (a, b)]
+    assert computed[0] == computed[1]
     differ = {(ra["step"], k): (ra[k], rb[k]) for ra, rb in zip(a, b) for k in ra
-              if not not_the_computation(k) and ra[k] != rb[k]}
+              if not not_the_computation(k) and k in rb and ra[k] != rb[k]}
     assert not differ
     sa, sb = read_samples(straight), read_samples(killed)
     assert [s["step"] for s in sa] == [s["step"] for s in sb] == [s for s in range(1, STEPS + 1) for _ in range(4)]
