@@ -361,7 +361,7 @@ class RLConfig:
         """What multi-turn episodes (`rl.environment`) run with; the rest is refused here, one line each."""
         if not self.environment:
             return
-        key, r = f"rl.environment={self.environment!r}", cfg.rollout
+        key = f"rl.environment={self.environment!r}"
         if ":" not in self.environment:
             raise ConfigError(f"{key}: give path/to/file.py:Name (an environment class or a list of tool "
                               "functions in that file)")
@@ -369,9 +369,6 @@ class RLConfig:
             raise ConfigError(f"{key} with rl.algo={self.algo}: episodes train critic-free estimators only (their "
                               "observation tokens would sit inside the critic's GAE); use --rl.algo grpo (or rloo, "
                               "reinforce_pp, dr_grpo)")
-        if r.async_generation:
-            raise ConfigError(f"{key}: episodes are played in the step that trains on them; set "
-                              "--rollout.async_generation false")
         if self.dynamic_sampling:
             raise ConfigError(f"{key}: rl.dynamic_sampling is not supported with episodes; set "
                               "--rl.dynamic_sampling false")

@@ -5,7 +5,11 @@ in ONE `generate(prompts, spec)` call (any `RolloutEngine.generate`; episodes at
 generated ids and their log-probs are appended exactly as returned; the decoded turn goes to the environment's
 `step` in a thread pool; its observation turns are rendered by the chat template (`rendering.py`), tokenized and
 appended after the generated ids. An episode whose step is still running does not hold back the others: a round
-starts as soon as any step has finished, with every episode that is waiting then.
+starts as soon as any step has finished, with every episode that is waiting then. With `lockstep=True` a round
+starts when every step in flight has finished instead, its episodes in index order: which episodes share a generate
+call, in which order and in which round (each round's seed differs) then follows from the episodes alone, not from
+how long their steps took, so a batch of episodes is reproducible from its seed (what the RL loop needs to resume
+exactly; a slow step holds back the whole round).
 
 A turn ends at a stop token (the spec's, the tokenizer's EOS and end-of-turn token, and `</tool_call>` where the
 tokenizer has it as one token) or at `spec.max_new_tokens`. An episode ends when the environment says done, or is
@@ -73,18 +77,19 @@ class EpisodeRunner:
     `env_factory()` makes one environment per episode (a class, `load_environment(...)`'s result, a lambda).
     `spec`: the sampling of every turn (`n` must be 1; a seed is shifted each round so rounds differ).
     `tools`: the tool specs shown in the prompt (default: the first environment's `specs`, as `ToolEnvironment`
-    has). `max_workers`: threads running environment resets and steps."""
+    has). `max_workers`: threads running environment resets and steps. `lockstep`: rounds wait for every step in
+    flight (module docstring)."""
 
     def __init__(self, generate: GenerateFn, tokenizer, env_factory: Callable[[], Any], spec: SamplingSpec, *,
                  max_turns: int = 4, max_total_tokens: int = 1024, max_workers: int = 8,
-                 system_prompt: str | None = None, tools: list[dict] | None = None) -> None:
+                 system_prompt: str | None = None, tools: list[dict] | None = None, lockstep: bool = False) -> None:
         if spec.n != 1:
             raise ConfigError(f"episodes generate one sample per turn: SamplingSpec.n must be 1, got {spec.n}")
         if max_turns < 1 or max_total_tokens < 1:
             raise ConfigError(f"max_turns ({max_turns}) and max_total_tokens ({max_total_tokens}) must be >= 1")
         self.generate, self.tokenizer, self.env_factory = generate, tokenizer, env_factory
         self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
-        self.system_prompt, self.tools = system_prompt, tools
+        self.system_prompt, self.tools, self.lockstep = system_prompt, tools, lockstep
         added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
         extra = [added[TOOL_CALL_END]] if TOOL_CALL_END in added else []
         stops = tuple(dict.fromkeys([*spec.stop_token_ids, *stop_token_ids(tokenizer), *extra]))
@@ -118,8 +123,9 @@ class EpisodeRunner:
                     rounds += 1
                     waiting = []
                 if stepping:
-                    finished, _ = cf.wait(list(stepping), return_when=cf.FIRST_COMPLETED)
-                    for future in finished:
+                    until = cf.ALL_COMPLETED if self.lockstep else cf.FIRST_COMPLETED
+                    finished, _ = cf.wait(list(stepping), return_when=until)
+                    for future in sorted(finished, key=lambda f: stepping[f].index):
                         ep = stepping.pop(future)
                         if self._after_step(ep, future.result(), renderer):
                             waiting.append(ep)

@@ -22,12 +22,24 @@ with `--no-apply_chat_template`) and `answer` (the ground truth), unless the ext
 
 Held-out evaluation plays its episodes through `play(rows, spec)`, the same runner on the same engine.
 
-The episodes run in `generate` itself (`Pending.done`): the service generates them in the step that trains on
-them; the engine's weights are those of `engine_version` throughout, as for a single-turn batch.
+The runner plays in lockstep rounds (`EpisodeRunner(lockstep=True)`): a batch's episodes follow from the step's
+seed, the weights and the rows, not from how long the environment's steps took, so a resumed run plays exactly the
+episodes an uninterrupted one would.
+
+Synchronous mode: the episodes are played in `generate` itself (`Pending.done`), in the step that trains on them.
+Asynchronous mode (`rollout.async_generation`, one step off-policy as for single turns): `generate` hands the
+batch to a background thread that plays it, driving the engine, while the trainer trains on the step before; the
+service's collect (or `quiesce`, before a checkpoint or an evaluation) waits for it, and the engine gets new
+weights only after that (`RolloutService`: syncs happen only after a collect). This holds for the HF engine and
+for engines in their own process (`rollout.placement` sidecar / disaggregated); a colocated vLLM engine generates
+in the caller's thread as its single-turn batches do (its `submit` generates at once), so its episodes are played
+in `generate`, one step stale without overlap. Either way the engine's weights are those of `engine_version`
+throughout a batch.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import time
@@ -75,14 +87,25 @@ class EpisodeRolloutService(RolloutService):
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
         self.last_episodes: list[Episode] = []  # the last batch's episodes, prompt-major (for inspection)
+        # async mode: the thread playing the next batch while the trainer trains (module docstring)
+        self.background = self.asynchronous and (getattr(self.engine, "backend", "?") == "hf"
+                                                 or getattr(self.engine, "placement", "colocated") != "colocated")
+        self._player = cf.ThreadPoolExecutor(1, thread_name_prefix="ds_rlhf-episodes") if self.background else None
 
     def generate(self, rows: list[dict], spec: SamplingSpec) -> Pending:
+        if self._player is not None:
+            future = self._player.submit(self._timed_play, rows, spec)
+            return Pending(lambda: self._finished(*future.result()))
+        return Pending.done(self._finished(*self._timed_play(rows, spec)))
+
+    def _timed_play(self, rows: list[dict], spec: SamplingSpec):
         start = time.perf_counter()
         episodes, samples = self._play(rows, spec)
-        seconds = time.perf_counter() - start
+        return episodes, samples, time.perf_counter() - start
+
+    def _finished(self, episodes: list[Episode], samples: list[RolloutSample], seconds: float):
         self.last_episodes = episodes
-        generated = sum(sum(s.loss_mask) for s in samples)
-        return Pending.done((samples, (seconds, generated)))
+        return samples, (seconds, sum(sum(s.loss_mask) for s in samples))
 
     def play(self, rows: list[dict], spec: SamplingSpec) -> list[RolloutSample]:
         """`spec.n` episodes per row on the engine as it is (awake, holding the weights to evaluate), as samples,
@@ -93,7 +116,7 @@ class EpisodeRolloutService(RolloutService):
         n = spec.n
         runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
                                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
-                               max_workers=self.max_workers)
+                               max_workers=self.max_workers, lockstep=True)
         episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
             if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on

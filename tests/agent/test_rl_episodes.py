@@ -4,14 +4,16 @@ ids the engine generated and the runner recorded."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.data.prep import prep_prompts
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.rl import RLTrainer, make_trajectory
 from ds_rlhf.rollout.base import RolloutSample
@@ -74,18 +76,6 @@ class ScriptedAnswers(FirstTurnCalls):
 
 ANSWERS = {EXPRESSION.search(q).group(1): a for q, a in QUESTIONS}
 RIGHT = {"12 * 3", "7 + 5"}  # ScriptedAnswers answers these two of the four questions right
-
-
-@pytest.fixture(scope="module")
-def arithmetic_store(tiny_model_path, tmp_path_factory):
-    """A prompts store of plain questions (no chat template: the episode runner renders the prompt with the tools)
-    with their answers as ground truth."""
-    out = tmp_path_factory.mktemp("arithmetic")
-    raw = out / "prompts.jsonl"
-    raw.write_text("".join(json.dumps({"prompt": q, "label": str(a)}) + "\n" for q, a in QUESTIONS))
-    prep_prompts(raw, out / "store", str(tiny_model_path), input_key="prompt", label_key="label",
-                 apply_chat_template=False, progress=False, overwrite=True, on_error="fail")
-    return out / "store"
 
 
 def episode_args(model, store, out, steps):
@@ -209,10 +199,47 @@ def test_sample_log_holds_each_episodes_transcript_with_its_turns(tiny_model_pat
 
 @pytest.mark.parametrize("extra, message", [
     (["--rl.algo", "ppo"], "episodes train critic-free estimators only"),
-    (["--rollout.async_generation", "true"], "set --rollout.async_generation false"),
     (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
     (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
 ])
 def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", *extra])
+
+
+GATED = f"{Path(__file__).parent / 'gated_calculator.py'}:GatedCalculatorEnv"
+
+
+def test_async_episodes_are_played_while_the_step_before_trains(tiny_model_path, tiny_tokenizer, arithmetic_store,
+                                                                 dist_single, tmp_path):
+    """rollout.async_generation with episodes: `batch(0)` returns step 0's episodes while step 1's are still being
+    played in the background (held at their first step by the gated environment), so the trainer trains on step 0
+    meanwhile; step 1 trains on them one step stale, with the weights they were played with."""
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
+    args[args.index("--rl.environment") + 1] = GATED
+    trainer = RLTrainer(parse_config([*args, "--rollout.async_generation", "true", "--rl.mismatch", "tis"]),
+                        rollout=make_engine(tiny_model_path, tiny_tokenizer))
+    env, service = trainer.parts.environment, trainer.service
+    env.GATE.clear()
+    env.FREE, env.waiting, env.resets = 4, 0, itertools.count()  # step 0's 4 episodes run free, step 1's wait
+    first: list = []
+    caller = threading.Thread(target=lambda: first.append(service.batch(0)), daemon=True)
+    caller.start()
+    caller.join(120)
+    try:
+        assert first, "batch(0) did not return while step 1's episodes were held: they are not played in the background"
+        assert first[0].weights_version == 0 and len(first[0].samples) == 4
+        deadline = time.time() + 300
+        while env.waiting == 0:  # step 1's episodes reach their first step, in the background
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert service.in_flight is not None and service.in_flight.weights_version == 0
+    finally:
+        env.GATE.set()
+    service.publish(1)  # async: nothing moves until the batch in flight is collected
+    second = service.batch(1)
+    assert second.weights_version == 0 and len(second.samples) == 4  # one step stale
+    assert {r["row_id"] for r in second.rows}.isdisjoint({r["row_id"] for r in first[0].rows})
+    assert all(s.episode["turns"] >= 2 for s in second.samples)
+    assert [len(ep.token_ids) for ep in service.last_episodes] == [
+        len(s.prompt_ids) + len(s.response_ids) for s in second.samples]
