@@ -18,8 +18,8 @@ against seconds and against steps, both modes) into `--out`.
     ds-rlhf bench learn --model ... [same options]
 
 Multi-turn episodes with a tool: `--environment path.py:Name` (a path from the current directory or from the
-repository) runs the trainer with `rl.environment` instead of the reward files, synchronous mode only (episodes are
-played in the step that trains on them):
+repository) runs the trainer with `rl.environment` instead of the reward files (synchronous by default; `--modes
+sync,async` also plays the next step's episodes while a step trains):
 
     python3 bench/learn.py --model X --task arithmetic --modes sync \
         --environment ds_rlhf/agent/examples/calculator.py:CalculatorEnv
@@ -115,9 +115,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--modes: comma list of sync, async; got {','.join(args.modes)!r}")
     if args.environment:
         args.environment = environment_spec(args.environment)
-        if "async" in args.modes:
-            raise SystemExit("learn: --modes async with --environment: episodes are played in the step that trains "
-                             "on them; use --modes sync")
     return args
 
 

@@ -128,17 +128,6 @@ def test_the_calculator_environment_scores_the_tasks_answer_format():
     assert final_number_reward("The answer is 7", {"answer": "7"}) == 1.0 > rewards.correct(None, "The answer is 7", 7)
 
 
-def test_environment_runs_sync_only_and_says_so_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--tiny", "--modes", "sync,async",
-                          "--environment", CALCULATOR, "--out", str(tmp_path)], capture_output=True, text=True,
-                         env=clean_env(), cwd=tmp_path, timeout=300)
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == [
-        "learn: --modes async with --environment: episodes are played in the step that trains on them; use --modes "
-        "sync"]
-    assert not list(tmp_path.iterdir())  # refused before any store or run
-
-
 @pytest.mark.slow
 def test_tiny_calculator_episodes_run_writes_tool_calls_to_json_and_png(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--steps", "1",
