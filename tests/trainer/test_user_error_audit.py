@@ -252,6 +252,7 @@ def test_the_audit_covers_the_inputs_a_careless_user_gets_wrong():
     assert {"train-ppo", "train-sft", "train-rm", "export", "prep-gsm8k", "convert-gguf", "doctor"} <= commands
 
 
+@pytest.mark.heavy  # the module's audit (every case's process) is set up by the first of them
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_bad_input_is_one_line_naming_it(audit, name):
     proc, names = audit[name]
