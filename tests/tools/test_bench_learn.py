@@ -99,11 +99,8 @@ def test_rewards(response, truth, right, fmt, train, lenient):
 
 @pytest.mark.slow
 def test_tiny_learning_run_writes_json_and_png(tmp_path):
-    # the reward files' functions run in the trainer's process (rl.reward_workers 0): each mode's run starts no reward
-    # worker processes (tests/trainer/test_reward_api.py tests those pools, test_reward_import_timeout.py a run's)
-    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--cfg",
-                          "rl.reward_workers=0", "--out", str(tmp_path)], capture_output=True, text=True,
-                         env=clean_env(), cwd=tmp_path, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "learn_arithmetic.json").read_text())
     assert set(result["modes"]) == {"sync", "async"}
