@@ -171,12 +171,13 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
 # the server writes each child's exit status (negative: the signal that ended it; -9 after TIMEOUT seconds) to
 # OUT_DIR/returncodes.json.
 FORK_SERVER = """
-import importlib, json, os, runpy, signal, sys, time
+import gc, importlib, json, os, runpy, signal, sys, time
 from ds_rlhf.entrypoints.main import runtime_env_defaults
 
 runtime_env_defaults()
 for module in sys.argv[5:]:
     importlib.import_module(module)
+gc.freeze()  # what the imports made stays out of the children's collections (as the gc docs advise before fork)
 
 
 def serve():
