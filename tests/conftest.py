@@ -124,8 +124,8 @@ def lora_engine(tiny_model_path, dist_single):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow tests first (stable otherwise), so parallel workers start the long runs early and finish together; then
-    the tests of the LoRA engine, side by side: xdist's worksteal hands each worker a contiguous share of this order
-    (and steals from its end), so one worker builds that session-scoped vLLM engine instead of both."""
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+    """Slow and heavy tests first (stable otherwise), so parallel workers start the long runs early and finish
+    together; then the tests of the LoRA engine, side by side: xdist's worksteal hands each worker a contiguous share
+    of this order (and steals from its end), so one worker builds that session-scoped vLLM engine instead of both."""
+    items.sort(key=lambda item: (not any(item.get_closest_marker(m) for m in ("slow", "heavy")),
                                  not {"lora_engine", "lora_rollout"} & set(getattr(item, "fixturenames", ()))))

@@ -1,8 +1,11 @@
 """Bad inputs a careless user gives the real command line: each ends with a non-zero exit status and one last stderr
 line `error: ...` (or `<command>: error: ...`) naming the offending setting or path, never a traceback.
 
-The commands run as subprocesses of `python -m ds_rlhf.entrypoints` (a clean environment, no scripts/env.sh), a few
-at a time: most stop at parse time or in the start-up checks, before any model is built.
+Each command is its own process running `python -m ds_rlhf.entrypoints` (a clean environment, no scripts/env.sh), a
+few at a time: most stop at parse time or in the start-up checks, before any model is built. The processes are forked
+from one server process that has imported the commands' modules (as `ds-rlhf` does before it runs a command), so the
+import is paid once rather than once per case; each then runs the package's `__main__` with its own argv, stdout and
+stderr, and exits as the command does (an uncaught exception prints its traceback and exits 1).
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from ds_rlhf.data.synthetic import write_addition_datasets
 from ds_rlhf.data.writer import write_store
+from ds_rlhf.entrypoints.main import SUBCOMMANDS
 from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,11 +165,73 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
+# `python -c FORK_SERVER CASES_JSON OUT_DIR WORKERS TIMEOUT MODULE...`: imports MODULE... after the environment
+# defaults every command sets, then forks one child per case, WORKERS at a time. A child points its stdout and stderr
+# at OUT_DIR/<name>.out / .err and runs `ds_rlhf.entrypoints` as `__main__` with the case's argv, as `python -m` does;
+# the server writes each child's exit status (negative: the signal that ended it; -9 after TIMEOUT seconds) to
+# OUT_DIR/returncodes.json.
+FORK_SERVER = """
+import gc, importlib, json, os, runpy, signal, sys, time
+from ds_rlhf.entrypoints.main import runtime_env_defaults
+
+runtime_env_defaults()
+for module in sys.argv[5:]:
+    importlib.import_module(module)
+gc.freeze()  # what the imports made stays out of the children's collections (as the gc docs advise before fork)
+
+
+def serve():
+    cases, out = json.loads(open(sys.argv[1]).read()), sys.argv[2]
+    workers, timeout = int(sys.argv[3]), float(sys.argv[4])
+    todo, running, codes = list(cases), {}, {}
+    while todo or running:
+        while todo and len(running) < workers:
+            name = todo.pop(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                return out, name, cases[name]
+            running[pid] = (name, time.monotonic())
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[running.pop(pid)[0]] = os.waitstatus_to_exitcode(status)
+            continue
+        for child, (name, start) in running.items():
+            if time.monotonic() - start > timeout:
+                os.kill(child, signal.SIGKILL)
+        time.sleep(0.02)
+    with open(os.path.join(out, "returncodes.json"), "w") as f:
+        json.dump(codes, f)
+    sys.exit(0)
+
+
+out, name, argv = serve()
+for fd, suffix in ((1, "out"), (2, "err")):
+    target = os.open(os.path.join(out, f"{name}.{suffix}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+sys.argv = [sys.argv[0], *argv]
+runpy.run_module("ds_rlhf.entrypoints", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cases(cases: dict[str, list[str]], out: Path, timeout: float = 300) -> dict[str, subprocess.CompletedProcess]:
+    """Every case's `python -m ds_rlhf.entrypoints ARGV` (FORK_SERVER), WORKERS at a time: name -> finished process."""
+    out.mkdir(parents=True)
+    (out / "cases.json").write_text(json.dumps(cases))
+    modules = sorted({SUBCOMMANDS[argv[0]][0].partition(":")[0] for argv in cases.values() if argv[0] in SUBCOMMANDS})
+    modules.append("deepspeed")  # what the training commands' start-up checks import first (lazily)
     env = clean_env()
     env.pop("DS_RLHF_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", *argv], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)
+    server = subprocess.run([sys.executable, "-c", FORK_SERVER, str(out / "cases.json"), str(out), str(WORKERS),
+                             str(timeout), *modules], capture_output=True, text=True, cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, timeout=timeout * len(cases))
+    assert server.returncode == 0 and (out / "returncodes.json").is_file(), server.stderr[-4000:]
+    codes = json.loads((out / "returncodes.json").read_text())
+    return {name: subprocess.CompletedProcess([sys.executable, "-m", "ds_rlhf.entrypoints", *argv], codes[name],
+                                              (out / f"{name}.out").read_text(), (out / f"{name}.err").read_text())
+            for name, argv in cases.items()}
 
 
 CASES = build_cases(Path("/audit"), Path("/model"))
@@ -178,8 +243,7 @@ def audit(tiny_model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audit")
     make_inputs(tmp, tiny_model_path)
     cases = build_cases(tmp, tiny_model_path)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        procs = dict(zip(cases, pool.map(_run, [argv for argv, _ in cases.values()])))
+    procs = run_cases({name: argv for name, (argv, _) in cases.items()}, tmp / "processes")
     return {name: (procs[name], cases[name][1]) for name in cases}
 
 
@@ -189,6 +253,7 @@ def test_the_audit_covers_the_inputs_a_careless_user_gets_wrong():
     assert {"train-ppo", "train-sft", "train-rm", "export", "prep-gsm8k", "convert-gguf", "doctor"} <= commands
 
 
+@pytest.mark.heavy  # the module's audit (every case's process) is set up by the first of them
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_bad_input_is_one_line_naming_it(audit, name):
     proc, names = audit[name]
