@@ -194,6 +194,11 @@ def main() -> None:
                    help=f"rollout.sidecar_engines with the sidecar placement (default {SIDECAR_ENGINES}: the measured "
                         "best for this workload, docs/PERFORMANCE.md; the config's own default is 1; with "
                         f"--max-gpu-memory-gb, {SIDECAR_ENGINES} unless it does not fit the cap, then fewer)")
+    p.add_argument("--profile-train-step", type=int, default=0, metavar="N",
+                   help="profile the N-th step's training phase (torch.profiler, this process's CUDA kernels): busy "
+                        "fraction, gaps and the heaviest kernels go to the JSON's `train_profile` "
+                        "(bench/train_profile.py); 0 = off. Compare a synchronous run (training alone) with --async "
+                        "(training beside the engines)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="")
@@ -459,6 +464,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     from gpu_timeline import Sampler, render
     from gpu_timeline import summarize as summarize_gpu
     from low_memory_machine import git_commit
+    from train_profile import PhaseProfiler
 
     t1 = time.time()
     with Sampler(0.1) as sampler, ProcessMemory(0.5) as processes:
@@ -466,6 +472,9 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
         if keep_engine:
             trainer.parts.owns_rollout = False  # the next variant trains on it; main() closes it at the end
         setup_s = time.time() - t1
+        profiler = None
+        if args.profile_train_step:
+            profiler = trainer.timer.observer = PhaseProfiler(args.profile_train_step, inner=trainer.timer.observer)
         if split is not None:
             split["used"] = used_split(cfg)  # the trainer's preflight wrote its split into cfg
         step_ends = []
@@ -485,6 +494,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
               "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
               "gpu": summarize_gpu(sampler.samples, events, window), "history": history,
               "gpu_processes": {**processes.summary(), "trainer_torch": trainer_torch_memory()},
+              "train_profile": profiler.summary() if profiler else None,
               "timeline": {"samples": sampler.samples, "events": events, "window": window}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
