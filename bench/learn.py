@@ -66,7 +66,7 @@ SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 EXACT = "eval/pass@1"
 FORMAT = "eval/reward/eval_reward/format"
 LENIENT = "eval/reward/eval_reward/lenient"
-TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward"}
+TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward", "none": ""}
 EPISODE_OBSERVATION_TOKENS = 64  # --environment: room per turn for a tool's result turn beside the generated tokens
 
 
@@ -87,7 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens (the stores drop longer ones)")
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--reward", choices=tuple(TRAIN_REWARDS), default="strict", help="the training reward: strict "
-                    "(one `#### N` ending the response) or lenient (the last number after any `####`; gameable)")
+                    "(one `#### N` ending the response), lenient (the last number after any `####`; gameable) or none "
+                    "(every score 0: with --cfg rl.teacher=DIR --cfg rl.distill_loss=jsd the teacher alone teaches; "
+                    "held-out scores as usual)")
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
                     "phase's token budget per micro-batch (-1: 49152 on a GPU, the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
@@ -204,8 +206,10 @@ def reward_args(args) -> list[str]:
         context = args.max_prompt_len + args.max_turns * (args.max_new_tokens + EPISODE_OBSERVATION_TOKENS)
         return ["--rl.environment", args.environment, "--rl.max_turns", str(args.max_turns),
                 "--rollout.max_model_len", str(context)]
-    return ["--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}",
-            "--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward"]
+    scoring = ["--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward"]
+    if not TRAIN_REWARDS[args.reward]:
+        return scoring
+    return ["--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}", *scoring]
 
 
 def _episode(h: dict, prefix: str) -> dict:

@@ -155,3 +155,20 @@ def test_tiny_calculator_episodes_run_writes_tool_calls_to_json_and_png(tmp_path
     assert samples and all(s["turns"][0]["role"] == "assistant" and s["reward"] == s["episode_reward"]
                            for s in samples)
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reward_none_trains_on_no_reward_and_still_scores_the_held_out_set(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when the script runs: its folder first on the path
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    stores = {"train": tmp_path / "train", "heldout": tmp_path / "heldout"}
+
+    def argv(*flags):
+        return learn.trainer_args(learn.parse_args(["--tiny", *flags]), "tiny", stores, tmp_path / "run", "sync", False)
+
+    plain, none = argv(), argv("--reward", "none", "--cfg", "rl.teacher=/t")
+    assert plain[plain.index("--rl.reward_fn") + 1].endswith("rewards.py:train_reward")
+    assert "--rl.reward_fn" not in none
+    assert none[none.index("--rl.eval_reward_fn") + 1].endswith("rewards.py:eval_reward")
+    assert none[-2:] == ["--rl.teacher", "/t"]
