@@ -333,7 +333,8 @@ class ProcessMemory:
     else `nvidia-smi --query-compute-apps=pid,used_memory`; with each sample the whole device's used memory, so
     `summary()` can give the processes at the device's peak. A process is "trainer" (this one), "engine" (a
     descendant of this one: the sidecar vLLM processes) or "other" (another process, or a PID from outside this
-    container's PID namespace, which NVML may report)."""
+    container's PID namespace, which NVML may report); a process's role is read when it is first sampled, while it
+    runs (the engines have exited by the time `summary()` is called)."""
 
     SMI = ("nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
     SMI_DEVICE = ("nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits")
@@ -341,6 +342,7 @@ class ProcessMemory:
     def __init__(self, period_s: float = 0.5, index: int = 0, read=None):
         self.period_s, self.index, self.source = period_s, index, None
         self.samples: list[tuple[float, float, dict[int, float]]] = []  # (time, device used GiB, {pid: GiB})
+        self.roles: dict[int, str] = {}  # pid -> role, read when first sampled
         self._stop = threading.Event()
         self._read = read
         if read is None:
@@ -376,6 +378,9 @@ class ProcessMemory:
 
     def sample(self) -> None:
         used, procs = self._read()
+        for pid in procs:
+            if pid not in self.roles:
+                self.roles[pid] = self.role(pid)
         self.samples.append((time.time(), used, procs))
 
     def _run(self) -> None:
@@ -413,7 +418,7 @@ class ProcessMemory:
 
     def summary(self, me: int | None = None) -> dict:
         def listed(procs: dict[int, float]) -> list[dict]:
-            return [{"pid": pid, "role": self.role(pid, me), "used_gib": round(gib, 3)}
+            return [{"pid": pid, "role": self.roles.get(pid) or self.role(pid, me), "used_gib": round(gib, 3)}
                     for pid, gib in sorted(procs.items(), key=lambda kv: -kv[1])]
 
         out = {"source": self.source, "period_s": self.period_s, "samples": len(self.samples), "at_device_peak": None,

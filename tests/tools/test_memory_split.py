@@ -264,10 +264,10 @@ def test_bench_records_each_process_at_the_device_peak():
         processes = bench.ProcessMemory(read=lambda: next(reads))
         for _ in range(3):
             processes.sample()
-        out = processes.summary()
     finally:
         child.kill()
         child.wait()
+    out = processes.summary()  # after the child has exited, as the engines have when a run ends
     peak = out["at_device_peak"]
     assert peak["device_used_gib"] == 50.6 and peak["processes_gib"] == pytest.approx(43.7)
     assert [(p["role"], p["used_gib"]) for p in peak["processes"]] == [("trainer", 37.3), ("engine", 6.4)]
