@@ -168,9 +168,14 @@ def jsd_logits_bytes(cfg, hf_config, s: Settings) -> int:
     micro-batch's response tokens (`jsd_response_tokens`). 0 without the JSD loss."""
     if cfg.rl.distill_loss != "jsd":
         return 0
-    act = 2 if s.precision in ("bf16", "fp16") else 4
-    fp32 = JSD_FP32_TENSORS["mixture" if 0 < cfg.rl.jsd_beta < 1 else "one_kl"]
-    return jsd_response_tokens(cfg, s) * hf_config.vocab_size * (2 * act + 4 * fp32)
+    return jsd_response_tokens(cfg, s) * jsd_bytes_per_token(hf_config.vocab_size, s.precision, cfg.rl.jsd_beta)
+
+
+def jsd_bytes_per_token(vocab: int, precision: str, beta: float) -> int:
+    """Bytes of the JSD path per response token: both models' logits in the compute dtype (`precision`) and
+    `JSD_FP32_TENSORS` fp32 rows of `vocab` values (14 for a mixture, 0 < beta < 1; 8 at beta 0 or 1)."""
+    act = 2 if precision in ("bf16", "fp16") else 4
+    return vocab * (2 * act + 4 * JSD_FP32_TENSORS["mixture" if 0 < beta < 1 else "one_kl"])
 
 
 # ---- the plan ----------------------------------------------------------------------------------------------------

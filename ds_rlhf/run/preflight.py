@@ -26,6 +26,7 @@ from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_reward_model_dir
 from ds_rlhf.memory import cap as memory_cap
+from ds_rlhf.memory.plan import jsd_bytes_per_token
 from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.loading import check_spec, split_style
@@ -289,6 +290,43 @@ def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = No
                           f"model's config.json and cannot be made: {type(exc).__name__}: {exc}") from None
 
 
+JSD_SHARE = 0.8  # of what vLLM leaves of the GPU: the most one micro-batch's JSD tensors may take without a cap
+
+
+def check_jsd_memory(cfg: Config, total_bytes: int | None = None) -> None:
+    """`rl.distill_loss jsd` without `run.max_gpu_memory_gb` (a cap sizes the micro-batch itself): one micro-batch's
+    `[response tokens, vocab]` logits of both models and the loss's fp32 tensors (`memory/plan.py`) must fit in
+    `JSD_SHARE` of what the vLLM engines on this GPU leave of it, else one line naming the micro-batch setting,
+    instead of CUDA running out of memory at the first update. Checked on a CUDA device (or `total_bytes`)."""
+    if cfg.rl.distill_loss != "jsd" or cfg.run.max_gpu_memory_gb > 0:
+        return
+    total = total_bytes or memory_cap.local_gpu_total()
+    local = model_dir(cfg)
+    vocab = ((local and model_config(local)) or {}).get("vocab_size")
+    if not total or not vocab:
+        return
+    precision = cfg.model.dtype if cfg.model.dtype != "auto" else "bf16"
+    per_token = jsd_bytes_per_token(vocab, precision, cfg.rl.jsd_beta)
+    if cfg.data.micro_batch_tokens > 0:
+        tokens, key = cfg.data.micro_batch_tokens, f"data.micro_batch_tokens={cfg.data.micro_batch_tokens}"
+    else:
+        tokens = cfg.optim.micro_batch_size * cfg.rollout.max_new_tokens
+        key = (f"optim.micro_batch_size x rollout.max_new_tokens = {cfg.optim.micro_batch_size} x "
+               f"{cfg.rollout.max_new_tokens}")
+    vllm = cfg.rollout.gpu_memory_utilization
+    if cfg.rollout.backend == "hf" or cfg.rollout.placement == "disaggregated":
+        vllm = 0.0
+    room = JSD_SHARE * total * (1 - vllm)
+    if tokens * per_token > room:
+        fits = int(room // per_token)
+        fits = fits // 1024 * 1024 or fits
+        raise ConfigError(
+            f"rl.distill_loss=jsd: {key} response tokens x a {vocab}-token vocabulary hold "
+            f"{tokens * per_token / 2**30:.1f} GiB of logits and JSD tensors per micro-batch, more than "
+            f"{JSD_SHARE:.0%} of the {total * (1 - vllm) / 2**30:.1f} GiB vLLM leaves of this GPU: set "
+            f"--data.micro_batch_tokens {fits} or less (or --run.max_gpu_memory_gb, which picks it)")
+
+
 def check_kernels(cfg: Config) -> None:
     """`model.kernels=liger` where liger's kernels cannot run (no CUDA device, liger-kernel missing, a model type it
     does not know): one line now instead of an error after the model has loaded."""
@@ -322,6 +360,7 @@ def check_rl_run(cfg: Config) -> None:
     check_ds_config(cfg)
     check_kernels(cfg)
     check_memory_cap(cfg, "rl")
+    check_jsd_memory(cfg)
 
 
 def check_supervised_run(cfg: Config, kind: str) -> None:

@@ -19,6 +19,7 @@ from ds_rlhf.recipes.policy_update import actor_micro_step
 from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.recipes.trajectory import pad_trajectory
 from ds_rlhf.rollout.base import RolloutSample
+from ds_rlhf.run.preflight import check_jsd_memory
 
 STUDENT = [[2.0, 0.5, -1.0], [0.0, 1.0, 0.3]]
 TEACHER = [[0.1, 1.5, -0.5], [1.2, -0.4, 0.0]]
@@ -196,3 +197,30 @@ def test_jsd_settings_need_the_jsd_loss():
     with pytest.raises(ConfigError, match="rl.distill_coef=2 is a setting of the JSD distillation loss"):
         parse_config(["--rl.teacher", "t", "--rl.kl_coef", "1", "--rl.distill_coef", "2"])
     assert parse_config(["--rl.teacher", "t", "--rl.distill_loss", "jsd"]).rl.kl_coef == 0  # the JSD alone is enough
+
+
+def _jsd_config(tmp_path, vocab, *flags):
+    student = tmp_path / "student"
+    student.mkdir(exist_ok=True)
+    (student / "config.json").write_text(f'{{"model_type": "llama", "vocab_size": {vocab}}}')
+    return parse_config(["--model.path", str(student), "--rl.teacher", str(student), "--rl.distill_loss", "jsd",
+                         "--rl.jsd_beta", "1", *flags])
+
+
+def test_a_jsd_micro_batch_too_big_for_the_gpu_is_refused_in_one_line(tmp_path):
+    gpu = 140 * 2**30  # an H200
+    # 49152 tokens x 49152 vocabulary x (2 bf16 logits + 8 fp32 tensors: 36 bytes) = 81 GiB > 0.8 x 70 GiB left by
+    # vLLM (0.5 of the GPU); 56 GiB / 1.69 MiB per token = 33982 tokens, 33792 in steps of 1024
+    cfg = _jsd_config(tmp_path, 49152, "--data.micro_batch_tokens", "49152")
+    with pytest.raises(ConfigError, match=r"data.micro_batch_tokens=49152 response tokens x a 49152-token vocabulary "
+                       r"hold 81.0 GiB .* more than 80% of the 70.0 GiB vLLM leaves of this GPU: set "
+                       r"--data.micro_batch_tokens 33792 or less"):
+        check_jsd_memory(cfg, total_bytes=gpu)
+    check_jsd_memory(_jsd_config(tmp_path, 49152, "--data.micro_batch_tokens", "33792"), total_bytes=gpu)
+    check_jsd_memory(_jsd_config(tmp_path, 49152, "--data.micro_batch_tokens", "49152", "--rollout.placement",
+                                 "disaggregated"), total_bytes=gpu)  # vLLM elsewhere: the whole GPU is the trainer's
+    check_jsd_memory(_jsd_config(tmp_path, 49152, "--data.micro_batch_tokens", "49152",
+                                 "--run.max_gpu_memory_gb", "48"), total_bytes=gpu)  # a cap sizes it itself
+    with pytest.raises(ConfigError, match=r"optim.micro_batch_size x rollout.max_new_tokens = 64 x 1024"):
+        check_jsd_memory(_jsd_config(tmp_path, 151936, "--optim.micro_batch_size", "64",
+                                     "--rollout.max_new_tokens", "1024"), total_bytes=gpu)
