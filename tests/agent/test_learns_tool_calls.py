@@ -62,5 +62,7 @@ def test_grpo_on_calculator_episodes_raises_the_tool_call_rate_and_the_reward(
     # a called episode has two turns (the call, the answer), so the rate is at most 1/2; it starts near 0.2
     assert mean(rate[early]) < 0.35, rate
     assert mean(rate[late]) - mean(rate[early]) >= 0.12, rate
-    assert mean(reward[late]) - mean(reward[early]) >= 0.15, reward
+    # measured rises of the reward: 0.19 and 0.125 on two 2-core machines (thread scheduling changes the sampled
+    # episodes); with the learning rate at 1e-9 the tool-call rate falls (0.17 -> 0.11) and the test fails above
+    assert mean(reward[late]) - mean(reward[early]) >= 0.08, reward
     assert all(h["episode/error_frac"] == 0 for h in history)
