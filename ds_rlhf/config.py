@@ -340,12 +340,22 @@ def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
 
 
 def _field_comments(cls) -> dict[str, str]:
-    """The `# comment` after each field in the class source: the schema documents itself once."""
+    """Each field's comment in the class source: the `# comment` after it, else the `#` lines right above it (a
+    comment too long for the field's line). The schema documents itself once."""
     import inspect
     import re
 
-    found = re.findall(r"^\s+(\w+): [^=]+=.*?#\s*(.+)$", inspect.getsource(cls), flags=re.M)
-    return dict(found)
+    found, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        field = re.match(r"^\s+(\w+): [^=]+=.*?(?:#\s*(.+))?$", line)
+        if field and (field[2] or above):
+            found[field[1]] = field[2] or " ".join(above)
+        above = []
+    return found
 
 
 def _choice_lines(rule: dict) -> list[str]:

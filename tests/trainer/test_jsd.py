@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ds_rlhf.algos.distill import generalized_jsd
-from ds_rlhf.config import Config, ConfigError, parse_config
+from ds_rlhf.config import Config, ConfigError, help_text, parse_config
 from ds_rlhf.engines.policy_forward import response_logits
 from ds_rlhf.recipes.policy_update import actor_micro_step
 from ds_rlhf.recipes.rl import RLTrainer
@@ -224,3 +224,10 @@ def test_a_jsd_micro_batch_too_big_for_the_gpu_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"optim.micro_batch_size x rollout.max_new_tokens = 64 x 1024"):
         check_jsd_memory(_jsd_config(tmp_path, 151936, "--optim.micro_batch_size", "64",
                                      "--rollout.max_new_tokens", "1024"), total_bytes=gpu)
+
+
+def test_help_explains_the_distillation_settings():
+    lines = {line.split()[0]: line for line in help_text().splitlines() if line.strip().startswith("--rl.")}
+    assert "# on-policy distillation: a teacher (dir or Hub id" in lines["--rl.teacher"]
+    assert "`jsd` = DeepSpeed's generalized Jensen-Shannon" in lines["--rl.distill_loss"]
+    assert "reward = reward_model_weight * RM score" in lines["--rl.reward_model_weight"]
