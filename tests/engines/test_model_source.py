@@ -113,5 +113,10 @@ def test_preflight_resolves_model_tokenizer_reward_model_and_critic_hub_ids(hub_
                 f"--{key}", "ds-rlhf-test/not-cached"]
         with pytest.raises(ConfigError, match=f"^{key}='ds-rlhf-test/not-cached': .*hf download"):
             check_rl_run(parse_config(argv))
+    # a teacher for on-policy distillation by Hub id: a cached one resolves, an uncached one is one line
+    check_rl_run(parse_config([*base, "--rl.reward_fn", "gsm8k", "--rl.teacher", REPO, "--rl.kl_coef", "1"]))
+    with pytest.raises(ConfigError, match="^rl.teacher='ds-rlhf-test/not-cached': .*hf download"):
+        check_rl_run(parse_config([*base, "--rl.reward_fn", "gsm8k", "--rl.teacher", "ds-rlhf-test/not-cached",
+                                   "--rl.kl_coef", "1"]))
     with pytest.raises(ConfigError, match="^model.path='ds-rlhf-test/not-cached'"):
         check_model_sources(parse_config(["--model.path", "ds-rlhf-test/not-cached"]), "sft")
