@@ -100,6 +100,17 @@ def choices_of(rule: dict) -> tuple:
     return tuple(rule.get("choices") or ())
 
 
+def _keys_choosing(value: Any) -> list[str]:
+    """The `section.key` settings whose choices include `value` (a user who wrote `--rl.algo gspo` meant
+    `--rl.policy_loss gspo`)."""
+    found = []
+    for section in SECTIONS:
+        for name, rule in _field_rules(_field_types(Config)[section]).items():
+            if "choices" in rule and value in choices_of(rule):
+                found.append(f"{section}.{name}")
+    return found
+
+
 def _check_finite(key: str, value: Any) -> None:
     """No setting is NaN or infinite: such a value passes every bound check yet breaks the run much later."""
     items = value if isinstance(value, tuple) else (value,)
@@ -111,7 +122,9 @@ def _check_rule(key: str, value: Any, rule: dict) -> None:
     if "choices" in rule:
         allowed = choices_of(rule)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}")
+            elsewhere = [other for other in _keys_choosing(value) if other != key]
+            hint = f" ({value!r} is a choice of --{elsewhere[0]})" if elsewhere else ""
+            raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, allowed))}{hint}")
     bounds = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
               "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
     items = value if isinstance(value, tuple) else (value,)  # a tuple's bounds hold for each of its values

@@ -231,3 +231,9 @@ def test_new_losses_are_choices_with_help_and_refuse_dual_clip():
         parse_config(["--rl.policy_loss", "gspo", "--rl.dual_clip", "3"])
     with pytest.raises(ValueError, match="dual_clip"):
         _call(cispo_loss, "token-mean", dual_clip=3.0)
+
+
+def test_a_policy_loss_given_as_the_algorithm_names_the_setting_it_belongs_to():
+    hint = r"\('gspo' is a choice of --rl.policy_loss\)$"
+    with pytest.raises(ConfigError, match=r"^rl.algo='gspo': choose one of .*" + hint):
+        parse_config(["--rl.algo", "gspo"])
