@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_rlhf.algos import compute_advantages, gae, value_loss
+from ds_rlhf.algos import compute_advantages, gae, token_rewards_from_scores, value_loss
 
 OBS = 9.0  # what sits at observation positions of the hand table: read by nothing
 
@@ -88,3 +88,12 @@ def test_value_loss_and_its_gradient_do_not_depend_on_observation_positions():
         assert all(torch.equal(g, grads[0]) for g in grads), clip
         if clip is None:  # every generated token's value is trained (clipped: where the clipped term is smaller)
             assert (grads[0][MASK] != 0).all()
+
+
+def test_the_episode_score_and_the_kl_shaping_land_on_generated_tokens_only():
+    # the second row ends on an observation (an episode truncated after a tool result): its score goes to its last
+    # generated token (t=1), where GAE reads it undecayed, not to the observation after it
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    kl = torch.full((2, 7), 0.5, dtype=torch.float64)
+    rewards = token_rewards_from_scores(torch.tensor([2.0, 3.0], dtype=torch.float64), mask, kl=kl, kl_coef=0.2)
+    assert rewards.tolist() == [[-0.1, -0.1, 0.0, 0.0, -0.1, 1.9, 0.0], [-0.1, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0]]
