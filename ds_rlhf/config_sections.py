@@ -365,10 +365,9 @@ class RLConfig:
         if ":" not in self.environment:
             raise ConfigError(f"{key}: give path/to/file.py:Name (an environment class or a list of tool "
                               "functions in that file)")
-        if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("critic"):
-            raise ConfigError(f"{key} with rl.algo={self.algo}: episodes train critic-free estimators only (their "
-                              "observation tokens would sit inside the critic's GAE); use --rl.algo grpo (or rloo, "
-                              "reinforce_pp, dr_grpo)")
+        # Critic estimators (PPO) run too: the critic's GAE and value loss read the action mask, so observation
+        # tokens get no advantage, no value target and no value loss, and the GAE chain links the generated tokens
+        # across each observation (algos/advantages.py).
         if self.dynamic_sampling:
             raise ConfigError(f"{key}: rl.dynamic_sampling is not supported with episodes; set "
                               "--rl.dynamic_sampling false")

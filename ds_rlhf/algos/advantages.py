@@ -52,6 +52,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     ``delta_t = r_t + gamma * V_{t'} - V_t`` (``t'`` = next valid token, ``V = 0`` after the last one),
     ``A_t = delta_t + gamma * lam * A_{t'}``, ``R_t = A_t + V_t`` (the critic's regression target).
     Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16.
+    For a multi-turn episode ``mask`` is its action mask: the steps are its generated tokens only, so the last
+    token before an observation bootstraps from the value of the first generated token after it, gamma and lam
+    apply once per generated token, and the observation tokens' rewards and values are never read.
     """
     adv = _reverse_scan(rewards, values, mask, gamma, lam)
     valid = mask.bool()

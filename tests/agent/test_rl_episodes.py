@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
@@ -197,14 +199,65 @@ def test_sample_log_holds_each_episodes_transcript_with_its_turns(tiny_model_pat
         assert rec["episode_reward"] == rec["reward"] == float(right)
 
 
+def test_ppo_on_episodes_runs_gae_over_the_generated_tokens_and_logs_the_critic(
+        tiny_model_path, tiny_tokenizer, arithmetic_store, dist_single, tmp_path):
+    """PPO (critic, GAE) on scripted two-turn episodes (a calculator call, its result, an answer): observation
+    positions get no value, advantage or return; each row's returns are the textbook GAE over its chain of generated
+    tokens alone; two steps train the critic and log its metrics."""
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
+    args[args.index("--rl.algo") + 1] = "ppo"
+    cfg = parse_config([*args, "--optim.critic_lr", "1e-3"])
+    trainer = RLTrainer(cfg, rollout=engine)
+    assert trainer.parts.critic is not None
+    scored = trainer.parts.reward(trainer.service.batch(0), step=0)
+    traj = make_trajectory(trainer.parts, trainer.ctx, scored, kl_coef=0.0, timer=trainer.timer)
+    assert sorted(traj.scores.tolist()) == [0.0, 0.0, 1.0, 1.0]  # two of the four questions answered right
+    for i in range(len(traj)):
+        p, n = int(traj.prompt_lens[i]), int(traj.seq_lens[i])
+        acting = traj.action_mask[i].bool()
+        observation = ~acting.clone()
+        observation[: p - 1] = False
+        observation[n - 1:] = False
+        assert observation.any() and acting.any()  # each episode: turn, tool result, turn
+        for name in ("values", "advantages", "returns", "token_rewards"):
+            assert (getattr(traj, name)[i][observation] == 0).all(), name
+        # GAE over the chain of generated tokens alone (the observation removed): dense, textbook, in float64
+        values = traj.values[i][acting].double()
+        rewards = traj.token_rewards[i][acting].double()
+        assert rewards[-1] == traj.scores[i] and (rewards[:-1] == 0).all()  # the score on the last generated token
+        expected, next_value, running = [], 0.0, 0.0
+        for t in reversed(range(len(values))):
+            running = float(rewards[t]) + cfg.rl.gamma * next_value - float(values[t]) + \
+                cfg.rl.gamma * cfg.rl.lam * running
+            next_value = float(values[t])
+            expected.append(running + next_value)
+        torch.testing.assert_close(traj.returns[i][acting].double(), torch.tensor(expected[::-1], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-5)
+        assert (traj.values[i][acting] != 0).all()  # the critic's own values, not zeros
+    history = trainer.train()
+    assert len(history) == 2
+    for h in history:
+        for key in ("critic/loss", "critic/value_mean", "critic/explained_var", "critic/vf_clip_frac", "actor/loss"):
+            assert key in h and math.isfinite(float(h[key])), (key, h)
+        assert h["critic/loss"] > 0 and 2 <= h["episode/turns_mean"] <= 3
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "critic/loss" in m] == [1, 2]
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--rl.algo", "ppo"], "episodes train critic-free estimators only"),
     (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
     (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
 ])
 def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", *extra])
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_episodes_parse_with_critic_and_critic_free_estimators(algo):
+    cfg = parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", "--rl.algo", algo])
+    assert cfg.rl.algo == algo and cfg.rl.environment == "env.py:Env"
 
 
 GATED = f"{Path(__file__).parent / 'gated_calculator.py'}:GatedCalculatorEnv"
