@@ -180,6 +180,46 @@ def test_dpo_lora_zero3_trains(tiny_model_path, addition_stores, tmp_path, dist_
     assert rows[-1]["rewards/margin"] != 0.0
 
 
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_dpo_full_model_trains_at_each_zero_stage(stage, tiny_model_path, addition_stores, tmp_path, dist_single):
+    """The whole model trained (no LoRA) at `--zero_stage` 0, 1 and 3, its reference a frozen copy under the same
+    stage: both steps run with a finite loss, step 1's rewards are 0 (policy == reference), the exported policy's
+    weights and response log-probs moved from the starting model's, and the reference's log-probs after training
+    are still the starting model's."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_rlhf.recipes.dpo import pair_spans, response_logps
+
+    out = tmp_path / f"zero{stage}"
+    trainer, _ = _train(_argv(tiny_model_path, addition_stores["preference"], out, "--zero_stage", str(stage),
+                              "--optim.lr", "1e-2", "--optim.batch_size", "8", "--optim.micro_batch_size", "4",
+                              "--run.steps", "2", "--data.eval_fraction", "0.05"))
+    assert trainer.engine.zero_optimization_stage() == stage
+    assert trainer.task.reference.zero_optimization_stage() == stage
+    rows = [r for r in read_metrics(out) if "dpo/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["dpo/loss"]) for r in rows)
+    assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["rewards/rejected"] == pytest.approx(0.0, abs=1e-6)
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(out / "export", torch_dtype=torch.float32).eval()
+    start = initial.state_dict()
+    moved = max(float((p.float() - start[k].float()).abs().max()) for k, p in trained.state_dict().items())
+    assert moved > 1e-3  # two Adam steps at lr 1e-2 move the weights by about 1e-2
+
+    task, ctx = trainer.task, trainer.ctx
+    pairs = trainer.eval_rows[:4]
+    spans = pair_spans(pairs, *task.chat_tokens(ctx))
+    with torch.no_grad():
+        start_logps, _ = response_logps(initial, spans, torch.device("cpu"))
+        trained_logps, _ = response_logps(trained, spans, torch.device("cpu"))
+    ref_c, ref_r = task._reference_logps(ctx, pairs)
+    ref = torch.stack([ref_c, ref_r], dim=1).flatten().float()
+    assert torch.allclose(ref, start_logps.float(), atol=1e-4)
+    assert float((trained_logps - start_logps).abs().max()) > 1e-2
+
+
 def test_train_dpo_command_help_and_a_two_step_run(tiny_model_path, addition_stores, tmp_path):
     """Subprocesses with the environment of a fresh shell (no torch.distributed variables of this process)."""
     help_ = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "train-dpo", "--help"], capture_output=True,
