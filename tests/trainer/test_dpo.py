@@ -1,5 +1,6 @@
 """DPO: each loss variant against hand-computed values; DPO on the addition task's preference pairs raises the eval
-margin and accuracy; LoRA + ZeRO-3, precomputed reference log-probs, resume and the command line."""
+margin and accuracy; the whole model at ZeRO-0, 1 and 3 with its frozen reference, LoRA + ZeRO-3, precomputed
+reference log-probs, resume and the command line."""
 
 from __future__ import annotations
 
