@@ -96,7 +96,17 @@ class RunContext:
             # RL and packed SFT have a variable number of micro-batches per optimizer step: we scale each
             # micro-batch's loss ourselves and call step() at the boundary (DeepSpeed's unmanaged mode).
             resolved["managed_gradient_accumulation"] = False
+        zero = resolved.get("zero_optimization", {})
+        # DeepSpeed's unmanaged mode overlaps the gradient reduction only where gradients are partitioned (ZeRO-2/3):
+        # at ZeRO-0/1 (e.g. --zero_stage 1 over the default zero2.json) overlap_comm is turned off
+        overlap_off = not frozen and zero.get("stage", 0) < 2 and zero.get("overlap_comm") is True
+        if overlap_off:
+            zero["overlap_comm"] = False
         if self.dist.is_main:
+            if overlap_off:
+                print(f"[ds_config] {role}: zero_optimization.overlap_comm=true from {cfg.ds_config} is turned off at "
+                      f"ZeRO stage {zero['stage']} (DeepSpeed overlaps the gradient reduction at stage 2 and 3 only)",
+                      flush=True)
             (self.run_dir / f"ds_config.{role}.json").write_text(json.dumps(resolved, indent=2, sort_keys=True))
             for key, in_file, in_run in OVERRIDES:  # the one precedence rule, said where the user sees it
                 print(f"[ds_config] {role}: {key}={in_file!r} from {cfg.ds_config} overrides the run's {in_run!r} "

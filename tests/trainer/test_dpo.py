@@ -1,5 +1,6 @@
 """DPO: each loss variant against hand-computed values; DPO on the addition task's preference pairs raises the eval
-margin and accuracy; LoRA + ZeRO-3, precomputed reference log-probs, resume and the command line."""
+margin and accuracy; the whole model at ZeRO-0, 1 and 3 with its frozen reference, LoRA + ZeRO-3, precomputed
+reference log-probs, resume and the command line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ds_rlhf.algos.preference import log_ratios, preference_loss
 from ds_rlhf.algos.registry import DPO_LOSSES
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.distributed import clean_dist_env
+from ds_rlhf.recipes.dpo import pair_spans, response_logps
 from ds_rlhf.telemetry.logger import read_metrics
 
 # a fixed table of pairs: policy and reference summed log-probs of chosen / rejected, response lengths
@@ -178,6 +180,45 @@ def test_dpo_lora_zero3_trains(tiny_model_path, addition_stores, tmp_path, dist_
     rows = [r for r in read_metrics(out) if "dpo/loss" in r]
     assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert rows[-1]["rewards/margin"] != 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_dpo_full_model_trains_at_each_zero_stage(stage, tiny_model_path, addition_stores, tmp_path, dist_single):
+    """The whole model trained (no LoRA) at `--zero_stage` 0, 1 and 3, its reference a frozen copy (partitioned at
+    ZeRO-3): both steps run with a finite loss, step 1's rewards are 0 (policy == reference), the exported policy's
+    weights and response log-probs moved from the starting model's, and the reference's log-probs after training
+    are still the starting model's."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / f"zero{stage}"
+    trainer, _ = _train(_argv(tiny_model_path, addition_stores["preference"], out, "--zero_stage", str(stage),
+                              "--optim.lr", "1e-2", "--optim.batch_size", "8", "--optim.micro_batch_size", "4",
+                              "--run.steps", "2", "--data.eval_fraction", "0.05"))
+    assert trainer.engine.zero_optimization_stage() == stage
+    # a frozen copy has no optimizer state to shard: ZeRO-3 partitions its weights, below that it is whole
+    assert trainer.task.reference.zero_optimization_stage() == (3 if stage == 3 else 0)
+    rows = [r for r in read_metrics(out) if "dpo/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["dpo/loss"]) for r in rows)
+    assert rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[0]["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["rewards/rejected"] == pytest.approx(0.0, abs=1e-6)
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(out / "export", torch_dtype=torch.float32).eval()
+    start = initial.state_dict()
+    moved = max(float((p.float() - start[k].float()).abs().max()) for k, p in trained.state_dict().items())
+    assert moved > 1e-3  # two Adam steps at lr 1e-2 move the weights by about 1e-2
+
+    task, ctx = trainer.task, trainer.ctx
+    pairs = trainer.eval_rows[:4]
+    spans = pair_spans(pairs, *task.chat_tokens(ctx))
+    with torch.no_grad():
+        start_logps, _ = response_logps(initial, spans, torch.device("cpu"))
+        trained_logps, _ = response_logps(trained, spans, torch.device("cpu"))
+    ref_c, ref_r = task._reference_logps(ctx, pairs)
+    ref = torch.stack([ref_c, ref_r], dim=1).flatten().float()
+    assert torch.allclose(ref, start_logps.float(), atol=1e-4)
+    assert float((trained_logps - start_logps).abs().max()) > 1e-2
 
 
 def test_train_dpo_command_help_and_a_two_step_run(tiny_model_path, addition_stores, tmp_path):
