@@ -172,3 +172,24 @@ def test_reward_none_trains_on_no_reward_and_still_scores_the_held_out_set(tmp_p
     assert "--rl.reward_fn" not in none
     assert none[none.index("--rl.eval_reward_fn") + 1].endswith("rewards.py:eval_reward")
     assert none[-2:] == ["--rl.teacher", "/t"]
+
+
+@pytest.mark.extended
+def test_tiny_calculator_episodes_on_gsm8k(shared_data, tmp_path):
+    """The calculator tool on real GSM8K questions (the test file re-split): episodes run, are scored by the
+    environment against GSM8K's `#### N` answers, and the JSON records the held-out tool-call rate."""
+    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--task", "gsm8k",
+                          "--gsm8k", str(shared_data / "gsm8k" / "test.jsonl"), "--steps", "1", "--eval-size", "4",
+                          "--environment", CALCULATOR, "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = json.loads((tmp_path / "learn_gsm8k.json").read_text())["modes"]["sync"]
+    assert [p["step"] for p in run["points"]] == [0, 1]
+    assert all(0 <= p["tool_call_rate"] <= 1 and 1 <= p["turns_mean"] <= 2 for p in run["points"])
+    heldout = [json.loads(line) for line in (tmp_path / "work_gsm8k" / "task" / "heldout.jsonl").open()]
+    answers = {json.loads(line)["question"]: json.loads(line)["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+               for line in (shared_data / "gsm8k" / "test.jsonl").open()}
+    assert len(heldout) == 319
+    assert all(answers[row["prompt"].rsplit("\n", 1)[0]] == row["label"] for row in heldout)
+    samples = [json.loads(line) for line in (tmp_path / "work_gsm8k" / "run_sync" / "samples.jsonl").open()]
+    assert samples and all(s["reward"] == s["episode_reward"] for s in samples)
