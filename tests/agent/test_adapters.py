@@ -4,6 +4,7 @@ a scripted policy: observations, rewards and done flags arrive as each framework
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -11,9 +12,11 @@ from scripted_policy import ScriptedPolicy
 
 from ds_rlhf.agent.adapters import load_environment
 from ds_rlhf.agent.episode import EpisodeRunner
-from ds_rlhf.config import ConfigError
+from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
+from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.rollout import SamplingSpec
+from tests.agent.test_rl_episodes import ScriptedAnswers, episode_args
 
 SPEC = SamplingSpec(max_new_tokens=128, temperature=1.0, seed=0)
 
@@ -139,6 +142,26 @@ async def step(observation, action, label, **kwargs):
 '''
 
 
+TRL_CALCULATOR = '''
+class TRLCalculator:
+    def reset(self, **kwargs):
+        self.answer, self.result = int(kwargs["answer"]), None
+
+    def calculator(self, expression: str) -> int:
+        """Evaluate two whole numbers and an operator.
+
+        Args:
+            expression: e.g. 12 * 3
+        """
+        a, op, b = expression.split()
+        self.result = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        return self.result
+
+    def get_reward(self) -> float:
+        return float(self.result == self.answer)
+'''
+
+
 def write(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(textwrap.dedent(text))
@@ -222,3 +245,17 @@ def test_unmappable_shapes_are_refused_in_one_line(tmp_path, module, name, words
     with pytest.raises(ConfigError) as err:
         load_environment(write(tmp_path, "peer.py", module) + f":{name}")
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rl_environment_trains_on_a_trl_environment(tiny_model_path, tiny_tokenizer, arithmetic_store, dist_single,
+                                                    tmp_path):
+    """`--rl.environment file.py:TRLCalculator` in a GRPO step: every episode calls the class's calculator method,
+    then answers; `get_reward` (the tool's result equals the row's answer) is the episode's reward."""
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    args[args.index("--rl.environment") + 1] = write(tmp_path, "trl_calc.py", TRL_CALCULATOR) + ":TRLCalculator"
+    engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    (h,) = RLTrainer(parse_config(args), rollout=engine).train()
+    assert h["episode/turns_mean"] == pytest.approx(2.0) and h["episode/tool_call_rate"] == pytest.approx(0.5)
+    assert h["episode/reward_mean"] == pytest.approx(1.0) == h["reward/mean"] and h["episode/error_frac"] == 0
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "episode/turns_mean" in m] == [1]
