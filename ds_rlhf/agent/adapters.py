@@ -58,6 +58,7 @@ def adapt(obj, spec: str) -> Callable[[], Any] | None:
     if callable(getattr(obj, "execute", None)) and not callable(getattr(obj, "step", None)):
         return _openrlhf_executor(obj, spec, name)
     if _is_openrlhf_instance(obj):
+        _build(obj, spec, name)  # a class that cannot be built with no arguments is an error now
         return lambda: OpenRLHFEnvironment(obj())
     if callable(getattr(obj, "reset", None)) and not callable(getattr(obj, "step", None)):
         tools = [m for m in _public_methods(obj) if m not in _TRL_RESERVED]
@@ -65,7 +66,7 @@ def adapt(obj, spec: str) -> Callable[[], Any] | None:
             raise ConfigError(f"environment {spec!r}: class {name} has reset but no step, no public tool methods and "
                               "no get_reward: give a ds_rlhf environment (reset/step) or a TRL environment (tool "
                               "methods with type hints and docstrings, optional get_reward)")
-        TRLEnvironment(obj())  # one probe instance: a tool without hints or docstring is an error now
+        TRLEnvironment(_build(obj, spec, name))  # a probe: a tool without hints or docstring is an error now
         return lambda: TRLEnvironment(obj())
     return None
 
@@ -84,16 +85,26 @@ def _is_openrlhf_instance(cls) -> bool:
 
 
 def _openrlhf_executor(cls, spec: str, name: str) -> Callable[[], Any]:
-    try:
-        executor = cls()
-    except Exception as exc:  # noqa: BLE001  the user's constructor: its error, on one line
-        raise ConfigError(f"environment {spec!r}: {name}() raised {type(exc).__name__}: {exc}") from None
+    executor = _build(cls, spec, name)
     instance_cls = getattr(executor, "agent_instance_cls", None)
     if not inspect.isclass(instance_cls) or not callable(getattr(instance_cls, "step", None)):
         raise ConfigError(f"environment {spec!r}: {name} has no agent_instance_cls with a step method (an executor "
                           "with its own execute() generates tokens itself, which the episode runner does; give a "
                           "MultiTurnAgentExecutor over an AgentInstance class, or the AgentInstance class)")
+    _build(instance_cls, spec, instance_cls.__name__)
     return lambda: OpenRLHFEnvironment(instance_cls())
+
+
+def _build(cls, spec: str, name: str):
+    """`cls()`, the instance each episode gets; its error (or an `async def __init__`) as one ConfigError line."""
+    if inspect.iscoroutinefunction(cls.__init__):
+        raise ConfigError(f"environment {spec!r}: {name}.__init__ is async def; it is built with no arguments, once "
+                          "per episode, outside an event loop: make __init__ a plain def")
+    try:
+        return cls()
+    except Exception as exc:  # noqa: BLE001  the user's constructor: its error, on one line
+        raise ConfigError(f"environment {spec!r}: {name}() raised {type(exc).__name__}: {exc} (it is built with no "
+                          "arguments, once per episode)") from None
 
 
 def _row_fields(row) -> dict:

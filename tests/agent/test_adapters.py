@@ -238,6 +238,8 @@ def test_openrlhf_step_asking_for_sampling_params_fails_its_episode(tiny_tokeniz
     (OPENRLHF_AGENT, "TokenExecutor", "TokenExecutor has no agent_instance_cls with a step method"),
     ("class Bare:\n    def reset(self, **kw):\n        return None\n", "Bare",
      "class Bare has reset but no step, no public tool methods and no get_reward"),
+    ("class AgentInstance:\n    async def __init__(self):\n        pass\n    async def step(self, states):\n"
+     "        return {}\n", "AgentInstance", "AgentInstance.__init__ is async def"),
     ("class Hintless:\n    def reset(self, **kw):\n        return None\n    def go(self, x):\n        return x\n",
      "Hintless", "tool go: "),
 ])
