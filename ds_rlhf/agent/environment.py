@@ -112,8 +112,8 @@ class ToolEnvironment:
     call is the final answer: done, rewarded by `reward_fn(text, row)` (0 without one).
 
     `sandbox`: run each call in a `Sandbox` process (the functions must be module-level functions of a .py file);
-    None runs them in the runner's worker thread, where an exception becomes the observation but nothing bounds
-    the time a call takes."""
+    None runs them in the runner's worker thread (an `async def` tool in its own event loop), where an exception
+    becomes the observation but nothing bounds the time a call takes."""
 
     def __init__(self, tools: Sequence[Callable], *, reward_fn: Callable[[str, Any], float] | None = None,
                  sandbox: Sandbox | None = None, prompt_key: str = "prompt") -> None:
@@ -161,16 +161,15 @@ class ToolEnvironment:
             result = self.sandbox.call(fn, arguments)
             return result.observation(name), None if result.ok and not result.truncated else result.report(name)
         try:
-            value = fn(**arguments)
+            value = resolve(fn(**arguments))
         except Exception as exc:  # noqa: BLE001  the tool's error is the model's observation
             error = f"{type(exc).__name__}: {exc}"
             return f"[tool {name} failed: {error}]", {"tool": name, "status": "error", "error": error}
         return ("(no output)" if value is None else str(value)), None
 
 
-def load_environment(spec: str) -> Callable[[], Any]:
-    """`path/to/file.py:Name` -> a factory making one environment per episode. `Name`: an environment class
-    (reset/step), or a list or tuple of tool functions (a `ToolEnvironment` over them)."""
+def load_object(spec: str):
+    """The object `Name` of `path/to/file.py:Name` (the file imported through the reward functions' loader)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ConfigError(f"environment {spec!r}: give path/to/file.py:Name (an environment class or a list of "
@@ -180,7 +179,13 @@ def load_environment(spec: str) -> Callable[[], Any]:
     module = _load_module(path)
     if not hasattr(module, name):
         raise ConfigError(f"environment {spec!r}: {path} has no {name!r}")
-    obj = getattr(module, name)
+    return getattr(module, name)
+
+
+def environment_factory(obj, spec: str) -> Callable[[], Any]:
+    """A factory making one environment per episode from `obj`: an environment class (reset/step), or a list or
+    tuple of tool functions (a `ToolEnvironment` over them)."""
+    name = spec.rpartition(":")[2]
     if inspect.isclass(obj):
         missing = [m for m in ("reset", "step") if not callable(getattr(obj, m, None))]
         if missing:
@@ -193,3 +198,10 @@ def load_environment(spec: str) -> Callable[[], Any]:
         return lambda: ToolEnvironment(tools)
     raise ConfigError(f"environment {spec!r}: {name} is a {type(obj).__name__}; give an environment class or a "
                       "list of tool functions")
+
+
+def load_environment(spec: str) -> Callable[[], Any]:
+    """`path/to/file.py:Name` -> a factory making one environment per episode. `Name`: an environment class
+    (reset/step), or a list or tuple of tool functions (a `ToolEnvironment` over them). `adapters.load_environment`
+    (what `--rl.environment` uses) also takes environments written for TRL or OpenRLHF."""
+    return environment_factory(load_object(spec), spec)

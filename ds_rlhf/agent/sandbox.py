@@ -10,12 +10,20 @@ What is enforced, per call (`Sandbox`):
 - output: stdout and stderr (merged) and the returned value are kept up to `max_output_bytes` each; the rest is
   read and dropped, and the observation says how much was cut.
 
-Network: best effort only. With `no_network` (default) the child replaces Python's socket `connect`, `connect_ex`,
-`bind`, `sendto`, `socket.create_connection` and `socket.getaddrinfo` with functions that raise PermissionError,
-and sets `DS_RLHF_SANDBOX_NO_NETWORK=1`. Code that starts another program, loads a C library that opens sockets
-itself, or restores the socket module gets through; run the trainer in a container or network namespace without
-a route out where that matters. The sandbox is not a security boundary against hostile code in general: it is the
-same user on the same filesystem.
+Environment: the process gets a minimal environment, not the trainer's: `PATH`, `LANG`, `HOME` and `TMPDIR` (both
+the call's temporary directory), `PYTHONIOENCODING`, and `DS_RLHF_SANDBOX_NO_NETWORK` (below); no token, key or
+other variable of the parent reaches it. `python -I` ignores `PYTHONPATH` and the user site; the tool's imports
+come from the interpreter's own site-packages and the tool's file.
+
+Network, with `no_network` (default): on Linux, where the kernel lets an unprivileged process create a user
+namespace, the process moves into its own user and network namespace before the tool runs, so neither the tool
+nor any program it starts can reach any address, the host's 127.0.0.1 included (`result.network ==
+"namespace"`); Python's socket `connect`, `connect_ex`, `bind`, `sendto`, `socket.create_connection` and
+`socket.getaddrinfo` also raise PermissionError. Where the kernel refuses (not Linux, user namespaces disabled,
+a container's seccomp policy) only those Python functions are blocked (`result.network == "python"`): code that
+starts another program, calls `_socket` or a C library directly gets through; run the trainer in a container
+without a route out where that matters. `DS_RLHF_SANDBOX_NO_NETWORK` holds the mode in the process. The sandbox is
+not a security boundary against hostile code in general: it is the same user on the same filesystem.
 """
 
 from __future__ import annotations
@@ -37,14 +45,14 @@ from pathlib import Path
 from ds_rlhf.config import ConfigError
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
-NO_NETWORK_ENV = "DS_RLHF_SANDBOX_NO_NETWORK"
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """One call's outcome. `status`: "ok", "error" (the tool raised), "timeout" (killed at the wall timeout),
     "cpu_limit", "memory", "crashed" (the process died without a result). `output`: what it printed (cut at the
-    limit), `value`: what it returned (as text), `dropped_bytes`: printed bytes past the limit."""
+    limit), `value`: what it returned (as text), `dropped_bytes`: printed bytes past the limit. `network`: how the
+    network was cut ("namespace" or "python", module docstring; "" with `no_network=False` or without a result)."""
 
     status: str
     value: str | None
@@ -53,6 +61,7 @@ class SandboxResult:
     seconds: float
     dropped_bytes: int = 0
     returncode: int | None = None
+    network: str = ""
 
     @property
     def ok(self) -> bool:
@@ -110,9 +119,7 @@ class Sandbox:
                    "memory_bytes": self.memory_mb << 20,
                    "file_bytes": max(self.file_mb << 20, 4 * self.max_output_bytes),
                    "max_output_bytes": self.max_output_bytes, "no_network": self.no_network}
-            env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-            if self.no_network:
-                env[NO_NETWORK_ENV] = "1"
+            env = child_environment(work)
             try:
                 blob = json.dumps(job).encode()
             except TypeError as exc:
@@ -147,7 +154,7 @@ class Sandbox:
         value = outcome.get("value")
         if value is not None and "value_chars" in outcome:
             dropped += int(outcome["value_chars"]) - len(value)
-        return SandboxResult(status, value, output, error, seconds, dropped, rc)
+        return SandboxResult(status, value, output, error, seconds, dropped, rc, outcome.get("network", ""))
 
     def _talk(self, proc: subprocess.Popen, blob: bytes, t0: float) -> tuple[bytes, int, bool]:
         """Send the job, read the merged output until the process ends or the wall timeout passes (then kill its
@@ -182,6 +189,12 @@ class Sandbox:
             timed_out = True
         proc.stdout.close()
         return bytes(kept), dropped, timed_out
+
+
+def child_environment(work: str) -> dict[str, str]:
+    """The environment of a sandboxed call's process (module docstring): nothing else of the parent's."""
+    return {"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": work,
+            "TMPDIR": work, "PYTHONIOENCODING": "utf-8"}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_rlhf.agent.environment import load_environment
+from ds_rlhf.agent.adapters import load_environment
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.loader import StoreLoader

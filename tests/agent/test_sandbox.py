@@ -1,8 +1,16 @@
 """The tool sandbox: each call in its own process, cut off at its wall timeout, CPU-time and memory limits, output
-truncated, Python sockets refused; every failure is a result with an observation, never an exception."""
+truncated, a minimal environment, the network cut (a network namespace where the kernel allows it, Python sockets
+refused always); every failure is a result with an observation, never an exception."""
 
 from __future__ import annotations
 
+import http.server
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import agent_helpers as h
@@ -46,6 +54,101 @@ def test_cpu_and_memory_limits():
     assert cpu.status == "cpu_limit" and cpu.seconds < 10, cpu
     mem = Sandbox(memory_mb=512).call(h.eat, {})
     assert mem.status == "memory" and "512 MiB" in mem.observation("eat")
+
+
+NET_TOOLS = '''
+import json
+import os
+import subprocess
+import sys
+
+
+def raw_dial(port: int) -> str:
+    """Connect with the C-level socket, under Python's socket module.
+
+    Args:
+        port: the port on 127.0.0.1
+    """
+    import _socket
+
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+    s.settimeout(3)
+    s.connect(("127.0.0.1", port))
+    return "connected"
+
+
+def child_fetch(port: int) -> str:
+    """Fetch a URL from another Python program.
+
+    Args:
+        port: the port on 127.0.0.1
+    """
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=3).status)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    return f"rc={done.returncode} out={done.stdout.strip()} err={(done.stderr.strip().splitlines() or [''])[-1]}"
+
+
+def environment() -> str:
+    """The process's environment variables."""
+    return json.dumps(dict(os.environ))
+'''
+
+
+@pytest.fixture(scope="module")
+def net_tools(tmp_path_factory):
+    path = tmp_path_factory.mktemp("net_tools") / "net_tools.py"
+    path.write_text(NET_TOOLS)
+    spec = importlib.util.spec_from_file_location("net_tools", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def listener():
+    """An HTTP server on 127.0.0.1 in this process's network namespace: its port."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_child_gets_a_minimal_environment(net_tools, monkeypatch):
+    monkeypatch.setenv("DS_RLHF_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("PYTHONPATH", "/nowhere")
+    result = Sandbox().call(net_tools.environment, {})
+    env = json.loads(result.value)
+    assert "DS_RLHF_TEST_SECRET" not in env and "hunter2" not in result.value and "PYTHONPATH" not in env
+    assert set(env) <= {"PATH", "LANG", "HOME", "TMPDIR", "PYTHONIOENCODING", "DS_RLHF_SANDBOX_NO_NETWORK", "LC_CTYPE"}
+    assert "ds_rlhf_tool_" in env["HOME"] and env["TMPDIR"] == env["HOME"]
+    assert env["DS_RLHF_SANDBOX_NO_NETWORK"] == result.network != ""
+
+
+def namespaces_allowed() -> bool:
+    """Whether a fresh process may unshare(CLONE_NEWUSER | CLONE_NEWNET) here."""
+    code = "import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) != 0)"
+    return sys.platform.startswith("linux") and subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_network_namespace_cuts_raw_sockets_and_other_programs(net_tools, listener):
+    open_raw = Sandbox(no_network=False).call(net_tools.raw_dial, {"port": listener})
+    open_child = Sandbox(no_network=False).call(net_tools.child_fetch, {"port": listener})
+    assert open_raw.value == "connected" and open_child.value.startswith("rc=0 out=200"), (open_raw, open_child)
+    if not namespaces_allowed():
+        pytest.skip("this kernel refuses an unprivileged user + network namespace")
+    raw = Sandbox().call(net_tools.raw_dial, {"port": listener})
+    assert raw.status == "error" and "unreachable" in raw.error.lower(), raw
+    child = Sandbox().call(net_tools.child_fetch, {"port": listener})
+    assert child.ok and child.network == "namespace" and child.value.startswith("rc=1 "), child
+    assert "unreachable" in child.value.lower()
+    ids = Sandbox().run_code("import os; print(os.getuid(), os.getgid())")
+    assert ids.network == "namespace" and ids.output.split() == [str(os.getuid()), str(os.getgid())]
 
 
 def test_python_sockets_are_refused():

@@ -1,6 +1,6 @@
-"""A Python tool: the model's code runs in a `Sandbox` process (CPU, memory, wall-time and output limits, Python
-sockets disabled; see `ds_rlhf/agent/sandbox.py` for exactly what is enforced) and its printed output is the
-observation. `PythonEnv` is a `ToolEnvironment` over it (no reward function: a turn without a call ends the
+"""A Python tool: the model's code runs in a `Sandbox` process (CPU, memory, wall-time and output limits, a minimal
+environment, the network cut; see `ds_rlhf/agent/sandbox.py` for exactly what is enforced) and its printed output
+is the observation. `PythonEnv` is a `ToolEnvironment` over it (no reward function: a turn without a call ends the
 episode with reward 0; subclass it with a `reward_fn` for a task)."""
 
 from __future__ import annotations
