@@ -3,7 +3,7 @@
 An episode holds its token ids from the first prompt on. Each round, every episode waiting for the policy is sent
 in ONE `generate(prompts, spec)` call (any `RolloutEngine.generate`; episodes at different turns share it). The
 generated ids and their log-probs are appended exactly as returned; the decoded turn goes to the environment's
-`step` in a thread pool; its observation turns are rendered by the chat template (`rendering.py`), tokenized and
+`step` in a thread (below); its observation turns are rendered by the chat template (`rendering.py`), tokenized and
 appended after the generated ids. An episode whose step is still running does not hold back the others: a round
 starts as soon as any step has finished, with every episode that is waiting then. With `lockstep=True` a round
 starts when every step in flight has finished instead, its episodes in index order: which episodes share a generate

@@ -126,8 +126,8 @@ class EpisodeRolloutService(RolloutService):
                                max_workers=self.max_workers, lockstep=True, step_timeout=self.step_timeout)
         episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
-            if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on
-                error = next((r["error"] for r in ep.reports if r.get("status") == "error"), "no first message")
+            if ep.prompt_length == 0:  # the environment's reset raised or timed out: there is no prompt to train on
+                error = next((r["error"] for r in ep.reports if r.get("turn") == 0), "no first message")
                 raise RuntimeError(f"rl.environment: the environment could not start an episode for prompt row "
                                    f"{ep.index // n} ({error})")
         return episodes, [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]
