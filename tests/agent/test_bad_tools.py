@@ -18,7 +18,7 @@ from scripted_policy import ScriptedPolicy
 
 from ds_rlhf.agent.environment import ToolEnvironment
 from ds_rlhf.agent.episode import BadToolError, EpisodeRunner
-from ds_rlhf.config import UserInputError, parse_config
+from ds_rlhf.config import Config, ConfigError, UserInputError, help_text, parse_config
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.recipes.rl import RLTrainer
@@ -227,3 +227,12 @@ def test_reports_and_turn_rewards_reach_metrics_and_the_sample_log(tiny_model_pa
         steps = [v for r in recs for v in r["turn_rewards"]]
         assert m["episode/turn_reward_mean"] == pytest.approx(sum(steps) / len(steps) if steps else 0.0)
     assert seen == {"timeout", "error", "done"}
+
+
+def test_the_settings_are_in_help_and_a_wrong_value_is_one_line():
+    text = help_text(Config())
+    assert "--rl.env_step_timeout 60.0" in text and "--rl.on_bad_tool 'zero'" in text
+    with pytest.raises(ConfigError, match="rl.on_bad_tool"):
+        parse_config(["--rl.on_bad_tool", "ignore"])
+    with pytest.raises(ConfigError, match="rl.env_step_timeout"):
+        parse_config(["--rl.env_step_timeout", "-1"])
