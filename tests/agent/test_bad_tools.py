@@ -18,11 +18,12 @@ from scripted_policy import ScriptedPolicy
 
 from ds_rlhf.agent.environment import ToolEnvironment
 from ds_rlhf.agent.episode import BadToolError, EpisodeRunner
+from ds_rlhf.algos.advantages import reinforce_pp_returns
 from ds_rlhf.config import Config, ConfigError, UserInputError, help_text, parse_config
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.recipes.rl import RLTrainer
-from ds_rlhf.recipes.trajectory import RolloutBatch
+from ds_rlhf.recipes.trajectory import RolloutBatch, pad_trajectory, with_advantages
 from ds_rlhf.rollout import SamplingSpec
 from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.telemetry.samples import read_samples
@@ -236,3 +237,25 @@ def test_the_settings_are_in_help_and_a_wrong_value_is_one_line():
         parse_config(["--rl.on_bad_tool", "ignore"])
     with pytest.raises(ConfigError, match="rl.env_step_timeout"):
         parse_config(["--rl.env_step_timeout", "-1"])
+
+
+def test_each_steps_reward_sits_at_its_turns_last_token_and_the_rest_on_the_last():
+    """Response: turn 1 (3 tokens), observation (2), turn 2 (2 tokens); step rewards 0.5 and 1.0, the score 2.0
+    (0.5 more from a reward function): token rewards 0.5 at turn 1's end, 1.5 at the last token; REINFORCE++'s
+    reward-to-go is 2.0 over turn 1 and 1.5 over turn 2. A failed episode's whole score stays on the last token."""
+    rl = parse_config(["--rl.algo", "reinforce_pp"]).rl
+    mask = [1, 1, 1, 0, 0, 1, 1]
+
+    def sample(bad: bool) -> RolloutSample:
+        return RolloutSample(0, 0, [1, 2], list(range(3, 10)), [-0.1] * 7, "stop", loss_mask=mask,
+                             episode={"reward": 1.5, "turns": 2, "tool_turns": 1, "truncated": False,
+                                      "end": "timeout" if bad else "done", "bad": bad, "turn_rewards": [0.5, 1.0],
+                                      "reports": []})
+
+    traj = with_advantages(pad_trajectory([sample(False), sample(True)], [2.0, 2.0], pad_id=0), rl, 0.0)
+    rows = traj.token_rewards[:, 1:]  # response token j is predicted at position prompt_len - 1 + j = 1 + j
+    assert rows[0].tolist() == [0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 1.5]
+    assert rows[1].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0]
+    returns = reinforce_pp_returns(traj.token_rewards, traj.action_mask)[:, 1:]
+    assert returns[0].tolist() == [2.0, 2.0, 2.0, 0.0, 0.0, 1.5, 1.5]
+    assert (traj.token_rewards * traj.action_mask).sum(1).tolist() == [2.0, 2.0]  # sequence estimators: the score
