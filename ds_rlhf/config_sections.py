@@ -295,6 +295,12 @@ class RLConfig:
     max_turns: int = opt(4, ge=1)  # rl.environment: generated turns per episode at most (then it is truncated)
     # 0 = the rollout context (rollout.max_model_len, else data.max_prompt_len + rollout.max_new_tokens)
     episode_max_tokens: int = opt(0, ge=0)  # rl.environment: tokens per episode, prompt and observations included
+    # rl.environment: seconds per environment reset / step call (plain tool functions run inside the step); past it
+    # the episode ends "timeout" and its thread is abandoned (a Python thread cannot be killed: a Sandbox tool can)
+    env_step_timeout: float = opt(60.0, ge=0)  # rl.environment: seconds per reset / step call; 0 = no deadline
+    # rl.environment: an episode whose environment step raised, timed out or returned an oversized observation:
+    # fail = stop the run with its report, zero = train on it with reward 0, drop = leave it out of the step
+    on_bad_tool: str = opt("zero", choices=("fail", "zero", "drop"))  # failed environment step: fail | zero | drop
 
     def check(self, cfg: Config) -> None:
         r = cfg.rollout

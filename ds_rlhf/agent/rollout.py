@@ -12,8 +12,11 @@ group:
   the policy loss, the KL and the entropy read generated tokens only);
 - `finish_reason`: "length" when a budget ended the episode (`rl.max_turns`, `rl.episode_max_tokens`), else
   "stop" (so `rl.overlong_mask` drops truncated episodes' loss weight);
-- `episode`: the environment's reward (the sum of its step rewards) and the episode's turns, tool-calling turns,
-  truncation and end, which the reward stage turns into the sample's reward and the `episode/...` metrics.
+- `episode`: the environment's reward (the sum of its step rewards), each step's reward (`turn_rewards`), the
+  episode's turns, tool-calling turns, truncation and end, whether the environment failed it (`bad`: a step
+  raised, passed `rl.env_step_timeout` or returned an oversized observation) and its `reports`, which the reward
+  stage turns into the sample's reward (`rl.on_bad_tool` for bad ones), the `episode/...` metrics and the sample
+  log's record.
 
 What the environment's `reset(row)` gets (`environment_row`): the store row's columns (`ground_truth`,
 `data_source`, `row_id`, the extra fields kept by data prep) plus `prompt` (the question: the last user message of
@@ -73,19 +76,23 @@ def episode_sample(ep: Episode, prompt_index: int, sample_index: int) -> Rollout
                          response_ids=list(ep.token_ids[p:]), logprobs=list(ep.logprobs[p:]),
                          finish_reason="length" if ep.truncated else "stop", loss_mask=list(ep.loss_mask[p:]),
                          episode={"reward": ep.reward, "turns": ep.turns, "tool_turns": ep.tool_turns,
-                                  "truncated": ep.truncated, "end": ep.end})
+                                  "truncated": ep.truncated, "end": ep.end, "bad": ep.bad,
+                                  "turn_rewards": [float(r) for r in ep.turn_rewards],
+                                  "reports": [dict(r) for r in ep.reports]})
 
 
 class EpisodeRolloutService(RolloutService):
     """`RolloutService` whose `generate` plays episodes (module docstring). `tokenizer`: the run's; `env_factory`:
     `environment.load_environment(...)`'s result; `max_turns` / `max_total_tokens`: each episode's budgets;
-    everything else as `RolloutService`."""
+    `step_timeout`: seconds per environment call (`rl.env_step_timeout`, 0 = none); everything else as
+    `RolloutService`."""
 
     def __init__(self, *args, tokenizer, env_factory: Callable[[], Any], max_turns: int, max_total_tokens: int,
-                 max_workers: int = 8, **kwargs) -> None:
+                 max_workers: int = 8, step_timeout: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
+        self.step_timeout = step_timeout
         self.last_episodes: list[Episode] = []  # the last batch's episodes, prompt-major (for inspection)
         # async mode: the thread playing the next batch while the trainer trains (module docstring)
         self.background = self.asynchronous and (getattr(self.engine, "backend", "?") == "hf"
@@ -116,11 +123,11 @@ class EpisodeRolloutService(RolloutService):
         n = spec.n
         runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
                                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
-                               max_workers=self.max_workers, lockstep=True)
+                               max_workers=self.max_workers, lockstep=True, step_timeout=self.step_timeout)
         episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
-            if ep.prompt_length == 0:  # the environment's reset raised: there is no prompt to train on
-                error = next((r["error"] for r in ep.reports if r.get("status") == "error"), "no first message")
+            if ep.prompt_length == 0:  # the environment's reset raised or timed out: there is no prompt to train on
+                error = next((r["error"] for r in ep.reports if r.get("turn") == 0), "no first message")
                 raise RuntimeError(f"rl.environment: the environment could not start an episode for prompt row "
                                    f"{ep.index // n} ({error})")
         return episodes, [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]

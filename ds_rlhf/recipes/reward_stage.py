@@ -1,10 +1,12 @@
 """The reward stage of an RL step: RolloutBatch -> ScoredBatch.
 
 Scores rollout samples with the reward model or the reward function(s), applies the bad-reward policy (fail /
-zero / drop, see `rewards.py`), computes the reward metrics, then shapes the scores (DAPO's soft overlong penalty,
-`rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their spread; the
-`reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It builds
-nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and handed in.
+zero / drop, see `rewards.py`) and, to multi-turn episodes the environment failed, the bad-tool policy
+(`rl.on_bad_tool`: fail / zero / drop), computes the reward metrics, then shapes the scores (DAPO's soft overlong
+penalty, `rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their
+spread; the `reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It
+builds nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and
+handed in.
 
 The reward model reads each prompt + response at its score token, by the rule RM training read its pairs with
 (`engines/rm_scoring.py`, from the run's tokenizer): a response stopped at the end-of-turn token is scored there, a
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from ds_rlhf.agent.episode import BadToolError
 from ds_rlhf.algos.shaping import group_spread, overlong_penalty
 from ds_rlhf.data.convert import row_prompt_messages
 from ds_rlhf.distributed import agree_max
@@ -93,19 +96,43 @@ def reward_items(samples: list[RolloutSample], rows: list[dict], texts: list[str
     return items
 
 
+TOOL_FAILURES = ("error", "timeout", "cpu_limit", "memory", "crashed")  # report statuses of a failed call or step
+
+
 def episode_stats(samples: list[RolloutSample]) -> dict:
     """`episode/...` metrics of the samples that are multi-turn episodes (`RolloutSample.episode`): generated turns
     per episode, the share of turns that called a tool, the share a budget truncated, the environment's mean
-    reward, and the share that ended on an error (an environment or reset that raised). Empty for none."""
+    reward and mean per-step reward (`turn_reward_mean`, over every environment step that returned), the share
+    that ended on an error (an environment or reset that raised), the share the environment failed (`bad_frac`:
+    raised, passed `rl.env_step_timeout` or returned an oversized observation: what `rl.on_bad_tool` applies to),
+    and the shares with at least one report of a failed tool call or step (`tool_error_frac`: raised, crashed, or
+    a sandbox limit or deadline) and of a timeout (`tool_timeout_frac`: the sandbox's or `rl.env_step_timeout`).
+    Empty for none."""
     eps = [s.episode for s in samples if s.episode is not None]
     if not eps:
         return {}
     turns = sum(e["turns"] for e in eps)
+    steps = [r for e in eps for r in e.get("turn_rewards", [])]
+
+    def share(test) -> float:
+        return sum(bool(test(e)) for e in eps) / len(eps)
+
     return {"episode/turns_mean": turns / len(eps),
             "episode/tool_call_rate": sum(e["tool_turns"] for e in eps) / max(turns, 1),
-            "episode/truncated_frac": sum(bool(e["truncated"]) for e in eps) / len(eps),
+            "episode/truncated_frac": share(lambda e: e["truncated"]),
             "episode/reward_mean": sum(e["reward"] for e in eps) / len(eps),
-            "episode/error_frac": sum(e["end"] == "error" for e in eps) / len(eps)}
+            "episode/turn_reward_mean": sum(steps) / len(steps) if steps else 0.0,
+            "episode/error_frac": share(lambda e: e["end"] == "error"),
+            "episode/bad_frac": share(lambda e: e.get("bad")),
+            "episode/tool_error_frac": share(lambda e: any(r.get("status") in TOOL_FAILURES
+                                                           for r in e.get("reports", []))),
+            "episode/tool_timeout_frac": share(lambda e: any(r.get("status") == "timeout"
+                                                             for r in e.get("reports", [])))}
+
+
+def bad_episode(sample: RolloutSample) -> bool:
+    """The sample is an episode its environment failed (`Episode.bad`)."""
+    return sample.episode is not None and bool(sample.episode.get("bad"))
 
 
 class RewardStage:
@@ -114,7 +141,8 @@ class RewardStage:
 
     A multi-turn episode (`rl.environment`) brings its environment's reward (`RolloutSample.episode["reward"]`):
     it is the sample's reward, with the reward functions' and the reward model's scores added when those are set
-    too."""
+    too. An episode the environment failed (`bad_episode`) is handled by `rl.on_bad_tool`: `fail` stops the run
+    with its report, `zero` scores it 0 (every part of its reward), `drop` leaves it out of the step."""
 
     def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
         if fn is None and model is None and not ctx.cfg.rl.teacher and not ctx.cfg.rl.environment:
@@ -135,6 +163,7 @@ class RewardStage:
             report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
             scores, keep, bad, components = list(report.scores), report.keep, report.bad, report.components
         scores, model_scores = self.combined(samples, scores if report is not None else None)
+        keep = self._bad_tool_policy(samples, rows, keep)
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
@@ -174,7 +203,33 @@ class RewardStage:
             scores = [v + weight * m for v, m in zip(scores, model_scores)]
         if any(s.episode is not None for s in samples):  # the environment's reward, plus the above when set
             scores = [v + (s.episode["reward"] if s.episode is not None else 0.0) for v, s in zip(scores, samples)]
+            scores = [0.0 if bad_episode(s) else v for v, s in zip(scores, samples)]  # rl.on_bad_tool zero / drop
         return scores, model_scores
+
+    def _bad_tool_policy(self, samples: list[RolloutSample], rows: list[dict], keep: list[bool]) -> list[bool]:
+        """`rl.on_bad_tool` on the episodes the environment failed: `fail` raises `BadToolError` with the first
+        one's report, `drop` takes them out of `keep` (every sample bad: stop, nothing to train on), `zero` keeps
+        them (`combined` scored them 0)."""
+        bad = [i for i, s in enumerate(samples) if bad_episode(s)]
+        if not bad:
+            return keep
+        policy = self.ctx.cfg.rl.on_bad_tool
+        s = samples[bad[0]]
+        reports = [r for r in s.episode.get("reports", []) if r.get("status") in (*TOOL_FAILURES, "oversized")]
+        why = (f"episode {s.sample_index} of prompt row {rows[s.prompt_index].get('row_id')} ended "
+               f"'{s.episode['end']}'" + (f" ({reports[-1].get('error')})" if reports else ""))
+        if policy == "fail":
+            raise BadToolError(f"rl.environment={self.ctx.cfg.rl.environment}: {why}; {len(bad)} such episode(s) "
+                               "this step (rl.on_bad_tool fail): fix the environment, raise --rl.env_step_timeout, "
+                               "or set --rl.on_bad_tool zero or drop")
+        print(f"[episode] {len(bad)} episode(s) failed by the environment, e.g. {why} (rl.on_bad_tool {policy})")
+        if policy == "drop":
+            keep = [k and i not in bad for i, k in enumerate(keep)]
+            if not any(keep):
+                raise BadToolError(f"rl.environment={self.ctx.cfg.rl.environment}: every episode of this step "
+                                   f"failed in the environment, e.g. {why}: nothing to train on (rl.on_bad_tool "
+                                   "drop); fix the environment or raise --rl.env_step_timeout")
+        return keep
 
     def _shape(self, samples, raw: list[float]) -> tuple[list[float], dict]:
         """The shaped scores (raw + DAPO's soft overlong penalty, `rl.overlong_buffer`) and their metrics. The raw

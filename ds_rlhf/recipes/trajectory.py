@@ -56,6 +56,7 @@ class Trajectory:
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    step_rewards: torch.Tensor | None = None  # [B, L-1] float, episodes' per-step rewards at their turns' ends
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     weights_version: int = 0
@@ -104,6 +105,10 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     A sample with a `loss_mask` (a multi-turn episode) acts on its generated tokens only: its observation tokens'
     `action_mask` entries are 0, so the policy loss, the KL and the entropy never read them.
 
+    An episode's per-step rewards (`episode["turn_rewards"]`, one per environment step that returned) go into
+    `step_rewards` at the position predicting the last token of the turn that step answered (`turn_reward_positions`);
+    the score keeps the whole reward, and `shaped_token_rewards` puts only the rest of it on the last token.
+
     `mask_truncated` (DAPO's overlong filtering, `rl.overlong_mask`): a response that hit the generation budget
     (`finish_reason == "length"`) gets an all-zero `action_mask` row, so it carries no loss weight (nor counts
     in token-mean's denominator); its score still enters its group's baseline (`with_advantages`)."""
@@ -141,21 +146,52 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
                                      dtype=np.int64, count=int(r_lens.sum())) > 0
     if mask_truncated:
         acting &= ~truncated_rows([s.finish_reason for s in samples]).numpy()[:, None]
+    step_rewards = None
+    placed = [turn_reward_positions(s) for s in samples]
+    if any(placed):
+        step_rewards = np.zeros((batch, width - 1), dtype=np.float32)
+        for row, pairs in enumerate(placed):
+            for at, reward in pairs:
+                step_rewards[row, p_lens[row] - 1 + at] += reward
+        step_rewards = torch.from_numpy(step_rewards)
     return Trajectory(
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(filled.astype(np.int64)),
         action_mask=torch.from_numpy(acting.astype(np.float32)), rollout_logp=torch.from_numpy(rollout_logp),
         scores=torch.tensor(scores, dtype=torch.float32), prompt_lens=torch.from_numpy(p_lens),
         response_lens=torch.from_numpy(r_lens),
         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long), weights_version=weights_version,
+        step_rewards=step_rewards,
     ).to(device)
 
 
+def turn_reward_positions(sample: RolloutSample) -> list[tuple[int, float]]:
+    """(response index, reward) of each nonzero per-step reward of an episode: step k's reward at the last token of
+    generated turn k (the k-th run of loss mask 1). Empty for a single turn, an episode the environment failed
+    (`episode["bad"]`: `rl.on_bad_tool` scored or dropped it whole) or one whose turns do not match its steps."""
+    episode = sample.episode
+    if episode is None or episode.get("bad") or not episode.get("turn_rewards") or sample.loss_mask is None:
+        return []
+    mask = list(sample.loss_mask)
+    ends = [j for j in range(len(mask)) if mask[j] and (j + 1 == len(mask) or not mask[j + 1])]
+    rewards = episode["turn_rewards"]
+    if len(ends) < len(rewards):
+        return []
+    return [(at, float(r)) for at, r in zip(ends, rewards) if r != 0]
+
+
 def shaped_token_rewards(traj: Trajectory, rl: RLConfig, kl_coef: float) -> torch.Tensor:
-    """Sequence score on the last response token, minus the per-token KL penalty when KL is in the reward."""
+    """Sequence score on the last response token, minus the per-token KL penalty when KL is in the reward. An
+    episode's per-step rewards (`step_rewards`) sit at their turns' last tokens and the rest of its score on the
+    last token, so a row's token rewards still sum to its score (sequence-level estimators see no difference;
+    per-token ones, e.g. REINFORCE++'s reward-to-go, credit each step's reward to the turns up to it only)."""
     kl = None
     if rl.kl_in == "reward" and kl_coef > 0 and traj.ref_logp is not None:
         kl = kl_penalty(traj.behaviour_logp(), traj.ref_logp, rl.kl_estimator)
-    return token_rewards_from_scores(traj.scores, traj.action_mask, kl=kl, kl_coef=kl_coef)
+    if traj.step_rewards is None:
+        return token_rewards_from_scores(traj.scores, traj.action_mask, kl=kl, kl_coef=kl_coef)
+    steps = traj.step_rewards * traj.action_mask
+    rest = traj.scores.to(steps.dtype) - steps.sum(1)
+    return token_rewards_from_scores(rest, traj.action_mask, kl=kl, kl_coef=kl_coef) + steps
 
 
 def with_advantages(traj: Trajectory, rl: RLConfig, kl_coef: float) -> Trajectory:

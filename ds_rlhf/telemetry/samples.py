@@ -25,7 +25,10 @@ of `{"role": "assistant" | "tool", "text": ...}`, one per run of generated (loss
 (loss mask 0: tool) tokens, each decoded from its token ids with special tokens kept, so the texts joined are the
 response exactly as the model read and wrote it (a tool turn holds the chat template's framing around the tool's
 result); `tool_calls` (turns that called a tool), `truncated` (a budget ended the episode), `episode_end`
-(`done`, `max_turns`, `max_total_tokens` or `error`) and `episode_reward` (the environment's reward).
+(`done`, `max_turns`, `max_total_tokens`, or `error` / `timeout` / `oversized` when the environment failed it),
+`episode_reward` (the environment's reward, the sum of `turn_rewards`: each environment step's reward, in order)
+and `episode_reports` (what went wrong: tool errors and timeouts, truncated output, malformed calls, an
+environment that raised, hung or flooded; one dict each with its turn and status).
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ def episode_fields(response_ids, loss_mask, episode: dict, tokenizer) -> dict:
     `RolloutSample.episode` record."""
     return {"turns": episode_transcript(response_ids, loss_mask, tokenizer), "tool_calls": int(episode["tool_turns"]),
             "truncated": bool(episode["truncated"]), "episode_end": episode["end"],
-            "episode_reward": float(episode["reward"])}
+            "episode_reward": float(episode["reward"]),
+            "turn_rewards": [float(r) for r in episode.get("turn_rewards", [])],
+            "episode_reports": list(episode.get("reports", []))}
 
 
 def markdown_table(step: int, records: list[dict], max_chars: int = 2000) -> str:
