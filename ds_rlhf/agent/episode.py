@@ -21,7 +21,8 @@ its plain tool functions inside it) runs in a worker thread of its own with a de
 (0 = none), counted from when the call starts. A call past it ends its episode ("timeout", with a report) and the
 runner goes on without it: a Python thread cannot be killed, so the hung thread is abandoned (a daemon thread,
 it stops counting against `max_workers` at the deadline and does not keep the process alive at exit) and whatever
-it returns later is ignored. A tool that must be stopped runs in a `Sandbox` process, which is killed at its own timeout.
+it returns later is ignored. A tool that must be stopped runs in a `Sandbox` process, which is killed at its own
+timeout.
 An observation turn larger than `max_observation_bytes` (UTF-8) is not tokenized or appended: the episode ends
 ("oversized", with a report). A step that raises ends its episode ("error"). `BAD_ENDS` are these three ends;
 the RL loop applies `rl.on_bad_tool` to such episodes.
