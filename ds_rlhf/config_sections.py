@@ -301,6 +301,11 @@ class RLConfig:
     # rl.environment: an episode whose environment step raised, timed out or returned an oversized observation:
     # fail = stop the run with its report, zero = train on it with reward 0, drop = leave it out of the step
     on_bad_tool: str = opt("zero", choices=("fail", "zero", "drop"))  # failed environment step: fail | zero | drop
+    # rl.environment: lockstep = a round of generation starts when every environment step in flight has ended (a
+    # step's episodes follow from the seed, weights and rows: exact resume); continuous = as soon as any has ended,
+    # with every episode then waiting (a slow tool holds back only its own episode; which episodes share a generate
+    # call then depends on the tools' timing, so a resumed run regenerates its batch, not bit for bit)
+    episode_rounds: str = opt("lockstep", choices=("lockstep", "continuous"))
 
     def check(self, cfg: Config) -> None:
         r = cfg.rollout

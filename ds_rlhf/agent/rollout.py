@@ -25,9 +25,11 @@ with `--no-apply_chat_template`) and `answer` (the ground truth), unless the ext
 
 Held-out evaluation plays its episodes through `play(rows, spec)`, the same runner on the same engine.
 
-The runner plays in lockstep rounds (`EpisodeRunner(lockstep=True)`): a batch's episodes follow from the step's
-seed, the weights and the rows, not from how long the environment's steps took, so a resumed run plays exactly the
-episodes an uninterrupted one would.
+The runner plays in lockstep rounds by default (`rl.episode_rounds lockstep`, `EpisodeRunner(lockstep=True)`): a
+batch's episodes follow from the step's seed, the weights and the rows, not from how long the environment's steps
+took, so a resumed run plays exactly the episodes an uninterrupted one would. `rl.episode_rounds continuous` starts
+a round as soon as any step has ended (no barrier per turn: a slow tool holds back only its own episode), at the
+price of that reproducibility.
 
 Synchronous mode: the episodes are played in `generate` itself (`Pending.done`), in the step that trains on them.
 Asynchronous mode (`rollout.async_generation`, one step off-policy as for single turns): `generate` hands the
@@ -84,15 +86,15 @@ def episode_sample(ep: Episode, prompt_index: int, sample_index: int) -> Rollout
 class EpisodeRolloutService(RolloutService):
     """`RolloutService` whose `generate` plays episodes (module docstring). `tokenizer`: the run's; `env_factory`:
     `environment.load_environment(...)`'s result; `max_turns` / `max_total_tokens`: each episode's budgets;
-    `step_timeout`: seconds per environment call (`rl.env_step_timeout`, 0 = none); everything else as
-    `RolloutService`."""
+    `step_timeout`: seconds per environment call (`rl.env_step_timeout`, 0 = none); `lockstep`: the runner's rounds
+    (`rl.episode_rounds`: True = lockstep, False = continuous); everything else as `RolloutService`."""
 
     def __init__(self, *args, tokenizer, env_factory: Callable[[], Any], max_turns: int, max_total_tokens: int,
-                 max_workers: int = 8, step_timeout: float = 0.0, **kwargs) -> None:
+                 max_workers: int = 8, step_timeout: float = 0.0, lockstep: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.max_turns, self.max_total_tokens, self.max_workers = max_turns, max_total_tokens, max_workers
-        self.step_timeout = step_timeout
+        self.step_timeout, self.lockstep = step_timeout, lockstep
         self.last_episodes: list[Episode] = []  # the last batch's episodes, prompt-major (for inspection)
         # async mode: the thread playing the next batch while the trainer trains (module docstring)
         self.background = self.asynchronous and (getattr(self.engine, "backend", "?") == "hf"
@@ -123,7 +125,7 @@ class EpisodeRolloutService(RolloutService):
         n = spec.n
         runner = EpisodeRunner(self.engine.generate, self.tokenizer, self.env_factory, dataclasses.replace(spec, n=1),
                                max_turns=self.max_turns, max_total_tokens=self.max_total_tokens,
-                               max_workers=self.max_workers, lockstep=True, step_timeout=self.step_timeout)
+                               max_workers=self.max_workers, lockstep=self.lockstep, step_timeout=self.step_timeout)
         episodes = runner.run([r for r in (environment_row(row) for row in rows) for _ in range(n)])
         for ep in episodes:
             if ep.prompt_length == 0:  # the environment's reset raised or timed out: there is no prompt to train on

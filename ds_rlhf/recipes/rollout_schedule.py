@@ -89,6 +89,7 @@ def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> Rollo
     if parts.environment is not None:  # rl.environment: the batch is multi-turn episodes
         return EpisodeRolloutService(*args, tokenizer=ctx.tokenizer, env_factory=parts.environment,
                                      max_turns=rl.max_turns, step_timeout=rl.env_step_timeout,
+                                     lockstep=rl.episode_rounds == "lockstep",
                                      max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
     return RolloutService(*args, **kwargs)
 

@@ -296,3 +296,50 @@ def test_async_episodes_are_played_while_the_step_before_trains(tiny_model_path,
     assert all(s.episode["turns"] >= 2 for s in second.samples)
     assert [len(ep.token_ids) for ep in service.last_episodes] == [
         len(s.prompt_ids) + len(s.response_ids) for s in second.samples]
+
+
+SLOW_FIRST = '''
+import time
+from ds_rlhf.agent.examples.calculator import CalculatorEnv
+
+class SlowFirst(CalculatorEnv):
+    """The calculator; the first episode built in this process takes 1.5 s over its first step."""
+    built = 0
+
+    def __init__(self):
+        super().__init__()
+        SlowFirst.built += 1
+        self.slow = SlowFirst.built == 1
+
+    def step(self, action_text):
+        if self.slow:
+            self.slow = False
+            time.sleep(1.5)
+        return super().step(action_text)
+'''
+
+
+@pytest.mark.parametrize("rounds", ["lockstep", "continuous"])
+def test_episode_rounds_continuous_does_not_wait_for_a_slow_step(rounds, tiny_model_path, tiny_tokenizer,
+                                                                 arithmetic_store, dist_single, tmp_path):
+    env_file = tmp_path / "slow_first.py"
+    env_file.write_text(SLOW_FIRST)
+
+    class Recording(FirstTurnCalls):
+        sizes: list[int] = []
+
+        def generate(self, prompts, spec):
+            self.sizes.append(len(prompts))
+            return super().generate(prompts, spec)
+
+    engine = Recording(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
+    argv = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    argv[argv.index("--rl.environment") + 1] = f"{env_file}:SlowFirst"
+    history = RLTrainer(parse_config([*argv, "--rl.episode_rounds", rounds]), rollout=engine).train()
+    assert len(history) == 1 and history[0]["episode/error_frac"] == 0
+    # four episodes open with a calculator call; the slow one's step still runs when the fast ones' steps are done
+    assert engine.sizes[0] == 4, engine.sizes
+    if rounds == "lockstep":  # the second round waits for every step: all four episodes, in one call
+        assert engine.sizes[1] == 4, engine.sizes
+    else:  # the fast episodes go on without the slow one, which is generated for in a later call
+        assert engine.sizes[1] < 4 and len(engine.sizes) >= 3, engine.sizes
