@@ -128,7 +128,8 @@ def test_the_calculator_environment_scores_the_tasks_answer_format():
     assert final_number_reward("The answer is 7", {"answer": "7"}) == 1.0 > rewards.correct(None, "The answer is 7", 7)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # CI runs the episodes in the RL loop (tests/agent/test_rl_episodes.py) and the bench's
+@pytest.mark.slow  # single-turn tiny run; this one (about a minute) runs with `make test-all`
 def test_tiny_calculator_episodes_run_writes_tool_calls_to_json_and_png(tmp_path):
     out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--steps", "1",
                           "--eval-size", "4", "--environment", CALCULATOR, "--out", str(tmp_path)],
