@@ -39,8 +39,9 @@ Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wr
 Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL; the placement is two
 sidecar vLLM engines and micro-batches of up to 49152 tokens on a GPU, the in-process engine on a CPU. Per step the
 JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations
-spent after half of the samples had finished (waiting for the longest ones). `--cfg key=value` passes any trainer
-setting.
+spent after half of the samples had finished (waiting for the longest ones), and per mode the GPU's mean
+utilisation and peak used memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a CPU).
+`--cfg key=value` passes any trainer setting.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_timeline import Sampler
+from gpu_timeline import summarize as summarize_gpu
 from learn_tasks.tasks import INSTRUCTION, write_arithmetic, write_gsm8k
 
 from ds_rlhf.engines.model_source import resolve_model_source
@@ -321,16 +324,31 @@ def main(argv=None) -> int:
         run_dir = work / f"run_{mode}"
         print(f"learn: {args.task}, {mode}: {args.steps} steps, eval every {args.eval_every} ...", flush=True)
         t0 = time.perf_counter()
-        ds_rlhf("train-ppo", *trainer_args(args, model, stores, run_dir, mode, gpu), log=work / f"train_{mode}.log",
-                minutes=args.minutes)
-        result["modes"][mode] = curve(read_metrics(run_dir))
+        with Sampler(0.5) as sampler:
+            ds_rlhf("train-ppo", *trainer_args(args, model, stores, run_dir, mode, gpu),
+                    log=work / f"train_{mode}.log", minutes=args.minutes)
+        metrics = read_metrics(run_dir)
+        result["modes"][mode] = curve(metrics)
+        result["modes"][mode]["gpu"] = gpu_use(sampler.samples, sampler.source, metrics)
         result["modes"][mode]["summary"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        result["modes"][mode]["summary"]["gpu_util_mean"] = result["modes"][mode]["gpu"]["gpu_util_mean"]
         print(f"learn: {mode}: {json.dumps(result['modes'][mode]['summary'])}", flush=True)
     out_json = args.out / f"learn_{args.task}.json"
     out_json.write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"learn_{args.task}.png")
     print(f"learn: wrote {out_json} and {out_json.with_suffix('.png')}")
     return 0
+
+
+def gpu_use(samples: list, source: str | None, metrics: list[dict]) -> dict:
+    """The GPU's utilisation (mean %) and used memory (max GiB, whole device) from the NVML samples (time, %, GiB)
+    taken while the trainer ran, over its training steps: from the end of step 1 to the end of the last step
+    (the metrics' `time`; evaluations inside that window included). Empty without a GPU."""
+    ends = [m["time"] for m in metrics if m.get("step", 0) >= 1 and "time" in m]
+    window = (min(ends), max(ends)) if ends else (0.0, 0.0)
+    out = summarize_gpu(samples, [], window)
+    return {"source": source, "window": list(window), "gpu_util_mean": out["gpu_util_mean"],
+            "gpu_mem_max_gib": out["gpu_mem_max_gib"], "samples": out["samples"]}
 
 
 def _device_name(gpu: bool) -> str:

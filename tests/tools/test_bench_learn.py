@@ -111,6 +111,7 @@ def test_tiny_learning_run_writes_json_and_png(tmp_path):
         assert 0 < points[1]["generated_tokens"] < points[2]["generated_tokens"]
         assert all(0 <= p["exact_match"] <= p["exact_match_lenient"] <= 1 and 0 <= p["format"] <= 1 for p in points)
         assert [x["step"] for x in run["lengths"]] == [1, 2] and run["summary"]["steps"] == 2
+        assert set(run["gpu"]) == {"source", "window", "gpu_util_mean", "gpu_mem_max_gib", "samples"}
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exact_match_end" in out.stdout  # the table of the summaries
 
@@ -194,3 +195,16 @@ def test_tiny_calculator_episodes_on_gsm8k(shared_data, tmp_path):
     assert all(answers[row["prompt"].rsplit("\n", 1)[0]] == row["label"] for row in heldout)
     samples = [json.loads(line) for line in (tmp_path / "work_gsm8k" / "run_sync" / "samples.jsonl").open()]
     assert samples and all(s["reward"] == s["episode_reward"] for s in samples)
+
+
+def test_gpu_use_averages_the_samples_taken_over_the_training_steps(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    metrics = [{"step": 0, "time": 100.0, "eval/pass@1": 0.0}, {"step": 1, "time": 110.0}, {"step": 2, "time": 120.0}]
+    samples = [(105.0, 0.0, 5.0), (110.0, 40.0, 30.0), (115.0, 60.0, 35.0), (120.0, 80.0, 33.0), (125.0, 0.0, 50.0)]
+    out = learn.gpu_use(samples, "nvml", metrics)  # the engine start-up (105) and the exit (125) are left out
+    assert out == {"source": "nvml", "window": [110.0, 120.0], "gpu_util_mean": 60.0, "gpu_mem_max_gib": 35.0,
+                   "samples": 3}
+    assert learn.gpu_use([], None, metrics)["gpu_util_mean"] is None
