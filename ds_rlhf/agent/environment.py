@@ -60,23 +60,44 @@ class StepResult:
         return "\n".join(m["content"] for m in self.messages)
 
 
-def resolve(value):
-    """The value of a sync or `async def` method's result (run in the calling thread's own event loop)."""
-    return asyncio.run(value) if inspect.isawaitable(value) else value
+class StepTimeout(TimeoutError):
+    """An environment call that passed its deadline: an `async def` one cancelled (`resolve`), a sync one abandoned
+    in its thread (`episode.py`)."""
 
 
-def run_reset(env, row) -> str:
-    first = resolve(env.reset(row))
+def resolve(value, timeout: float = 0.0):
+    """The value of a sync or `async def` method's result (run in the calling thread's own event loop). With
+    `timeout` > 0 a coroutine still running after that many seconds is cancelled (its `finally` blocks and
+    context managers run) and `StepTimeout` is raised: an `async def` step past its deadline ends, where a sync
+    one can only be abandoned. A `TimeoutError` of the coroutine's own passes through as it is."""
+    if not inspect.isawaitable(value):
+        return value
+    return asyncio.run(_within(value, timeout) if timeout > 0 else value)
+
+
+async def _within(awaitable, timeout: float):
+    scope = asyncio.timeout(timeout)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise StepTimeout(f"no result within {timeout:g} s (the coroutine was cancelled)") from None
+        raise
+
+
+def run_reset(env, row, timeout: float = 0.0) -> str:
+    first = resolve(env.reset(row), timeout)
     if not isinstance(first, str):
         raise TypeError(f"{type(env).__name__}.reset must return the first user message (str), "
                         f"got {type(first).__name__}")
     return first
 
 
-def run_step(env, action_text: str) -> StepResult:
+def run_step(env, action_text: str, timeout: float = 0.0) -> StepResult:
     """`env.step(action_text)` as a StepResult: a `ToolEnvironment`'s own, or a plain environment's
-    (observation, reward, done) checked and turned into a user turn."""
-    out = resolve(env.step(action_text))
+    (observation, reward, done) checked and turned into a user turn. `timeout`: as `resolve`'s."""
+    out = resolve(env.step(action_text), timeout)
     if isinstance(out, StepResult):
         return out
     if not (isinstance(out, tuple) and len(out) == 3):

@@ -21,8 +21,9 @@ its plain tool functions inside it) runs in a worker thread of its own with a de
 (0 = none), counted from when the call starts. A call past it ends its episode ("timeout", with a report) and the
 runner goes on without it: a Python thread cannot be killed, so the hung thread is abandoned (a daemon thread,
 it stops counting against `max_workers` at the deadline and does not keep the process alive at exit) and whatever
-it returns later is ignored. A tool that must be stopped runs in a `Sandbox` process, which is killed at its own
-timeout.
+it returns later is ignored. An `async def` reset or step is cancelled at the deadline instead (its `finally`
+blocks run and its thread ends). A tool that must be stopped runs in a `Sandbox` process, which is killed at its
+own timeout.
 An observation turn larger than `max_observation_bytes` (UTF-8) is not tokenized or appended: the episode ends
 ("oversized", with a report). A step that raises ends its episode ("error"). `BAD_ENDS` are these three ends;
 the RL loop applies `rl.on_bad_tool` to such episodes.
@@ -42,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_rlhf.agent.environment import StepResult, run_reset, run_step
+from ds_rlhf.agent.environment import StepResult, StepTimeout, run_reset, run_step
 from ds_rlhf.agent.rendering import ChatRenderer
 from ds_rlhf.agent.sandbox import Sandbox
 from ds_rlhf.config import ConfigError, UserInputError
@@ -128,7 +129,7 @@ class EpisodeRunner:
         tools = self.tools if self.tools is not None else getattr(envs[0], "specs", None) if envs else None
         renderer = ChatRenderer(self.tokenizer, system_prompt=self.system_prompt, tools=tools)
         calls = _Calls(self.max_workers, self.step_timeout)
-        resets = [calls.submit(_safe_reset, env, row) for env, row in zip(envs, rows)]
+        resets = [calls.submit(_safe_reset, env, row, self.step_timeout) for env, row in zip(envs, rows)]
         calls.wait(resets, every=True)
         waiting = []
         for ep, future in zip(episodes, resets):
@@ -148,7 +149,7 @@ class EpisodeRunner:
             if waiting:
                 for ep, sample in zip(waiting, self._generate(waiting, rounds)):
                     if self._take_turn(ep, sample):
-                        stepping[calls.submit(_safe_step, envs[ep.index], ep.actions[-1])] = ep
+                        stepping[calls.submit(_safe_step, envs[ep.index], ep.actions[-1], self.step_timeout)] = ep
                 rounds += 1
                 waiting = []
             if stepping:
@@ -237,10 +238,6 @@ class BadToolError(UserInputError):
     to change)."""
 
 
-class StepTimeout(TimeoutError):
-    """An environment call that passed the runner's deadline (its thread is abandoned, module docstring)."""
-
-
 class _Calls:
     """Environment calls, each in a daemon thread of its own, at most `workers` running at once (the rest queue);
     a running call past `timeout` seconds (0 = none) gets `StepTimeout` as its result and frees its slot, its
@@ -301,16 +298,16 @@ class _Calls:
                 return finished
 
 
-def _safe_reset(env, row):
+def _safe_reset(env, row, timeout: float = 0.0):
     try:
-        return run_reset(env, row)
+        return run_reset(env, row, timeout)
     except Exception as exc:  # noqa: BLE001  one episode's failure is its report, not the runner's end
         return exc
 
 
-def _safe_step(env, text: str):
+def _safe_step(env, text: str, timeout: float = 0.0):
     try:
-        return run_step(env, text)
+        return run_step(env, text, timeout)
     except Exception as exc:  # noqa: BLE001
         return exc
 

@@ -111,6 +111,34 @@ def test_a_hanging_step_ends_its_episode_at_the_timeout_and_the_next_step_runs(t
     assert seconds < 20
 
 
+def test_an_async_step_past_the_deadline_is_cancelled_not_abandoned(tiny_tokenizer):
+    cancelled = threading.Event()
+
+    class SleepsForever(h.EchoEnv):
+        async def step(self, action_text):
+            try:
+                await asyncio.sleep(60)
+            finally:
+                cancelled.set()  # runs only when the coroutine is cancelled (or after a minute)
+
+    policy = ScriptedPolicy(tiny_tokenizer, {"slow": ["first"]}, end_of_turn_id(tiny_tokenizer))
+    runner = EpisodeRunner(policy, tiny_tokenizer, SleepsForever, SPEC, max_turns=4, step_timeout=0.5)
+    (ep,), _ = run_bounded(runner, ["slow"])
+    assert ep.end == "timeout" and ep.reports[0]["error"].startswith("step: StepTimeout: no result within 0.5 s")
+    assert cancelled.wait(5)  # the coroutine's finally ran: its thread ended instead of hanging for a minute
+
+
+def test_an_async_steps_own_timeout_error_is_an_error_not_the_deadline(tiny_tokenizer):
+    class OwnTimeout(h.EchoEnv):
+        async def step(self, action_text):
+            raise TimeoutError("the remote service did not answer")
+
+    policy = ScriptedPolicy(tiny_tokenizer, {"x": ["first"]}, end_of_turn_id(tiny_tokenizer))
+    runner = EpisodeRunner(policy, tiny_tokenizer, OwnTimeout, SPEC, max_turns=4, step_timeout=5)
+    (ep,), _ = run_bounded(runner, ["x"])
+    assert ep.end == "error" and "the remote service did not answer" in ep.reports[0]["error"]
+
+
 def test_a_hanging_plain_tool_function_ends_its_episode_at_the_timeout(tiny_tokenizer):
     policy = ScriptedPolicy(tiny_tokenizer, {"sleep": ["hang(seconds=30)"], "sum": ["add(a=1, b=2)", "It is 3."]},
                             end_of_turn_id(tiny_tokenizer))
