@@ -154,12 +154,13 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def jsd_response_tokens(cfg, s: Settings) -> int:
-    """Response tokens of one micro-batch, at most: `optim.micro_batch_size` rows x `rollout.max_new_tokens`
-    (within the micro-batch's tokens), or under `data.micro_batch_tokens` the whole budget."""
+def jsd_response_tokens(cfg, tokens: int) -> int:
+    """Response tokens of one micro-batch of `tokens` tokens (`settings.sequence_tokens`), at most:
+    `optim.micro_batch_size` rows x `rollout.max_new_tokens` (within those tokens), or under
+    `data.micro_batch_tokens` the whole budget."""
     if cfg.data.micro_batch_tokens > 0:
-        return s.tokens
-    return min(s.tokens, max(1, cfg.optim.micro_batch_size) * cfg.rollout.max_new_tokens)
+        return tokens
+    return min(tokens, max(1, cfg.optim.micro_batch_size) * cfg.rollout.max_new_tokens)
 
 
 def jsd_logits_bytes(cfg, hf_config, s: Settings) -> int:
@@ -168,7 +169,7 @@ def jsd_logits_bytes(cfg, hf_config, s: Settings) -> int:
     micro-batch's response tokens (`jsd_response_tokens`). 0 without the JSD loss."""
     if cfg.rl.distill_loss != "jsd":
         return 0
-    return jsd_response_tokens(cfg, s) * jsd_bytes_per_token(hf_config.vocab_size, s.precision, cfg.rl.jsd_beta)
+    return jsd_response_tokens(cfg, s.tokens) * jsd_bytes_per_token(hf_config.vocab_size, s.precision, cfg.rl.jsd_beta)
 
 
 def jsd_bytes_per_token(vocab: int, precision: str, beta: float) -> int:

@@ -26,7 +26,8 @@ from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_reward_model_dir
 from ds_rlhf.memory import cap as memory_cap
-from ds_rlhf.memory.plan import jsd_bytes_per_token
+from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
+from ds_rlhf.memory.settings import sequence_tokens
 from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.loading import check_spec, split_style
@@ -307,10 +308,10 @@ def check_jsd_memory(cfg: Config, total_bytes: int | None = None) -> None:
         return
     precision = cfg.model.dtype if cfg.model.dtype != "auto" else "bf16"
     per_token = jsd_bytes_per_token(vocab, precision, cfg.rl.jsd_beta)
+    tokens = jsd_response_tokens(cfg, sequence_tokens(cfg, "rl")[0])  # as the memory plan counts them
     if cfg.data.micro_batch_tokens > 0:
-        tokens, key = cfg.data.micro_batch_tokens, f"data.micro_batch_tokens={cfg.data.micro_batch_tokens}"
+        key = f"data.micro_batch_tokens={cfg.data.micro_batch_tokens}"
     else:
-        tokens = cfg.optim.micro_batch_size * cfg.rollout.max_new_tokens
         key = (f"optim.micro_batch_size x rollout.max_new_tokens = {cfg.optim.micro_batch_size} x "
                f"{cfg.rollout.max_new_tokens}")
     vllm = cfg.rollout.gpu_memory_utilization
