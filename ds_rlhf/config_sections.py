@@ -117,6 +117,11 @@ class RolloutConfig:
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
     async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
     max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
+    # partial rollouts: each generate call stops every sample at this many new tokens; unfinished samples continue
+    # in the next step's call (newer weights) and a prompt's group trains once all its samples finished, so no step
+    # waits for its longest samples. A sample spans at most ceil(max_new_tokens / this) weight versions (rollout/
+    # partial.py); 0 = off
+    partial_tokens: int = opt(0, ge=0)  # partial rollouts: new tokens per sample per call (0 = whole responses)
     # the weight sync hands the weights over without waiting for the engine to load them (an engine in its own
     # process, one training rank: sidecar / server); its acknowledgement and the sync canary are checked when the
     # batch generated with them is collected, before it trains. Async and synchronous mode (there, not the last step)
@@ -213,12 +218,31 @@ class RolloutConfig:
                               f"weights at every sleep and adapter sync never sends them again ({allowed}): use "
                               "--rollout.sleep_level 1, --rollout.sleep false, or --rollout.lora_sync merged")
 
+    def _check_partial(self, cfg: Config) -> None:
+        if not self.partial_tokens:
+            return
+        where = f"rollout.partial_tokens={self.partial_tokens}"
+        if self.partial_tokens >= self.max_new_tokens:
+            raise ConfigError(f"{where} is not below rollout.max_new_tokens={self.max_new_tokens}: every sample "
+                              "finishes in one call, so nothing is carried over; pick a smaller value (e.g. "
+                              f"{max(1, self.max_new_tokens // 4)}) or 0")
+        if cfg.rl.dynamic_sampling:
+            raise ConfigError(f"{where} with rl.dynamic_sampling: dynamic sampling regenerates whole groups in "
+                              "rounds; use one of the two (--rollout.partial_tokens 0 or --rl.dynamic_sampling false)")
+        if cfg.rl.environment:
+            raise ConfigError(f"{where} with rl.environment: episodes already end each turn at a tool call; use "
+                              "--rollout.partial_tokens 0 with multi-turn episodes")
+        if cfg.rl.mismatch == "off":
+            raise ConfigError(f"{where} continues samples with newer weights; it needs the mismatch correction "
+                              "against the rollout policy: set --rl.mismatch tis or mis")
+
     def check(self, cfg: Config) -> None:
         self._check_vllm_options()
         self._check_lora_sync(cfg)
         if self.sidecar_engines > 1 and self.placement != "sidecar":
             raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
                               f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")
+        self._check_partial(cfg)
         if self.async_generation and cfg.rl.mismatch == "off":
             raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
                               "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")

@@ -178,6 +178,8 @@ class RLTrainer:
         # 6 metrics: this rank's, then averaged over ranks; the KL controller moves; sample rows when due
         metrics = step_metrics(ctx, scored, traj, update, kl_coef)
         metrics["rollout/staleness"] = step - scored.rollout.weights_version
+        metrics["rollout/groups"] = len(scored.rollout.rows)
+        metrics.update(self.service.metrics())
         metrics.update(generation_metrics(scored.rollout))
         if report is not None:
             self.last_sync = report

@@ -36,6 +36,7 @@ from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import GenerateRows
 from ds_rlhf.recipes.trajectory import ScoredBatch, take_groups
 from ds_rlhf.rollout.base import SamplingSpec
+from ds_rlhf.rollout.partial import PartialRolloutService
 from ds_rlhf.rollout.service import RolloutService
 from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.run.context import RunContext
@@ -79,7 +80,8 @@ def release_trainer_memory(parts: RLParts) -> None:
 def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> RolloutService:
     """The run's `RolloutService` over `parts.rollout` and `parts.sync`: prompts from `parts.loader_iter` (read at
     each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `rl.environment`
-    an `agent/rollout.py:EpisodeRolloutService`, whose batches are multi-turn episodes."""
+    an `agent/rollout.py:EpisodeRolloutService`, whose batches are multi-turn episodes; with
+    `rollout.partial_tokens` a `rollout/partial.py:PartialRolloutService` (partial rollouts)."""
     r, rl = ctx.cfg.rollout, ctx.cfg.rl
     args = (parts.rollout, parts.sync)
     kwargs = dict(prompts=lambda: next(parts.loader_iter), spec=partial(sampling_spec, ctx),
@@ -91,6 +93,8 @@ def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> Rollo
                                      max_turns=rl.max_turns, step_timeout=rl.env_step_timeout,
                                      lockstep=rl.episode_rounds == "lockstep",
                                      max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
+    if r.partial_tokens:
+        return PartialRolloutService(*args, chunk=r.partial_tokens, **kwargs)
     return RolloutService(*args, **kwargs)
 
 

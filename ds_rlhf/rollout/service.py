@@ -42,11 +42,12 @@ its rows, samples and weights version, so a resumed run trains on exactly the ba
 
 A new rollout mode (multi-turn episodes, an agent loop): subclass and override `generate(rows, spec)`, the one
 method that turns prompt rows into samples. It returns a `Pending` whose `result()` is `(samples, generation)`
-(`generation`: the engine's `(seconds, response tokens)` or None); do the work in `generate` itself and return
-`Pending.done(...)`, or in the `Pending`'s read, which the service calls when it collects the batch (in async mode
-after the trainer's step; the engine holds the same weights then: syncs happen only after a collect). The service
-keeps owning when it runs (after a wake, with the weights of `engine_version`), the syncs and their
-confirmations, sleep, the batch in flight and its checkpoint.
+(`generation`: the engine's `(seconds, response tokens)` or None), or a `Generated` when the batch's rows are not
+the rows it was given (`partial.py` trains on the groups that finished, carried over from earlier calls). Do the
+work in `generate` itself and return `Pending.done(...)`, or in the `Pending`'s read, which the service calls when
+it collects the batch (in async mode after the trainer's step; the engine holds the same weights then: syncs happen
+only after a collect). The service keeps owning when it runs (after a wake, with the weights of `engine_version`),
+the syncs and their confirmations, sleep, the batch in flight and its checkpoint.
 """
 
 from __future__ import annotations
@@ -73,6 +74,34 @@ class _InFlight:
 def _plain(value):
     """Store rows hold numpy arrays; checkpoints hold plain lists (loadable with weights_only=True)."""
     return value.tolist() if hasattr(value, "tolist") else value
+
+
+def plain_row(row: dict) -> dict:
+    """A prompt row as a checkpoint holds it (`_plain` values)."""
+    return {k: _plain(v) for k, v in row.items()}
+
+
+@dataclass
+class Generated:
+    """What a rollout mode's `generate` may return instead of `(samples, generation)`: the batch's own `rows`
+    (which then replace the rows it was given) and the `weights_version` it counts as (its oldest weights), for a
+    mode whose batches are not exactly the rows of one call (`partial.py`: groups finished across calls)."""
+
+    samples: list[RolloutSample]
+    generation: tuple[float, int] | None
+    rows: list[dict]
+    weights_version: int
+
+
+def _batch_of(job: _InFlight) -> RolloutBatch:
+    """The finished job as a batch: its samples with the rows and weights version it was submitted with, or those a
+    `Generated` result names."""
+    out = job.result.result()
+    if isinstance(out, Generated):
+        return RolloutBatch(rows=out.rows, samples=out.samples, weights_version=out.weights_version,
+                            generation=out.generation)
+    samples, generation = out
+    return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version, generation=generation)
 
 
 def merge_reports(*reports: dict | None) -> dict | None:
@@ -170,6 +199,10 @@ class RolloutService:
         report, self._report = self._report, None
         return report
 
+    def metrics(self) -> dict:
+        """The rollout mode's own figures for the step's metrics (`rollout/...`); none here."""
+        return {}
+
     @contextmanager
     def awake(self) -> Iterator[None]:
         """Keep the engine awake across several `batch` calls (asleep at level 2 it would drop its weights between
@@ -199,11 +232,10 @@ class RolloutService:
 
     def _collect(self) -> RolloutBatch:
         job, self.in_flight = self.in_flight, None
-        samples, generation = job.result.result()
+        batch = _batch_of(job)
         self._confirm()  # the sync before this generation, if made without waiting: checked before it is returned
         self._sleep()
-        return RolloutBatch(rows=job.rows, samples=samples, weights_version=job.weights_version,
-                            generation=generation)
+        return batch
 
     def _confirm(self) -> None:
         """The one place a sync made without waiting is confirmed (`WeightSync.confirm`: the engine's
@@ -248,10 +280,10 @@ class RolloutService:
         if not job.result.ready:
             raise RuntimeError("RolloutService.state_dict: the batch in flight is still generating; call quiesce() "
                                "first")
-        samples, _ = job.result.result()
-        return {"in_flight": {"rows": [{k: _plain(v) for k, v in r.items()} for r in job.rows],
-                              "samples": [list(vars(s).values()) for s in samples],
-                              "weights_version": job.weights_version}}
+        batch = _batch_of(job)
+        return {"in_flight": {"rows": [plain_row(r) for r in batch.rows],
+                              "samples": [list(vars(s).values()) for s in batch.samples],
+                              "weights_version": batch.weights_version}}
 
     def load_state_dict(self, state: dict) -> None:
         job = state.get("in_flight")

@@ -101,6 +101,20 @@ def test_kill_9_then_resume_with_two_sidecar_engines_matches(sft_run, addition_s
     _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, None, capsys)
 
 
+@pytest.mark.extended
+@pytest.mark.slow
+def test_kill_9_then_resume_with_partial_rollouts_matches(sft_run, addition_stores, vllm_colocated, tmp_path,
+                                                         capsys):
+    """rollout.partial_tokens: the groups still open at the checkpoint (their tokens so far) are saved with it, and
+    the resumed run continues them exactly; samples were carried over and no step's batch came from weights more
+    than ceil(24 / 8) versions old."""
+    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.partial_tokens", "8"]
+    _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, vllm_colocated, capsys)
+    rows = read_metrics(tmp_path / "straight")
+    assert max(r["rollout/carried_samples"] for r in rows) > 0
+    assert all(r["rollout/staleness"] <= 2 for r in rows)
+
+
 def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys) -> None:
     """An uninterrupted 6-step run; the same run as a fresh process SIGKILLed mid-step 5, then resumed here; the
     two metric streams must match (`rollout`: the engine the in-process runs share, None: each builds its own)."""
