@@ -21,6 +21,19 @@ subclasses it) `collective_rpc` calls the worker directly with our tensors, so a
 trainer tensors straight into vLLM's parameters on the same device: nothing goes through the host. For a
 disaggregated engine the same extension joins a dedicated weight group and receives flattened buckets.
 
+`rollout.weight_transport vllm` (sidecar only): the engine is built with `weight_transfer_config={"backend": "ipc"}`
+and weights go through vLLM's own CUDA-IPC weight-transfer engine instead of ours. Server side (`VLLMHandle`):
+`LLM.init_weight_transfer_engine({"init_info": ...})`, `start_weight_update()`, `update_weights({"update_info":
+...})`, `finish_weight_update()`, the same calls and dict forms in 0.26 and 0.32. Trainer side
+(`send_weights_through_vllm_ipc`) the two differ: 0.26 has the static
+`IPCWeightTransferEngine.trainer_send_weights(iterator, {"send_mode": callable, "packed": True, ...})` (the caller
+starts and finishes the update; `packed` travels in every update info); 0.32 has `IPCTrainerWeightTransferEngine`
+(`trainer_init(IPCTrainerInitInfo(rank=0, packed=True, ...), client=..., source=WeightSource)` then `send_weights()`,
+which drives init/start/update/finish through the client; `packed` travels in the init info). Our client forwards
+each call to the rollout server(s) over their socket (`server/calls.py`). 0.26's `ipc_engine` imports `ray` and
+`requests` at module top (used only by its 'ray' / 'http' send modes): without them the import fails and
+`ipc_engine_module` says which package is missing.
+
 LoRA (`lora_rank > 0`, adapter sync: `adapter_sync.py`): the engine starts with `enable_lora=True`, `max_loras=1`
 and `max_lora_rank` (`lora_engine_kwargs`); `load_adapter` registers each synced peft adapter directory with
 `llm_engine.add_lora(LoRARequest(name, id, path))` under a new id, and every `generate` / `score` passes that request.
@@ -64,6 +77,7 @@ from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPR
     option_kwargs,
     samples_from_outputs,
     sampling_kwargs,
+    weight_transfer_kwargs,
 )
 from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, plan_from_wire, unpack_bucket
 
@@ -174,7 +188,7 @@ class VLLMHandle:
                  executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
-                 **llm_kwargs) -> None:
+                 weight_transport: str = "own", **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in IN_PROCESS_EXECUTORS:
@@ -198,6 +212,8 @@ class VLLMHandle:
             kwargs["data_parallel_size"] = data_parallel_size
         if lora_rank > 0:
             kwargs.update(lora_engine_kwargs(lora_rank))
+        kwargs.update(weight_transfer_kwargs(weight_transport, version=self.version,
+                                             arg_names=engine_arg_names() if weight_transport != "own" else ()))
         self.lora_request = None  # the adapter every request is served with (load_adapter), None: the base
         self._last_lora_id = 0  # ids only count up, so no id vLLM may have cached is reused
         if not self.cpu:
@@ -323,6 +339,19 @@ class VLLMHandle:
     def close_weight_group(self) -> None:
         self.llm.collective_rpc("ds_rlhf_close_weight_group")
 
+    # vLLM's weight-transfer API (engine built with rollout.weight_transport vllm); the dict forms of 0.26 and 0.32
+    def transfer_init(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
+
+    def transfer_start(self) -> None:
+        self.llm.start_weight_update()
+
+    def transfer_update(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": dict(update_info)})
+
+    def transfer_finish(self) -> None:
+        self.llm.finish_weight_update()
+
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
@@ -366,6 +395,53 @@ class VLLMHandle:
                 core.shutdown()
             del llm
             gc.collect()
+
+
+def ipc_engine_module():
+    """vLLM's `vllm.distributed.weight_transfer.ipc_engine`; RolloutError naming the missing package when it does not
+    import (0.26 imports `ray` and `requests` at its top)."""
+    try:
+        from vllm.distributed.weight_transfer import ipc_engine
+    except ModuleNotFoundError as e:
+        raise RolloutError(f"rollout.weight_transport=vllm: vLLM's IPC weight-transfer engine needs the Python package "
+                           f"{e.name!r}, which is not installed; install it or use --rollout.weight_transport own") \
+            from None
+    return ipc_engine
+
+
+def send_weights_through_vllm_ipc(named_tensors: Iterable[tuple[str, torch.Tensor]], plan, client,
+                                  buffer_bytes: int) -> None:
+    """Send one weight update with vLLM's CUDA-IPC producer (packed: one reused buffer of `buffer_bytes` on this
+    GPU). `client` has vLLM's `VLLMWeightSyncClient` methods (`init_weight_transfer_engine(dict)`,
+    `start_weight_update()`, `update_weights(dict)`, `finish_weight_update()`); `update_weights` must return only
+    after every server loaded the chunk, as the producer then overwrites the buffer. `plan` (our `BucketPlan`) is
+    the stream's metadata, which 0.32's `WeightSource` reports."""
+    mod = ipc_engine_module()
+    if hasattr(mod, "IPCTrainerWeightTransferEngine"):  # 0.32: the trainer engine drives the client itself
+        info = mod.IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=buffer_bytes)
+        mod.IPCTrainerWeightTransferEngine.trainer_init(
+            init_info=info, client=client, source=_weight_source(named_tensors, plan)).send_weights()
+        return
+    client.init_weight_transfer_engine({})  # 0.26: nothing to rendezvous; `packed` is in every update info
+    client.start_weight_update()
+    mod.IPCWeightTransferEngine.trainer_send_weights(iter(named_tensors), {
+        "send_mode": lambda update: client.update_weights(dataclasses.asdict(update)), "packed": True,
+        "packed_buffer_size_bytes": buffer_bytes})
+    client.finish_weight_update()
+
+
+def _weight_source(named_tensors: Iterable[tuple[str, torch.Tensor]], plan):
+    """A one-pass `WeightSource` (vLLM 0.32) over `named_tensors`, its metadata from `plan`."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class _BucketSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(m.name, m.dtype, tuple(m.shape)) for metas in plan for m in metas]
+
+        def __iter__(self):
+            return iter(named_tensors)
+
+    return _BucketSource()
 
 
 class WeightSyncWorkerExtension:

@@ -2,18 +2,24 @@
 
 What lives here only maps values: the version gate's parsing and range check (`check_version`), our engine options
 -> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), a
-`SamplingSpec` -> `SamplingParams` keywords (`sampling_kwargs`), and vLLM's request outputs -> `RolloutSample`s
-(`samples_from_outputs`, `chosen_logprobs`). `vllm_adapter.py` re-exports the names other code imports from it.
+`SamplingSpec` -> `SamplingParams` keywords (`sampling_kwargs`), vLLM's request outputs -> `RolloutSample`s
+(`samples_from_outputs`, `chosen_logprobs`), and, for `rollout.weight_transport vllm`, the engine keyword
+(`weight_transfer_kwargs`) and our weight buckets -> the (name, tensor) stream vLLM's IPC producer packs
+(`named_tensors_from_buckets`, `transfer_buffer_bytes`). `vllm_adapter.py` re-exports the names other code
+imports from it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from importlib import metadata
 
-from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec
+import torch
+
+from ds_rlhf.rollout.base import BucketPlan, RolloutError, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.weight_group import bucket_nbytes
 
 log = logging.getLogger("ds_rlhf.rollout.vllm_adapter")  # the adapter's logger: its messages read as the adapter's
 
@@ -146,3 +152,47 @@ def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
     if not found:
         return None, None, []
     return found[0][0], found[0][1], [d for d, _ in found]
+
+
+WEIGHT_TRANSPORTS = ("own", "vllm")  # rollout.weight_transport: our IPC buffer / weight group, or vLLM's engines
+
+
+def weight_transfer_kwargs(transport: str, *, version: str | None, arg_names: Collection[str]) -> dict:
+    """`LLM(...)` keywords for `transport`: none for "own"; vLLM's CUDA-IPC weight-transfer engine for "vllm"
+    (`weight_transfer_config`, an `EngineArgs` field in 0.26 and 0.32 that takes a dict). RolloutError naming the
+    setting when the transport is unknown or the installed vLLM has no such engine argument."""
+    if transport not in WEIGHT_TRANSPORTS:
+        raise RolloutError(f"rollout.weight_transport={transport!r}: choose one of {', '.join(WEIGHT_TRANSPORTS)}")
+    if transport == "own":
+        return {}
+    if "weight_transfer_config" not in arg_names:
+        raise RolloutError(f"rollout.weight_transport=vllm: vLLM {version} has no weight_transfer_config engine "
+                           "argument; use --rollout.weight_transport own")
+    return {"weight_transfer_config": {"backend": "ipc"}}
+
+
+def transfer_buffer_bytes(plan: BucketPlan) -> int:
+    """The size of the IPC buffer vLLM's packed producer allocates for a sync: the largest bucket of `plan` (our
+    own transport's buffer is that size too), so every tensor fits and chunks are at most a bucket."""
+    return max((bucket_nbytes(metas) for metas in plan), default=1)
+
+
+def named_tensors_from_buckets(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]],
+                               plan: BucketPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our weight buckets as the flat (name, tensor) stream vLLM's producer takes, each tensor cast to the plan's
+    dtype (the rollout engine's, e.g. bf16 from an fp32 trainer). Lazy: a ZeRO-3 bucket is gathered only when the
+    producer reaches it and may be released after it. RolloutError when the buckets do not follow the plan (names,
+    shapes, or their number)."""
+    sent = 0
+    for i, (bucket, metas) in enumerate(zip(buckets, plan)):
+        names = [n for n, _ in bucket]
+        if names != [m.name for m in metas]:
+            raise RolloutError(f"bucket {i} does not match the announced plan: {names[:3]} vs "
+                               f"{[m.name for m in metas][:3]}")
+        for (name, t), m in zip(bucket, metas):
+            if tuple(t.shape) != tuple(m.shape):
+                raise RolloutError(f"{name}: shape {tuple(t.shape)} differs from the announced {m.shape}")
+            yield name, t.detach().to(m.dtype)
+        sent += 1
+    if sent != len(plan):
+        raise RolloutError(f"sent {sent} buckets but announced {len(plan)}")

@@ -48,6 +48,7 @@ class Placement:
     train_devices: tuple[int, ...]  # physical GPU ids of this node's training ranks (empty on CPU)
     rollout_devices: tuple[int, ...]  # physical GPU ids of the disaggregated vLLM server (empty otherwise)
     tensor_parallel_size: int
+    weight_transport: str = "own"  # rollout.weight_transport (vllm: sidecar on a GPU only)
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments for `make_rollout_engine`."""
@@ -56,6 +57,8 @@ class Placement:
             kw["devices"] = list(self.rollout_devices)
         if self.mode == "sidecar" and self.rollout_devices:
             kw["weight_backend"] = "ipc"  # same GPU: CUDA IPC (NCCL refuses two ranks on one device)
+        if self.weight_transport != "own":
+            kw["weight_transport"] = self.weight_transport
         return kw
 
 
@@ -99,7 +102,10 @@ def resolve_placement(cfg, *, world_size: int, local_world_size: int, gpus_on_no
             raise ConfigError("rollout.placement=sidecar is for one training rank and one GPU (its memory split "
                               "between the trainer and vLLM by rollout.gpu_memory_utilization); with several GPUs "
                               "use disaggregated placement")
-        return Placement("sidecar", train, train[:1], 1)
+        if r.weight_transport == "vllm" and not gpus_on_node:
+            raise ConfigError("rollout.weight_transport=vllm moves weights over CUDA IPC, but this machine has no GPU "
+                              "(the sidecar then syncs over gloo): use --rollout.weight_transport own")
+        return Placement("sidecar", train, train[:1], 1, r.weight_transport)
     if r.placement != "disaggregated":
         raise ConfigError(f"rollout.placement={r.placement!r}: choose colocated, sidecar or disaggregated")
     if not gpus_on_node:

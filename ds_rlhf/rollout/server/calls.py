@@ -1,6 +1,7 @@
 """Calls to several rollout servers at once (`rollout.sidecar_engines`, `sharded.py`) over their `RemoteVLLMEngine`s:
 send to all, then read every reply even after one failed, so no connection is left with a reply that a later call
-would take for its own; and the weight update through one shared CUDA-IPC buffer."""
+would take for its own; and the weight update through one shared CUDA-IPC buffer: ours (`update_through_ipc`) or
+vLLM's IPC weight-transfer engine (`update_through_vllm_ipc`, `rollout.weight_transport vllm`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
+from ds_rlhf.rollout.vllm_adapter import send_weights_through_vllm_ipc
+from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
 
 if TYPE_CHECKING:
@@ -88,6 +91,56 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
         return nbytes, Pending.done(slowest_load(command_all(engines, "update_done")))
     done = all_of(owed + send_all(engines, "update_done"))
     lead._ipc_owed = done  # read before the buffer is written again, whoever calls next
+    return nbytes, Pending(lambda: slowest_load(done.result()))
+
+
+class ServersWeightClient:
+    """vLLM's `VLLMWeightSyncClient` methods over our rollout servers: each call goes to every server (commands
+    'wt_init', 'wt_start', 'wt_update', 'wt_finish', `server.py`), which makes the same call on its `LLM`, and
+    returns once every server answered (a chunk's 'wt_update' reply means its copy out of the trainer's buffer is
+    done). With `defer_finish` the 'wt_finish' replies are not awaited: `finished` reads them."""
+
+    def __init__(self, engines: Sequence[RemoteVLLMEngine], *, defer_finish: bool = False) -> None:
+        self.engines, self.defer_finish = list(engines), defer_finish
+        self.finished: Pending | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        command_all(self.engines, "wt_init", dict(init_info))
+
+    def start_weight_update(self) -> None:
+        command_all(self.engines, "wt_start")
+
+    def update_weights(self, update_info: dict) -> None:
+        command_all(self.engines, "wt_update", dict(update_info))
+
+    def finish_weight_update(self) -> None:
+        replies = send_all(self.engines, "wt_finish")
+        self.finished = all_of(replies)
+        if not self.defer_finish:
+            self.finished.result()
+
+
+def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
+                            wait: bool = True) -> tuple[int, Pending]:
+    """`rollout.weight_transport vllm`: the sidecar servers on the trainer's GPU get every bucket through vLLM's
+    CUDA-IPC weight-transfer engine (packed: one buffer of the largest bucket's size, refilled chunk by chunk; each
+    chunk's handle goes to every server, which passes it to vLLM's `update_weights`), all servers loading the same
+    chunk at once. vLLM's producer refills its buffer as soon as the send returns, so every chunk is acknowledged
+    before the next; with `wait=False` only the final 'wt_finish' (vLLM's `finish_weight_update`, then the prefix
+    cache reset) is left unread: the returned `Pending` reads it, and so does the next update here first.
+    Returns the bytes sent (once, however many servers) and that `Pending`."""
+    lead = engines[0]
+    if lead._ipc_owed is not None:  # the previous update's 'wt_finish', not read yet
+        owed_before, lead._ipc_owed = lead._ipc_owed, None
+        owed_before.result()
+    client = ServersWeightClient(engines, defer_finish=not wait)
+    send_weights_through_vllm_ipc(named_tensors_from_buckets(buckets, plan), plan, client,
+                                  transfer_buffer_bytes(plan))
+    nbytes = sum(bucket_nbytes(metas) for metas in plan)
+    done = client.finished
+    if wait:
+        return nbytes, Pending.done(slowest_load(done.result()))
+    lead._ipc_owed = done
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
 

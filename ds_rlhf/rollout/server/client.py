@@ -39,7 +39,7 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.server.calls import update_through_ipc
+from ds_rlhf.rollout.server.calls import update_through_ipc, update_through_vllm_ipc
 from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
@@ -61,6 +61,13 @@ class RemoteVLLMEngine(RolloutEngine):
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        # own: our IPC buffer / weight group; vllm: vLLM's CUDA-IPC weight-transfer engine (the server's LLM is built
+        # with it: the keyword goes to 'start' with the other engine keywords)
+        self.weight_transport = engine_kwargs.get("weight_transport", "own")
+        if self.weight_transport == "vllm" and self.weight_backend != "ipc":
+            raise RolloutError(f"rollout.weight_transport=vllm uses vLLM's CUDA-IPC weight transfer, which only the "
+                               f"sidecar placement has (weights over {self.weight_backend} here): use "
+                               "--rollout.weight_transport own")
         self._group: WeightGroup | None = None
         self._in_flight = False
         self._generation: Pending | None = None  # the reply to the generation in flight
@@ -308,7 +315,8 @@ class RemoteVLLMEngine(RolloutEngine):
             plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
         t0 = time.perf_counter()
         if self.weight_backend == "ipc":
-            nbytes, done = update_through_ipc([self], buckets, plan, wait=wait)
+            send = update_through_vllm_ipc if self.weight_transport == "vllm" else update_through_ipc
+            nbytes, done = send([self], buckets, plan, wait=wait)
             self._record_update(nbytes, time.perf_counter() - t0)
             return done
         self._ensure_group()

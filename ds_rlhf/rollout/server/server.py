@@ -3,7 +3,10 @@
 It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes),
 built with the keywords of the client's 'start' (the vLLM engine options among them, checked in the adapter), and
 answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
-come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group.
+come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group; on a
+sidecar the trainer's CUDA buffer is mapped once ('init_ipc') and each 'update_ipc' loads the bucket it holds; with
+`rollout.weight_transport vllm` the 'wt_*' commands make vLLM's weight-transfer calls (init / start / one
+'wt_update' per chunk, carrying vLLM's IPC handle of the trainer's buffer / finish).
 Every failure goes back to the client with its traceback instead of killing the server.
 """
 
@@ -71,6 +74,24 @@ def _handle(engine, cmd: str, args: tuple):
     if cmd == "update_done":  # replies with this sync's loading time (every bucket's), then starts the next count
         engine.reset_cache()
         return engine, {"load_seconds": _IPC.pop("load_seconds", 0.0)}
+    if cmd == "wt_init":  # vLLM's weight-transfer API (rollout.weight_transport vllm)
+        engine.handle.transfer_init(args[0])
+        return engine, None
+    if cmd == "wt_start":
+        engine.handle.transfer_start()
+        return engine, None
+    if cmd == "wt_update":  # one chunk; vLLM synchronises after loading it, so the trainer may refill its buffer
+        t0 = time.perf_counter()
+        engine.handle.transfer_update(args[0])
+        nbytes = sum(args[0].get("tensor_sizes") or ())
+        engine._record_update(nbytes, time.perf_counter() - t0)
+        _IPC["load_seconds"] = _IPC.get("load_seconds", 0.0) + time.perf_counter() - t0
+        return engine, None
+    if cmd == "wt_finish":  # replies with this sync's loading time (every chunk's and the finish's)
+        t0 = time.perf_counter()
+        engine.handle.transfer_finish()
+        engine.reset_cache()
+        return engine, {"load_seconds": _IPC.pop("load_seconds", 0.0) + time.perf_counter() - t0}
     if cmd == "sleep":
         engine.sleep()
         return engine, {k: v for k, v in engine.stats().items() if k.startswith("sleep_")}

@@ -12,7 +12,9 @@ processing: Python loops over the running requests, one thread per engine), not 
   has its own seed that follows from the call alone (resume stays exact). Every server generates its shard at once;
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
 - weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
-  time (`calls.update_through_ipc`); other backends (gloo on CPU) send the buckets to each server in turn.
+  time (`calls.update_through_ipc`; with `rollout.weight_transport vllm`, vLLM's IPC engine's buffer, each chunk's
+  handle sent to every server: `calls.update_through_vllm_ipc`); other backends (gloo on CPU) send the buckets to
+  each server in turn.
   `update_weight_buckets_later` / `logprobs_replicas_later` do not wait for the last replies (a sync with overlap: the
   servers load and score the canary probe while the trainer goes on; the replies are read before the generation
   queued behind them).
@@ -43,7 +45,7 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load, update_through_ipc
+from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load, update_through_ipc, update_through_vllm_ipc
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
 
@@ -155,7 +157,8 @@ class ShardedRolloutEngine(RolloutEngine):
             if plan is None:
                 buckets = [list(b) for b in buckets if b]
                 plan = [[TensorMeta(n, tuple(t.shape), self.weight_dtype) for n, t in b] for b in buckets]
-            nbytes, done = update_through_ipc(self.engines, buckets, plan, wait=wait)
+            send = update_through_vllm_ipc if self.engines[0].weight_transport == "vllm" else update_through_ipc
+            nbytes, done = send(self.engines, buckets, plan, wait=wait)
         else:  # gloo on CPU: each server has its own weight group, so every bucket is held and sent to each in turn
             zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: copies
             held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
