@@ -155,7 +155,7 @@ def summarize(history: list[dict], skip: int, completions: int) -> dict:
 # rollout.* keys read when the vLLM engine starts: a --variant (same engine) cannot change them.
 ENGINE_START_KEYS = ("backend", "placement", "gpu_memory_utilization", "max_model_len", "tensor_parallel_size",
                      "async_scheduling", "max_num_seqs", "max_num_batched_tokens", "cudagraph_sizes",
-                     "enforce_eager", "sleep", "sleep_level", "sidecar_engines")
+                     "enforce_eager", "sleep", "sleep_level", "sidecar_engines", "weight_transport")
 
 
 def main() -> None:
@@ -194,6 +194,9 @@ def main() -> None:
                    help=f"rollout.sidecar_engines with the sidecar placement (default {SIDECAR_ENGINES}: the measured "
                         "best for this workload, docs/PERFORMANCE.md; the config's own default is 1; with "
                         f"--max-gpu-memory-gb, {SIDECAR_ENGINES} unless it does not fit the cap, then fewer)")
+    p.add_argument("--weight-transport", choices=("own", "vllm"), default="own",
+                   help="rollout.weight_transport: own (our CUDA-IPC buffer) or vllm (vLLM's weight_transfer IPC "
+                        "engine; sidecar placement only)")
     p.add_argument("--profile-train-step", type=int, default=0, metavar="N",
                    help="profile the N-th step's training phase (torch.profiler, this process's CUDA kernels): busy "
                         "fraction, gaps and the heaviest kernels go to the JSON's `train_profile` "
@@ -243,7 +246,8 @@ def main() -> None:
     prompts = build_prompts(workdir, model, args.prompts * (args.steps + 1), args.prompt_len)
     print(f"[rl_step_gpu] model {model}, prompts {prompts} ({time.time() - t0:.1f}s)", flush=True)
     tag = args.tag or "-".join([args.model, args.algo, "async" if args.asynchronous else "sync", placement,
-                                "sleep" if args.sleep else "nosleep"])
+                                "sleep" if args.sleep else "nosleep",
+                                *(["wt-vllm"] if args.weight_transport == "vllm" else [])])
     rollout = None
     for name, extra in [("", base), *((n, base + e) for n, e in variants)]:
         run_tag = f"{tag}-{name}" if name else tag
@@ -287,6 +291,7 @@ def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path,
         "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
         "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
         "--rollout.placement", placement, "--rollout.async_generation", str(args.asynchronous), *engines,
+        "--rollout.weight_transport", args.weight_transport,
         "--run.overwrite", "true",
         "--rl.reward_fn", f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio",
         "--rl.prompts_per_step", str(args.prompts), "--rollout.n_samples", str(args.samples),
@@ -492,7 +497,8 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
-    result = {"tag": tag, "commit": git_commit(), "config": vars(args), "overrides": extra, "bench_switches": switches,
+    result = {"tag": tag, "commit": git_commit(), "config": vars(args), "weight_transport": args.weight_transport,
+              "overrides": extra, "bench_switches": switches,
               "kernels": kernels_used(trainer.parts.actor), "setup_seconds": setup_s,
               "engine_reused": rollout is not None, "memory_split": split, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),

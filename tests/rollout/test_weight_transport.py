@@ -195,3 +195,26 @@ def test_buckets_that_do_not_follow_the_plan_are_refused(change, message):
     buckets, plan = change(*_buckets())
     with pytest.raises(RolloutError, match=message):
         list(named_tensors_from_buckets(buckets, plan))
+
+
+# ---- the GPU bench's flag -------------------------------------------------------------------------------------------
+def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "rl_step_gpu.py"
+    spec = importlib.util.spec_from_file_location("rl_step_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run_argv(*flags):
+        monkeypatch.setattr("sys.argv", ["rl_step_gpu.py", "--workdir", str(tmp_path), *flags])
+        captured = {}
+        monkeypatch.setattr(bench, "run_one", lambda args, *a, **k: captured.update(args=args))
+        monkeypatch.setattr(bench, "build_model", lambda *a: tmp_path)
+        monkeypatch.setattr(bench, "build_prompts", lambda *a: tmp_path)
+        bench.main()
+        return bench.config_argv(captured["args"], tmp_path, tmp_path, "sidecar", tmp_path / "run", [])[0]
+
+    assert parse_config(run_argv()).rollout.weight_transport == "own"
+    assert parse_config(run_argv("--weight-transport", "vllm")).rollout.weight_transport == "vllm"
