@@ -214,6 +214,8 @@ class VLLMHandle:
             kwargs.update(lora_engine_kwargs(lora_rank))
         kwargs.update(weight_transfer_kwargs(weight_transport, version=self.version,
                                              arg_names=engine_arg_names() if weight_transport != "own" else ()))
+        if weight_transport == "vllm":
+            ipc_engine_module()  # vLLM's workers import it while they start: a missing package is named here first
         self.lora_request = None  # the adapter every request is served with (load_adapter), None: the base
         self._last_lora_id = 0  # ids only count up, so no id vLLM may have cached is reused
         if not self.cpu:

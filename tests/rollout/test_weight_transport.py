@@ -6,14 +6,19 @@ vLLM's IPC engine import, and the bucket stream handed to vLLM's producer. The t
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout import vllm_adapter
+from ds_rlhf.rollout import make_rollout_engine, vllm_adapter
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
+from ds_rlhf.rollout.server import client as remote
+from ds_rlhf.rollout.server import server as remote_server
+from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 from ds_rlhf.rollout.vllm_adapter import engine_arg_names, ipc_engine_module
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes, weight_transfer_kwargs
 from ds_rlhf.run.placement import resolve_placement
@@ -84,9 +89,6 @@ def test_weight_transfer_config_only_when_vllm_is_chosen():
 
 def _sidecar_start_kwargs(monkeypatch, tiny_model_path, **kw) -> dict:
     """The keywords a sidecar client sends in 'start' (no server spawned)."""
-    from ds_rlhf.rollout import make_rollout_engine
-    from ds_rlhf.rollout.server import client as remote
-    from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
     sent = {}
 
@@ -105,7 +107,6 @@ def _sidecar_start_kwargs(monkeypatch, tiny_model_path, **kw) -> dict:
 @pytest.mark.parametrize("transport", ["own", "vllm"])
 def test_sidecar_server_builds_llm_with_weight_transfer_config_only_for_vllm(transport, tiny_model_path, llm_calls,
                                                                              monkeypatch):
-    from ds_rlhf.rollout.server import server as remote_server
 
     extra = {} if transport == "own" else {"weight_transport": "vllm"}
     sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **extra)
@@ -120,9 +121,6 @@ def test_sidecar_server_builds_llm_with_weight_transfer_config_only_for_vllm(tra
 
 
 def test_vllm_transport_is_refused_by_engines_without_cuda_ipc(tiny_model_path, monkeypatch):
-    from ds_rlhf.rollout import make_rollout_engine
-    from ds_rlhf.rollout.server import client as remote
-    from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 
     spawned = []
     monkeypatch.setattr(remote, "ServerProcess", lambda **kw: spawned.append(kw))
@@ -199,8 +197,6 @@ def test_buckets_that_do_not_follow_the_plan_are_refused(change, message):
 
 # ---- the GPU bench's flag -------------------------------------------------------------------------------------------
 def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
-    import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "bench" / "rl_step_gpu.py"
     spec = importlib.util.spec_from_file_location("rl_step_gpu", path)
