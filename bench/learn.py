@@ -33,6 +33,18 @@ number). Each evaluation point also records `tool_call_rate` (turns that called 
 `turns_mean`, each step the training `tool_call_rate` and `turns_mean`; the PNG draws the tool-call rate beside the
 exact match.
 
+A model that never calls the tool gives GRPO nothing to raise. `--warm-start-steps N` (arithmetic, an environment
+with a `calculator` tool) first fine-tunes it on demonstrations: the training stream's first N x 32 problems as
+two-turn episodes (a `calculator` call on the problem's expression in the tool-call format the prompt asks for, the
+tool's result, `#### N`), played through the environment and written to `<out>/warm_start_<task>.jsonl` as chat
+`messages` (`agent/demonstrations.py`); `ds-rlhf prep-sft` (loss on the assistant turns only) and `ds-rlhf
+train-sft` run N steps on them (lr `--warm-start-lr`), and GRPO starts from the SFT export. The JSON's
+`warm_start` holds the steps, seconds, demonstrations, first and last SFT loss, and per mode (`step0`) the exact
+match, tool-call rate and turns of GRPO's step-0 evaluation, the SFT'd model's:
+
+    python3 bench/learn.py --model X --task arithmetic --modes sync,async --warm-start-steps 40 \
+        --environment ds_rlhf/agent/examples/calculator.py:CalculatorEnv
+
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the format: one
 `#### N` ending the response); `--reward lenient` trains on `lenient_train_reward` (the last number after any
 `####`), which a policy can game. The held-out evaluation reports both exact-match rules.
