@@ -386,6 +386,9 @@ def merge(files: list[Path], out: Path) -> Path:
         data = json.loads(f.read_text())
         result = result or {**data, "modes": {}}
         result["modes"].update(data["modes"])
+        if data.get("warm_start", {}).get("step0") and result.get("warm_start"):  # each run's own warm start
+            result["warm_start"] = {**result["warm_start"], "step0": {**result["warm_start"].get("step0", {}),
+                                                                      **data["warm_start"]["step0"]}}
     out_json = out / f"learn_{result['task']}.json"
     out_json.write_text(json.dumps(result, indent=1))
     plot(result, out_json.with_suffix(".png"))

@@ -295,3 +295,23 @@ def test_tiny_calculator_run_with_a_warm_start_trains_sft_first_and_records_it(t
     # GRPO started from the SFT run's export
     config = json.loads((work / "run_sync" / "config.json").read_text())
     assert config["model"]["path"] == str(work / "run_warm_start" / "export")
+
+
+def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
+    """Runs of one mode each (`--modes sync`, `--modes async`), each with its own warm start, joined by --merge:
+    the step-0 figures after SFT of both modes stay in `warm_start`."""
+    learn = _learn(monkeypatch)
+    files = []
+    for i, mode in enumerate(("sync", "async")):
+        point = {"step": 0, "seconds": 0.0, "generated_tokens": 0, "exact_match": i / 4, "format": None,
+                 "tool_call_rate": i / 2, "turns_mean": 1.0 + i}
+        run = {"points": [point], "lengths": [], "summary": {}}
+        data = {"task": "arithmetic", "model_name": "m", "device": "CPU", "settings": {"environment": CALCULATOR},
+                "modes": {mode: run}, "warm_start": {"steps": 3, "step0": {mode: {"exact_match": i / 4,
+                                                                                  "tool_call_rate": i / 2}}}}
+        files.append(tmp_path / f"{mode}.json")
+        files[-1].write_text(json.dumps(data))
+    merged = json.loads(learn.merge(files, tmp_path).read_text())
+    assert list(merged["modes"]) == ["sync", "async"] and merged["warm_start"]["steps"] == 3
+    assert merged["warm_start"]["step0"] == {"sync": {"exact_match": 0.0, "tool_call_rate": 0.0},
+                                             "async": {"exact_match": 0.25, "tool_call_rate": 0.5}}
