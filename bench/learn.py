@@ -33,6 +33,18 @@ number). Each evaluation point also records `tool_call_rate` (turns that called 
 `turns_mean`, each step the training `tool_call_rate` and `turns_mean`; the PNG draws the tool-call rate beside the
 exact match.
 
+A model that never calls the tool gives GRPO nothing to raise. `--warm-start-steps N` (arithmetic, an environment
+with a `calculator` tool) first fine-tunes it on demonstrations: the training stream's first N x 32 problems as
+two-turn episodes (a `calculator` call on the problem's expression in the tool-call format the prompt asks for, the
+tool's result, `#### N`), played through the environment and written to `<out>/warm_start_<task>.jsonl` as chat
+`messages` (`agent/demonstrations.py`); `ds-rlhf prep-sft` (loss on the assistant turns only) and `ds-rlhf
+train-sft` run N steps on them (lr `--warm-start-lr`), and GRPO starts from the SFT export. The JSON's
+`warm_start` holds the steps, seconds, demonstrations, first and last SFT loss, and per mode (`step0`) the exact
+match, tool-call rate and turns of GRPO's step-0 evaluation, the SFT'd model's:
+
+    python3 bench/learn.py --model X --task arithmetic --modes sync,async --warm-start-steps 40 \
+        --environment ds_rlhf/agent/examples/calculator.py:CalculatorEnv
+
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the format: one
 `#### N` ending the response); `--reward lenient` trains on `lenient_train_reward` (the last number after any
 `####`), which a policy can game. The held-out evaluation reports both exact-match rules.
@@ -58,8 +70,13 @@ from pathlib import Path
 
 from gpu_timeline import Sampler
 from gpu_timeline import summarize as summarize_gpu
-from learn_tasks.tasks import INSTRUCTION, write_arithmetic, write_gsm8k
+from learn_tasks.tasks import INSTRUCTION, heldout_rows, training_rows, write_arithmetic, write_gsm8k
+from transformers import AutoTokenizer
 
+from ds_rlhf.agent.adapters import load_environment
+from ds_rlhf.agent.demonstrations import tool_call_demonstration
+from ds_rlhf.agent.rendering import ChatRenderer
+from ds_rlhf.agent.tool_calls import ToolCall
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.telemetry.logger import read_metrics
 
@@ -71,6 +88,9 @@ FORMAT = "eval/reward/eval_reward/format"
 LENIENT = "eval/reward/eval_reward/lenient"
 TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward", "none": ""}
 EPISODE_OBSERVATION_TOKENS = 64  # --environment: room per turn for a tool's result turn beside the generated tokens
+HELDOUT = 500  # arithmetic: held-out problems
+WARM_START_BATCH = 32  # --warm-start-steps: demonstrations per SFT step, each used once (--tiny: 4)
+WARM_START_TOOL = "calculator"  # the tool the demonstrations call, with the problem's expression
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,6 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
                     "with this environment (rl.environment), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
     ap.add_argument("--max-turns", type=int, default=4, help="--environment: generated turns per episode")
+    ap.add_argument("--warm-start-steps", type=int, default=0, help="--environment, arithmetic: SFT steps on "
+                    "calculator demonstrations of the training stream before GRPO (0 = none)")
+    ap.add_argument("--warm-start-lr", type=float, default=5e-5, help="the warm start's SFT learning rate")
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
@@ -114,6 +137,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.max_prompt_len, args.max_turns = min(args.max_prompt_len, 256), min(args.max_turns, 2)
     elif not args.model:
         ap.error("--model is required (or --tiny)")
+    if args.warm_start_steps < 0:
+        ap.error(f"--warm-start-steps: give 0 (none) or a number of SFT steps, got {args.warm_start_steps}")
+    if args.warm_start_steps and not args.environment:
+        ap.error("--warm-start-steps demonstrates tool calls: add --environment (e.g. "
+                 "ds_rlhf/agent/examples/calculator.py:CalculatorEnv)")
+    if args.warm_start_steps and args.task != "arithmetic":
+        ap.error(f"--warm-start-steps builds each calculator call from an arithmetic problem's expression; task "
+                 f"{args.task} has none: use --task arithmetic")
     modes = args.modes or ("sync" if args.environment else "sync,async")
     args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     if not set(args.modes) <= {"sync", "async"} or not args.modes:
@@ -163,7 +194,7 @@ def ds_rlhf(*argv: str, log: Path | None = None, minutes: float = 0) -> None:
 def task_files(args, work: Path) -> dict[str, Path]:
     if args.task == "arithmetic":
         n_train = args.steps * args.prompts_per_step + 64  # an unlimited stream: never a prompt twice
-        return write_arithmetic(work / "task", n_train, 500)
+        return write_arithmetic(work / "task", n_train, HELDOUT)
     if not args.gsm8k.is_file():
         raise SystemExit(f"learn: GSM8K file not found: {args.gsm8k} (pass --gsm8k PATH/test.jsonl)")
     return write_gsm8k(args.gsm8k, work / "task")
@@ -201,6 +232,62 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
         key, _, value = item.partition("=")
         cfg += [f"--{key.removeprefix('--')}", value]
     return cfg
+
+
+def write_demonstrations(args, model: str, path: Path, n: int) -> int:
+    """--warm-start-steps: the first `n` problems of the training stream as two-turn calculator episodes, one JSON
+    line each (`messages`: the chat conversation, as any SFT trainer reads it; `answer`, `expression`), played
+    through the environment and rendered as the episode runner renders them (`agent/demonstrations.py`): the first
+    user message with the tools, a `calculator` call on the problem's expression in the tool-call format the
+    prompt asks for, the tool's result turn, and `#### N`."""
+    factory = load_environment(args.environment)
+    probe = factory()
+    params = getattr(probe, "params", {}).get(WARM_START_TOOL)
+    if not params:
+        raise SystemExit(f"learn: --warm-start-steps: the environment {args.environment} has no {WARM_START_TOOL} "
+                         "tool to demonstrate (use ds_rlhf/agent/examples/calculator.py:CalculatorEnv)")
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model), tools=probe.specs)
+    if renderer.tools_in_template:
+        raise SystemExit(f"learn: --warm-start-steps: {args.model}'s chat template shows the tools itself (tools=), "
+                         "which `ds-rlhf prep-sft` does not pass it, so the SFT prompts would differ from the "
+                         "episodes'; use --warm-start-steps 0 with this model")
+    with path.open("w") as out:
+        for row in training_rows(n, heldout_rows(HELDOUT), expressions=True):
+            env_row = {"prompt": row["prompt"], "answer": row["label"]}  # what reset gets from the prompt store
+            call = ToolCall(WARM_START_TOOL, {params[0]: row["expression"]})
+            messages, reward = tool_call_demonstration(factory(), renderer, env_row, call, f"#### {row['label']}")
+            if reward != 1.0:
+                raise SystemExit(f"learn: --warm-start-steps: the environment scored the demonstration of "
+                                 f"{row['prompt']!r} {reward}, not 1")
+            out.write(json.dumps({"messages": messages, "answer": row["label"], "expression": row["expression"]})
+                      + "\n")
+    return n
+
+
+def warm_start(args, model: str, work: Path, gpu: bool) -> tuple[str, dict]:
+    """--warm-start-steps: the project's SFT recipe (`ds-rlhf train-sft`) on the demonstrations (`prep-sft`: the
+    loss on the assistant turns only), each used once. Returns the model GRPO starts from (the SFT run's HF export)
+    and the JSON's `warm_start` record."""
+    t0 = time.perf_counter()
+    batch = 4 if args.tiny else WARM_START_BATCH
+    demos = args.out / f"warm_start_{args.task}.jsonl"
+    n = write_demonstrations(args, model, demos, args.warm_start_steps * batch)
+    store, run_dir = work / "store_warm_start", work / "run_warm_start"
+    context = args.max_prompt_len + args.max_turns * (args.max_new_tokens + EPISODE_OBSERVATION_TOKENS)
+    ds_rlhf("prep-sft", "--tokenizer", model, "--input", str(demos), "--output", str(store), "--overwrite",
+            "--quiet", "--max_len", str(context), log=work / "prep_warm_start.log")
+    budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu else 0)
+    print(f"learn: warm start: {args.warm_start_steps} SFT steps on {n} demonstrations ...", flush=True)
+    ds_rlhf("train-sft", "--model.path", model, "--data.train", str(store), "--run.output_dir", str(run_dir),
+            "--run.overwrite", "true", "--run.steps", str(args.warm_start_steps), "--optim.batch_size", str(batch),
+            "--optim.lr", str(args.warm_start_lr), "--run.save_every", "0", "--run.export_hf", "true",
+            "--run.progress", "false", "--run.tensorboard", "false",
+            *(["--data.micro_batch_tokens", str(budget)] if budget else []), log=work / "train_warm_start.log")
+    losses = [m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m]
+    record = {"steps": args.warm_start_steps, "seconds": round(time.perf_counter() - t0, 1), "demonstrations": n,
+              "batch_size": batch, "lr": args.warm_start_lr, "file": str(demos),
+              "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}
+    return str(run_dir / "export"), record
 
 
 def reward_args(args) -> list[str]:
@@ -286,7 +373,8 @@ def plot(result: dict, png: Path) -> None:
     settings = result["settings"]
     reward = (f"{Path(settings['environment'].rpartition(':')[0]).stem} episodes" if settings.get("environment")
               else f"{settings.get('reward', 'strict')} reward")
-    fig.suptitle(f"GRPO on {result['model_name']}: {result['task']}, {reward} ({result['device']})")
+    warm = f", after {result['warm_start']['steps']} SFT steps" if result.get("warm_start") else ""
+    fig.suptitle(f"GRPO on {result['model_name']}{warm}: {result['task']}, {reward} ({result['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -298,6 +386,9 @@ def merge(files: list[Path], out: Path) -> Path:
         data = json.loads(f.read_text())
         result = result or {**data, "modes": {}}
         result["modes"].update(data["modes"])
+        if data.get("warm_start", {}).get("step0") and result.get("warm_start"):  # each run's own warm start
+            result["warm_start"] = {**result["warm_start"], "step0": {**result["warm_start"].get("step0", {}),
+                                                                      **data["warm_start"]["step0"]}}
     out_json = out / f"learn_{result['task']}.json"
     out_json.write_text(json.dumps(result, indent=1))
     plot(result, out_json.with_suffix(".png"))
@@ -315,23 +406,28 @@ def main(argv=None) -> int:
     gpu = has_gpu()
     model = resolve_model_source(args.model)  # tiny, a directory, a Hub id, or a .gguf converted once (cached)
     stores = prep_stores(task_files(args, work), model, work, args.max_prompt_len, text=bool(args.environment))
+    policy, warm = warm_start(args, model, work, gpu) if args.warm_start_steps else (model, None)
     result = {"task": args.task, "model": args.model, "model_name": Path(args.model).name, "device":
               _device_name(gpu), "date": time.strftime("%Y-%m-%d"), "settings": {
                   k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
               | {"instruction": INSTRUCTION},
-              "modes": {}}
+              "modes": {}} | ({"warm_start": warm} if warm else {})
     for mode in args.modes:
         run_dir = work / f"run_{mode}"
         print(f"learn: {args.task}, {mode}: {args.steps} steps, eval every {args.eval_every} ...", flush=True)
         t0 = time.perf_counter()
         with Sampler(0.5) as sampler:
-            ds_rlhf("train-ppo", *trainer_args(args, model, stores, run_dir, mode, gpu),
+            ds_rlhf("train-ppo", *trainer_args(args, policy, stores, run_dir, mode, gpu),
                     log=work / f"train_{mode}.log", minutes=args.minutes)
         metrics = read_metrics(run_dir)
         result["modes"][mode] = curve(metrics)
         result["modes"][mode]["gpu"] = gpu_use(sampler.samples, sampler.source, metrics)
         result["modes"][mode]["summary"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
         result["modes"][mode]["summary"]["gpu_util_mean"] = result["modes"][mode]["gpu"]["gpu_util_mean"]
+        if warm and result["modes"][mode]["points"]:  # GRPO's step 0: the SFT'd model, before any RL
+            start = result["modes"][mode]["points"][0]
+            warm.setdefault("step0", {})[mode] = {k: start.get(k) for k in ("exact_match", "tool_call_rate",
+                                                                              "turns_mean")}
         print(f"learn: {mode}: {json.dumps(result['modes'][mode]['summary'])}", flush=True)
     out_json = args.out / f"learn_{args.task}.json"
     out_json.write_text(json.dumps(result, indent=1))

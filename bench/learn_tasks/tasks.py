@@ -28,43 +28,50 @@ NAMES = ["Mia", "Noah", "Ava", "Liam", "Zoe", "Omar", "Lena", "Ravi", "Sara", "T
 ITEMS = ["apples", "stickers", "marbles", "books", "coins", "pencils", "cards", "shells", "stamps", "cookies"]
 
 
-def _problem(rng: random.Random) -> tuple[str, int]:
+def _problem(rng: random.Random) -> tuple[str, int, str]:
+    """(question, answer, expression): the expression computes the answer from the question's numbers in the
+    question's order (what a calculator call for it would evaluate)."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     operands = rng.choice((2, 3))
     if rng.random() < 0.3:  # start with a product
         boxes, each = rng.randint(2, 9), rng.randint(2, 12)
-        total = boxes * each
+        total, expression = boxes * each, f"{boxes} * {each}"
         parts = [f"{name} has {boxes} boxes with {each} {item} in each box."]
         operands -= 1
     else:
         total = rng.randint(5, 60)
+        expression = str(total)
         parts = [f"{name} has {total} {item}."]
     for _ in range(operands - 1):
         op = rng.choice("+-x" if total <= 40 else "+-")
         if op == "+":
             n = rng.randint(2, 40)
             total += n
+            expression += f" + {n}"
             parts.append(rng.choice([f"Then {name} buys {n} more {item}.", f"A friend gives {name} {n} more {item}."]))
         elif op == "-" and total > 2:
             n = rng.randint(1, total - 1)
             total -= n
+            expression += f" - {n}"
             parts.append(rng.choice([f"Then {name} gives away {n} {item}.", f"Then {name} loses {n} {item}."]))
         else:
             k = rng.randint(2, 4)
             total *= k
+            expression = f"({expression}) * {k}" if " " in expression else f"{expression} * {k}"
             parts.append(f"Then the number of {item} {name} has becomes {k} times as large.")
     parts.append(f"How many {item} does {name} have now?")
-    return " ".join(parts), total
+    return " ".join(parts), total, expression
 
 
-def _rows(rng: random.Random, n: int, skip: set[str]) -> list[dict]:
+def _rows(rng: random.Random, n: int, skip: set[str], expressions: bool = False) -> list[dict]:
     rows, seen = [], set(skip)
     while len(rows) < n:
-        question, answer = _problem(rng)
+        question, answer, expression = _problem(rng)
         if question in seen:
             continue
         seen.add(question)
-        rows.append({"prompt": f"{question}\n{INSTRUCTION}", "label": str(answer), "data_source": "arithmetic"})
+        rows.append({"prompt": f"{question}\n{INSTRUCTION}", "label": str(answer), "data_source": "arithmetic"}
+                    | ({"expression": expression} if expressions else {}))
     return rows
 
 
@@ -72,9 +79,10 @@ def heldout_rows(n: int = 500) -> list[dict]:
     return _rows(random.Random(1), n, set())
 
 
-def training_rows(n: int, heldout: list[dict]) -> list[dict]:
-    """`n` training rows (seed 0), none of whose questions is in `heldout`."""
-    return _rows(random.Random(0), n, {r["prompt"].split("\n")[0] for r in heldout})
+def training_rows(n: int, heldout: list[dict], expressions: bool = False) -> list[dict]:
+    """`n` training rows (seed 0), none of whose questions is in `heldout`; the first `n` rows of any longer stream.
+    `expressions`: each row also has `expression`, the arithmetic computing its answer (`_problem`)."""
+    return _rows(random.Random(0), n, {r["prompt"].split("\n")[0] for r in heldout}, expressions)
 
 
 def write_arithmetic(out_dir: Path, n_train: int = 20000, n_heldout: int = 500) -> dict[str, Path]:

@@ -9,7 +9,8 @@ Two formats:
   with `ast` (literals only, nothing is evaluated); positional arguments take the tool's parameters in order.
 
 A malformed call is not an exception: `parse_tool_calls` returns it as `error`, one sentence the caller shows the
-model as its observation so it can correct itself.
+model as its observation so it can correct itself. `format_tool_call` writes a call in either format, as a model
+would (demonstrations): `parse_tool_calls` reads it back to the same call.
 """
 
 from __future__ import annotations
@@ -120,3 +121,24 @@ def _checked(name: str, args: dict, tools) -> tuple[ToolCall | None, str | None]
             return None, f"{name} has no parameter {', '.join(unknown)}: its parameters are " \
                          f"{', '.join(tools[name]) or 'none'}"
     return ToolCall(name, dict(args)), None
+
+
+def format_tool_call(call: ToolCall, fmt: str, params: Sequence[str] = ()) -> str:
+    """The text of `call` in format `fmt`: "hermes", a `<tool_call>` block of JSON; "plain", one line `name(...)`
+    with literal arguments, positional where they are the first of the tool's `params` in order (`calculator("2 +
+    3")`), else by keyword. `parse_tool_calls(text, {call.name: params})` reads it back to `call`."""
+    if fmt == "hermes":
+        return f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n</tool_call>"
+    if fmt != "plain":
+        raise ValueError(f"tool-call format {fmt!r}: use 'hermes' or 'plain'")
+    positional = list(call.arguments) == list(params)[: len(call.arguments)]
+    args = [_literal(v) if positional else f"{k}={_literal(v)}" for k, v in call.arguments.items()]
+    return f"{call.name}({', '.join(args)})"
+
+
+def _literal(value) -> str:
+    """A Python literal `ast.literal_eval` reads back to `value` (strings double-quoted, as JSON writes them)."""
+    text = json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
+    if ast.literal_eval(text) != value:
+        raise ValueError(f"{value!r} cannot be written as a literal argument")
+    return text

@@ -12,8 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
-from ds_rlhf.agent.examples.calculator import final_number_reward
+from ds_rlhf.agent.examples.calculator import CalculatorEnv, calculator, final_number_reward
+from ds_rlhf.agent.tool_calls import ToolCall
+from ds_rlhf.data import open_store
+from ds_rlhf.engines.model_source import resolve_model_source
+from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,3 +213,105 @@ def test_gpu_use_averages_the_samples_taken_over_the_training_steps(monkeypatch)
     assert out == {"source": "nvml", "window": [110.0, 120.0], "gpu_util_mean": 60.0, "gpu_mem_max_gib": 35.0,
                    "samples": 3}
     assert learn.gpu_use([], None, metrics)["gpu_util_mean"] is None
+
+
+def _learn(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when the script runs: its folder first on the path
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    return learn
+
+
+def _check_demonstration(record: dict, row: dict) -> None:
+    """A warm-start demonstration line: `row`'s question, a calculator call that the environment's own parser
+    reads back to the call on the problem's expression, the tool's result (the answer), `#### answer`."""
+    user, call, tool, answer = record["messages"]
+    assert [m["role"] for m in record["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert user["content"].startswith(row["prompt"] + "\n\n") and "calculator(expression: string)" in user["content"]
+    parsed = CalculatorEnv().parse(call["content"])
+    assert parsed.error is None and parsed.calls == [ToolCall("calculator", {"expression": row["expression"]})]
+    assert calculator(row["expression"]) == tool["content"] == row["label"] == record["answer"]
+    assert answer["content"] == f"#### {row['label']}"
+
+
+def test_warm_start_demonstrations_are_calculator_episodes_of_the_training_stream(tmp_path, monkeypatch):
+    learn = _learn(monkeypatch)
+    args = learn.parse_args(["--tiny", "--environment", CALCULATOR, "--warm-start-steps", "3"])
+    path = tmp_path / "demos.jsonl"
+    assert learn.write_demonstrations(args, resolve_model_source("tiny"), path, 12) == 12
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = tasks.training_rows(12, tasks.heldout_rows(500), expressions=True)  # the stream's first problems
+    assert len(records) == 12 and rows[:12] == tasks.training_rows(40, tasks.heldout_rows(500), expressions=True)[:12]
+    for record, row in zip(records, rows):
+        _check_demonstration(record, row)
+    assert {"*" in r["expression"] for r in rows} == {True, False}  # products and sums among them
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--warm-start-steps", "2"], "add --environment"),
+    (["--warm-start-steps", "2", "--environment", CALCULATOR, "--task", "gsm8k"], "use --task arithmetic"),
+    (["--warm-start-steps", "-1", "--environment", CALCULATOR], "give 0"),
+])
+def test_warm_start_settings_a_run_cannot_use_are_refused_in_one_line(flags, message, monkeypatch, capsys):
+    learn = _learn(monkeypatch)
+    with pytest.raises(SystemExit):
+        learn.parse_args(["--tiny", *flags])
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.extended  # about a minute: the SFT run, then GRPO from its export
+@pytest.mark.slow
+def test_tiny_calculator_run_with_a_warm_start_trains_sft_first_and_records_it(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ds_rlhf.entrypoints", "bench", "learn", "--tiny", "--steps", "1",
+                          "--eval-size", "4", "--environment", CALCULATOR, "--warm-start-steps", "2",
+                          "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "learn_arithmetic.json").read_text())
+    warm, work = result["warm_start"], tmp_path / "work_arithmetic"
+    assert (warm["steps"], warm["demonstrations"], warm["batch_size"]) == (2, 8, 4) and warm["seconds"] > 0
+    assert result["settings"]["warm_start_steps"] == 2
+    # the tool-call rate and the held-out accuracy of GRPO's step 0, which evaluates the SFT'd model
+    start = result["modes"]["sync"]["points"][0]
+    assert start["step"] == 0
+    assert warm["step0"]["sync"] == {k: start[k] for k in ("exact_match", "tool_call_rate", "turns_mean")}
+    # the demonstration file: the training stream's first 8 problems as calculator episodes
+    records = [json.loads(line) for line in Path(warm["file"]).read_text().splitlines()]
+    rows = tasks.training_rows(8, tasks.heldout_rows(500), expressions=True)
+    assert len(records) == 8
+    for record, row in zip(records, rows):
+        _check_demonstration(record, row)
+    # the SFT run: 2 steps on the demonstrations' store, the loss on the assistant turns only
+    sft = [m for m in read_metrics(work / "run_warm_start") if "train/loss" in m]
+    assert [m["step"] for m in sft] == [1, 2] and [m["train/loss"] for m in sft] == [warm["loss_first"],
+                                                                                   warm["loss_last"]]
+    store = open_store(work / "store_warm_start")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("tiny"))
+    for i, row in enumerate(rows):
+        stored = store.row(i)
+        trained = [t for t, m in zip(stored["input_ids"], stored["loss_mask"]) if m]
+        assert tokenizer.decode(trained) == f'calculator("{row["expression"]}")<|im_end|>#### {row["label"]}<|im_end|>'
+    # GRPO started from the SFT run's export
+    config = json.loads((work / "run_sync" / "config.json").read_text())
+    assert config["model"]["path"] == str(work / "run_warm_start" / "export")
+
+
+def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
+    """Runs of one mode each (`--modes sync`, `--modes async`), each with its own warm start, joined by --merge:
+    the step-0 figures after SFT of both modes stay in `warm_start`."""
+    learn = _learn(monkeypatch)
+    files = []
+    for i, mode in enumerate(("sync", "async")):
+        point = {"step": 0, "seconds": 0.0, "generated_tokens": 0, "exact_match": i / 4, "format": None,
+                 "tool_call_rate": i / 2, "turns_mean": 1.0 + i}
+        run = {"points": [point], "lengths": [], "summary": {}}
+        data = {"task": "arithmetic", "model_name": "m", "device": "CPU", "settings": {"environment": CALCULATOR},
+                "modes": {mode: run}, "warm_start": {"steps": 3, "step0": {mode: {"exact_match": i / 4,
+                                                                                  "tool_call_rate": i / 2}}}}
+        files.append(tmp_path / f"{mode}.json")
+        files[-1].write_text(json.dumps(data))
+    merged = json.loads(learn.merge(files, tmp_path).read_text())
+    assert list(merged["modes"]) == ["sync", "async"] and merged["warm_start"]["steps"] == 3
+    assert merged["warm_start"]["step0"] == {"sync": {"exact_match": 0.0, "tool_call_rate": 0.0},
+                                             "async": {"exact_match": 0.25, "tool_call_rate": 0.5}}
