@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import restore_checkpoint_weights
+from rollout_helpers import LLMBuilt, restore_checkpoint_weights
 
 
 @pytest.fixture
@@ -20,3 +20,26 @@ def hf_model(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def llm_calls(monkeypatch):
+    """`vllm.LLM` replaced by a fake that records its keyword arguments, then raises `LLMBuilt` (nothing starts)."""
+    import vllm
+
+    calls = []
+
+    def fake_llm(**kwargs):
+        calls.append(kwargs)
+        raise LLMBuilt
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    return calls
+
+
+@pytest.fixture
+def as_gpu(monkeypatch):
+    """Build the engine arguments as on a GPU (no CPU-only adjustments), still without starting anything."""
+    from ds_rlhf.rollout import vllm_adapter
+
+    monkeypatch.setattr(vllm_adapter, "is_cpu_platform", lambda: False)

@@ -220,3 +220,7 @@ def disaggregated_worker(model_path: str, stages: list[int]) -> dict:
     finally:
         rollout.close()
     return out
+
+
+class LLMBuilt(Exception):
+    """Raised by the `llm_calls` fixture's fake `vllm.LLM` once it has recorded its keyword arguments."""

@@ -6,9 +6,9 @@ passed to `vllm.LLM(...)` through every placement (colocated; sidecar and disagg
 from __future__ import annotations
 
 import pytest
+from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout import vllm_adapter
 from ds_rlhf.rollout.base import RolloutError
 from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS, engine_arg_names, engine_option_kwargs
 
@@ -16,30 +16,6 @@ pytest.importorskip("vllm")
 
 OPTIONS = ["--rollout.async_scheduling", "true", "--rollout.max_num_seqs", "256",
            "--rollout.max_num_batched_tokens", "8192", "--rollout.cudagraph_sizes", "64,8,16"]
-
-
-class _Stop(Exception):
-    """Raised by the fake LLM once it has recorded its keyword arguments."""
-
-
-@pytest.fixture
-def llm_calls(monkeypatch):
-    import vllm
-
-    calls = []
-
-    def fake_llm(**kwargs):
-        calls.append(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(vllm, "LLM", fake_llm)
-    return calls
-
-
-@pytest.fixture
-def as_gpu(monkeypatch):
-    """Build the engine arguments as on a GPU (no CPU-only adjustments), still without starting anything."""
-    monkeypatch.setattr(vllm_adapter, "is_cpu_platform", lambda: False)
 
 
 def test_defaults_pass_no_engine_option():
@@ -111,7 +87,7 @@ def test_yaml_booleans_read_as_the_async_scheduling_choice(tmp_path):
 def test_colocated_engine_passes_the_options_to_llm(tiny_model_path, llm_calls, as_gpu):
     from ds_rlhf.rollout import make_rollout_engine
 
-    with pytest.raises(_Stop):
+    with pytest.raises(LLMBuilt):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), max_model_len=256,
                             **parse_config(OPTIONS).rollout.vllm_options())
     (kw,) = llm_calls
@@ -124,7 +100,7 @@ def test_colocated_engine_passes_the_options_to_llm(tiny_model_path, llm_calls, 
 def test_default_colocated_engine_arguments_are_unchanged(tiny_model_path, llm_calls, as_gpu):
     from ds_rlhf.rollout import make_rollout_engine
 
-    with pytest.raises(_Stop):
+    with pytest.raises(LLMBuilt):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), max_model_len=256,
                             **parse_config([]).rollout.vllm_options())
     (kw,) = llm_calls
@@ -153,7 +129,7 @@ def test_server_placements_pass_the_options_to_llm(placement, tiny_model_path, l
                             **parse_config(OPTIONS).rollout.vllm_options())
     assert sent["kwargs"]["max_num_seqs"] == 256 and sent["kwargs"]["cudagraph_sizes"] == [64, 8, 16]
     assert sent["process"][0] == "no process"  # the engine spawned its own server (none was handed to it)
-    with pytest.raises(_Stop):
+    with pytest.raises(LLMBuilt):
         remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     assert (kw["async_scheduling"], kw["max_num_seqs"], kw["max_num_batched_tokens"],
@@ -184,6 +160,6 @@ def test_the_trainer_builds_its_engine_with_the_configured_options(tiny_model_pa
             str(tmp_path / "run"), "--rollout.backend", "vllm", "--rollout.max_num_seqs", "64",
             "--rollout.max_num_batched_tokens", "4096", "--rl.reward_fn", "math_shaped", "--run.progress", "false",
             "--run.tensorboard", "false"]
-    with pytest.raises(_Stop):
+    with pytest.raises(LLMBuilt):
         RLTrainer(parse_config(argv))
     assert llm_calls[-1]["max_num_seqs"] == 64 and llm_calls[-1]["max_num_batched_tokens"] == 4096

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout import make_rollout_engine, vllm_adapter
+from ds_rlhf.rollout import make_rollout_engine
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
 from ds_rlhf.rollout.server import client as remote
 from ds_rlhf.rollout.server import server as remote_server
@@ -26,25 +27,6 @@ from ds_rlhf.run.placement import resolve_placement
 pytest.importorskip("vllm")
 
 SIDECAR_VLLM = ["--rollout.placement", "sidecar", "--rollout.weight_transport", "vllm"]
-
-
-class _Stop(Exception):
-    """Raised by the fake LLM once it has recorded its keyword arguments."""
-
-
-@pytest.fixture
-def llm_calls(monkeypatch):
-    import vllm
-
-    calls = []
-
-    def fake_llm(**kwargs):
-        calls.append(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(vllm, "LLM", fake_llm)
-    monkeypatch.setattr(vllm_adapter, "is_cpu_platform", lambda: False)  # the arguments as on a GPU
-    return calls
 
 
 # ---- the setting ----------------------------------------------------------------------------------------------------
@@ -106,11 +88,11 @@ def _sidecar_start_kwargs(monkeypatch, tiny_model_path, **kw) -> dict:
 
 @pytest.mark.parametrize("transport", ["own", "vllm"])
 def test_sidecar_server_builds_llm_with_weight_transfer_config_only_for_vllm(transport, tiny_model_path, llm_calls,
-                                                                             monkeypatch):
+                                                                             as_gpu, monkeypatch):
 
     extra = {} if transport == "own" else {"weight_transport": "vllm"}
     sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **extra)
-    with pytest.raises(_Stop):
+    with pytest.raises(LLMBuilt):
         remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     if transport == "own":
