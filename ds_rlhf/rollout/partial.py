@@ -81,7 +81,7 @@ class PartialRolloutService(RolloutService):
         def read() -> Generated:
             seconds, tokens = self._merge(*first.result(), spec)
             rounds = 1
-            while not any(g.complete for g in self.open):  # nothing to train on: continue the carried samples
+            while self.open and not any(g.complete for g in self.open):  # nothing to train on: continue them
                 more_seconds, more_tokens = self._merge(*self._call(spec, rounds=rounds).result(), spec)
                 seconds, tokens, rounds = seconds + more_seconds, tokens + more_tokens, rounds + 1
             return self._take_complete((seconds, tokens))
@@ -134,7 +134,7 @@ class PartialRolloutService(RolloutService):
         samples = [RolloutSample(i, j, list(g.row["input_ids"]), slot.response_ids, slot.logprobs, slot.finish)
                    for i, g in enumerate(done) for j, slot in enumerate(g.slots)]
         return Generated(samples, generation, rows=[g.row for g in done],
-                         weights_version=min(g.version for g in done))
+                         weights_version=min((g.version for g in done), default=self.engine_version))
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
