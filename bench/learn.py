@@ -127,7 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
     ap.add_argument("--merge", type=Path, nargs="+", help="join the modes of these learn_<task>.json files (runs of "
                     "one mode each, e.g. on a machine that allows one run per call) into --out's JSON and PNG; no run")
+    ap.add_argument("--labels", nargs="+", default=[], help="with --merge: one label per file, added to its modes' "
+                    "names (two runs of one mode with different settings: --labels whole partial -> 'sync, whole', "
+                    "'sync, partial')")
     args = ap.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.merge or []):
+        ap.error(f"--labels: give one label per --merge file ({len(args.merge or [])}), got {len(args.labels)}")
     if args.merge:
         return args
     if args.tiny:
@@ -380,12 +385,14 @@ def plot(result: dict, png: Path) -> None:
     plt.close(fig)
 
 
-def merge(files: list[Path], out: Path) -> Path:
+def merge(files: list[Path], out: Path, labels: list[str] | None = None) -> Path:
+    """One JSON and PNG of several runs' modes; with `labels` (one per file) each mode is named "<mode>, <label>",
+    so runs of the same mode with different settings stay apart."""
     result = None
-    for f in files:
+    for i, f in enumerate(files):
         data = json.loads(f.read_text())
         result = result or {**data, "modes": {}}
-        result["modes"].update(data["modes"])
+        result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run for mode, run in data["modes"].items()})
         if data.get("warm_start", {}).get("step0") and result.get("warm_start"):  # each run's own warm start
             result["warm_start"] = {**result["warm_start"], "step0": {**result["warm_start"].get("step0", {}),
                                                                       **data["warm_start"]["step0"]}}
@@ -399,7 +406,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        print(f"learn: wrote {merge(args.merge, args.out)}")
+        print(f"learn: wrote {merge(args.merge, args.out, args.labels)}")
         return 0
     work = args.out / f"work_{args.task}"
     work.mkdir(exist_ok=True)

@@ -315,3 +315,21 @@ def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
     assert list(merged["modes"]) == ["sync", "async"] and merged["warm_start"]["steps"] == 3
     assert merged["warm_start"]["step0"] == {"sync": {"exact_match": 0.0, "tool_call_rate": 0.0},
                                              "async": {"exact_match": 0.25, "tool_call_rate": 0.5}}
+
+
+def test_merge_labels_keep_two_runs_of_one_mode_apart(tmp_path, monkeypatch):
+    """Two synchronous runs with different settings, joined with --labels: both curves stay, each named by its label;
+    a label count that does not match the files is refused in one line."""
+    learn = _learn(monkeypatch)
+    files = []
+    for i, label in enumerate(("whole", "partial")):
+        point = {"step": 0, "seconds": 0.0, "generated_tokens": 0, "exact_match": i / 4, "format": None}
+        data = {"task": "arithmetic", "model_name": "m", "device": "CPU", "settings": {},
+                "modes": {"sync": {"points": [point], "lengths": [], "summary": {}}}}
+        files.append(tmp_path / f"{label}.json")
+        files[-1].write_text(json.dumps(data))
+    merged = json.loads(learn.merge(files, tmp_path, ["whole", "partial"]).read_text())
+    assert list(merged["modes"]) == ["sync, whole", "sync, partial"]
+    assert merged["modes"]["sync, partial"]["points"][0]["exact_match"] == 0.25
+    with pytest.raises(SystemExit):
+        learn.parse_args(["--merge", str(files[0]), str(files[1]), "--labels", "whole"])
