@@ -240,6 +240,7 @@ def test_train_dpo_command_help_and_a_two_step_run(tiny_model_path, addition_sto
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "dpo.loss=ipo takes no" in bad.stderr
 
 
+@pytest.mark.extended
 def test_pipeline_runs_dpo_instead_of_rm_and_rl(tmp_path):
     """`ds-rlhf pipeline --dpo`: data -> SFT -> DPO, no reward model or RL run; the summary's margin and accuracy
     rise from the first DPO steps to the last."""
