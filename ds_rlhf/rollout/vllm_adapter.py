@@ -516,7 +516,8 @@ class NCCLWeightSender:
         received = self.client.update_weights_later(nccl_update_info(plan, self.wire))
         mod.NCCLWeightTransferEngine.trainer_send_weights(iter(named_tensors), {"group": self._group, **self.wire})
         received.result()  # the server loaded every chunk, so every broadcast landed on both ends
-        torch.cuda.synchronize()  # the producer's own streams included: the buckets may be released now
+        if torch.cuda.is_available():  # the producer's own streams included: the buckets may be released now
+            torch.cuda.synchronize()
         self.client.finish_weight_update()
 
     def close(self) -> None:
