@@ -351,14 +351,20 @@ def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def run_argv(*flags):
+    def run_argv(*flags, placement="sidecar"):
         monkeypatch.setattr("sys.argv", ["rl_step_gpu.py", "--workdir", str(tmp_path), *flags])
         captured = {}
         monkeypatch.setattr(bench, "run_one", lambda args, *a, **k: captured.update(args=args))
         monkeypatch.setattr(bench, "build_model", lambda *a: tmp_path)
         monkeypatch.setattr(bench, "build_prompts", lambda *a: tmp_path)
         bench.main()
-        return bench.config_argv(captured["args"], tmp_path, tmp_path, "sidecar", tmp_path / "run", [])[0]
+        return bench.config_argv(captured["args"], tmp_path, tmp_path, placement, tmp_path / "run", [])[0]
 
     assert parse_config(run_argv()).rollout.weight_transport == "own"
     assert parse_config(run_argv("--weight-transport", "vllm")).rollout.weight_transport == "vllm"
+    disagg = parse_config(run_argv("--placement", "disaggregated", "--weight-transport", "vllm",
+                                   placement="disaggregated"))
+    assert (disagg.rollout.placement, disagg.rollout.devices, disagg.rollout.weight_transport) == (
+        "disaggregated", "1", "vllm")  # the trainer on GPU 0, the server on GPU 1
+    placed = resolve_placement(disagg, world_size=1, local_world_size=1, gpus_on_node=2)
+    assert (placed.train_devices, placed.rollout_devices) == ((0,), (1,))
