@@ -10,6 +10,8 @@ advantages are not all zero. Reports per-phase medians over the steps after warm
     python3 bench/rl_step_gpu.py --placement colocated --steps 22 --out $OUT [--sleep]   # the in-process engine
     python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: generation one step off-policy
     python3 bench/rl_step_gpu.py --async --sidecar-engines 1 ...  # one sidecar process (the config's default)
+    python3 bench/rl_step_gpu.py --async --placement disaggregated --weight-transport vllm --out $OUT  # 2 GPUs:
+        # trainer on GPU 0, the vLLM server on --rollout-devices (default 1); syncs through vLLM's NCCL engine
 
 Engine placement (the workload above is the same whatever it is): by default the 0.5B shape generates with two
 vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sidecar_engines 2`), in synchronous and
@@ -195,8 +197,11 @@ def main() -> None:
                         "best for this workload, docs/PERFORMANCE.md; the config's own default is 1; with "
                         f"--max-gpu-memory-gb, {SIDECAR_ENGINES} unless it does not fit the cap, then fewer)")
     p.add_argument("--weight-transport", choices=("own", "vllm"), default="own",
-                   help="rollout.weight_transport: own (our CUDA-IPC buffer) or vllm (vLLM's weight_transfer IPC "
-                        "engine; sidecar placement only)")
+                   help="rollout.weight_transport: own (our CUDA-IPC buffer / NCCL weight group) or vllm (vLLM's "
+                        "weight_transfer engine: IPC on the sidecar, NCCL with --placement disaggregated)")
+    p.add_argument("--rollout-devices", default="1",
+                   help="rollout.devices with --placement disaggregated: the vLLM server's GPUs (the trainer is on "
+                        "GPU 0), e.g. 1 on a 2-GPU host")
     p.add_argument("--profile-train-step", type=int, default=0, metavar="N",
                    help="profile the N-th step's training phase (torch.profiler, this process's CUDA kernels): busy "
                         "fraction, gaps and the heaviest kernels go to the JSON's `train_profile` "
@@ -291,6 +296,7 @@ def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path,
         "--model.path", str(model), "--data.train", str(prompts), "--run.output_dir", str(run_dir),
         "--run.steps", str(args.steps), "--rl.algo", args.algo, "--rl.kl_coef", "0",
         "--rollout.placement", placement, "--rollout.async_generation", str(args.asynchronous), *engines,
+        *(["--rollout.devices", args.rollout_devices] if placement == "disaggregated" else []),
         "--rollout.weight_transport", args.weight_transport,
         "--run.overwrite", "true",
         "--rl.reward_fn", f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio",

@@ -129,8 +129,8 @@ class RolloutConfig:
     # gpu_memory_utilization is split evenly too; why several: vLLM's decode is bound by per-step host work, and N
     # processes run N of those loops at once (rollout/server/sharded.py)
     sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them
-    # own: our CUDA-IPC buffer (sidecar) / weight group (disaggregated); vllm: vLLM's weight_transfer IPC engine
-    # (sidecar on GPU only; vLLM 0.26's ipc_engine imports ray and requests)
+    # own: our CUDA-IPC buffer (sidecar) / weight group (disaggregated); vllm: vLLM's weight_transfer engine, IPC on
+    # the sidecar (vLLM 0.26's ipc_engine imports ray and requests), NCCL on a disaggregated server (GPU only)
     weight_transport: str = opt("own", choices=("own", "vllm"))  # how a sync moves weights into a vLLM server
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
@@ -246,10 +246,11 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
                               f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")
         self._check_partial(cfg)
-        if self.weight_transport == "vllm" and (self.placement != "sidecar" or self.backend == "hf"):
-            raise ConfigError(f"rollout.weight_transport=vllm moves weights with vLLM's CUDA-IPC engine, which only "
-                              f"the sidecar vLLM server uses (got rollout.placement={self.placement}, rollout.backend="
-                              f"{self.backend}): use --rollout.placement sidecar or --rollout.weight_transport own")
+        if self.weight_transport == "vllm" and (self.placement == "colocated" or self.backend == "hf"):
+            raise ConfigError(f"rollout.weight_transport=vllm moves weights with vLLM's weight-transfer engine into a "
+                              f"vLLM server process (got rollout.placement={self.placement}, rollout.backend="
+                              f"{self.backend}): use --rollout.placement sidecar or disaggregated, or "
+                              "--rollout.weight_transport own")
         if self.async_generation and cfg.rl.mismatch == "off":
             raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
                               "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")

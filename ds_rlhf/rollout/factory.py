@@ -51,8 +51,9 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
     enforce_eager) for every placement; the HF backend has none of those and says so when one is set.
     `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only).
-    `weight_transport="vllm"` (sidecar only): the servers' engines are built with vLLM's weight-transfer config and
-    syncs go through vLLM's CUDA-IPC weight-transfer engine (`server/calls.py:update_through_vllm_ipc`).
+    `weight_transport="vllm"` (sidecar and disaggregated): the servers' engines are built with vLLM's weight-transfer
+    config and syncs go through vLLM's weight-transfer engine: CUDA IPC on the sidecar
+    (`server/calls.py:update_through_vllm_ipc`), NCCL into a server on other GPUs (`update_through_vllm_nccl`).
     `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` and its own
     seed, behind one `ShardedRolloutEngine` that splits every batch between them (`server/sharded.py`)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
@@ -60,9 +61,9 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     n_engines = kw.pop("sidecar_engines", 1)
     if n_engines > 1 and placement != "sidecar":
         raise ValueError(f"sidecar_engines={n_engines} needs placement='sidecar', got {placement!r}")
-    if kw.get("weight_transport", "own") != "own" and placement != "sidecar":
-        raise ValueError(f"weight_transport={kw['weight_transport']!r} needs placement='sidecar' (vLLM's CUDA-IPC "
-                         f"weight transfer into a server on the trainer's GPU), got {placement!r}")
+    if kw.get("weight_transport", "own") != "own" and placement == "colocated":
+        raise ValueError(f"weight_transport={kw['weight_transport']!r} needs placement='sidecar' or 'disaggregated' "
+                         "(vLLM's weight transfer into a server process), got 'colocated'")
     backend = resolve_backend(backend)
     if kw.get("lora") and (backend != "vllm" or placement != "colocated"):
         raise ValueError(f"adapter sync (lora={kw['lora']}) needs the colocated vLLM engine, got backend={backend!r}, "

@@ -21,7 +21,7 @@ subclasses it) `collective_rpc` calls the worker directly with our tensors, so a
 trainer tensors straight into vLLM's parameters on the same device: nothing goes through the host. For a
 disaggregated engine the same extension joins a dedicated weight group and receives flattened buckets.
 
-`rollout.weight_transport vllm` (sidecar only): the engine is built with `weight_transfer_config={"backend": "ipc"}`
+`rollout.weight_transport vllm` (sidecar): the engine is built with `weight_transfer_config={"backend": "ipc"}`
 and weights go through vLLM's own CUDA-IPC weight-transfer engine instead of ours. Server side (`VLLMHandle`):
 `LLM.init_weight_transfer_engine({"init_info": ...})`, `start_weight_update()`, `update_weights({"update_info":
 ...})`, `finish_weight_update()`, the same calls and dict forms in 0.26 and 0.32. Trainer side
@@ -33,6 +33,11 @@ which drives init/start/update/finish through the client; `packed` travels in th
 each call to the rollout server(s) over their socket (`server/calls.py`). 0.26's `ipc_engine` imports `ray` and
 `requests` at module top (used only by its 'ray' / 'http' send modes): without them the import fails and
 `ipc_engine_module` says which package is missing.
+
+`rollout.weight_transport vllm` on a disaggregated server (its own GPUs): the engine is built with
+`weight_transfer_config={"backend": "nccl"}` and `NCCLWeightSender` is the trainer's end of vLLM's NCCL
+weight-transfer engine (rank 0 of a group with the server's 1..tp workers; the same server-side calls; the
+trainer side differs between 0.26 and 0.32 as for IPC, see the class).
 
 LoRA (`lora_rank > 0`, adapter sync: `adapter_sync.py`): the engine starts with `enable_lora=True`, `max_loras=1`
 and `max_lora_rank` (`lora_engine_kwargs`); `load_adapter` registers each synced peft adapter directory with
@@ -74,6 +79,9 @@ from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPR
     SUPPORTED_RANGE,
     check_version,
     chosen_logprobs,
+    nccl_update_info,
+    nccl_wire,
+    nccl_worker_init_info,
     option_kwargs,
     samples_from_outputs,
     sampling_kwargs,
@@ -188,7 +196,7 @@ class VLLMHandle:
                  executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
-                 weight_transport: str = "own", **llm_kwargs) -> None:
+                 weight_transport: str = "own", weight_transfer_backend: str = "ipc", **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in IN_PROCESS_EXECUTORS:
@@ -212,9 +220,9 @@ class VLLMHandle:
             kwargs["data_parallel_size"] = data_parallel_size
         if lora_rank > 0:
             kwargs.update(lora_engine_kwargs(lora_rank))
-        kwargs.update(weight_transfer_kwargs(weight_transport, version=self.version,
+        kwargs.update(weight_transfer_kwargs(weight_transport, version=self.version, backend=weight_transfer_backend,
                                              arg_names=engine_arg_names() if weight_transport != "own" else ()))
-        if weight_transport == "vllm":
+        if weight_transport == "vllm" and weight_transfer_backend == "ipc":
             ipc_engine_module()  # vLLM's workers import it while they start: a missing package is named here first
         self.lora_request = None  # the adapter every request is served with (load_adapter), None: the base
         self._last_lora_id = 0  # ids only count up, so no id vLLM may have cached is reused
@@ -432,18 +440,90 @@ def send_weights_through_vllm_ipc(named_tensors: Iterable[tuple[str, torch.Tenso
     client.finish_weight_update()
 
 
-def _weight_source(named_tensors: Iterable[tuple[str, torch.Tensor]], plan):
-    """A one-pass `WeightSource` (vLLM 0.32) over `named_tensors`, its metadata from `plan`."""
+def _weight_source(named_tensors: Iterable[tuple[str, torch.Tensor]] = (), plan=()):
+    """A one-pass `WeightSource` (vLLM 0.32) over `named_tensors`, its metadata from `plan`; `refill` replaces both
+    (vLLM's NCCL trainer engine takes its source once, at `trainer_init`, and replays it every `send_weights`)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class _BucketSource(WeightSource):
+        def __init__(self):
+            self.refill(named_tensors, plan)
+
+        def refill(self, tensors, new_plan):
+            self.tensors, self.plan = tensors, new_plan
+
         def metadata(self):
-            return [ParamMeta(m.name, m.dtype, tuple(m.shape)) for metas in plan for m in metas]
+            return [ParamMeta(m.name, m.dtype, tuple(m.shape)) for metas in self.plan for m in metas]
 
         def __iter__(self):
-            return iter(named_tensors)
+            return iter(self.tensors)
 
     return _BucketSource()
+
+
+def nccl_engine_module():
+    """vLLM's `vllm.distributed.weight_transfer.nccl_engine` (imports only torch and vLLM)."""
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    return nccl_engine
+
+
+class NCCLWeightSender:
+    """The trainer's end of vLLM's NCCL weight-transfer engine (`rollout.weight_transport vllm`, disaggregated):
+    rank 0 of a group with the server's vLLM workers (ranks 1..tp), on this process's current CUDA device.
+
+    `client` has vLLM's `VLLMWeightSyncClient` methods plus `init_weight_transfer_engine_later(dict)` and
+    `update_weights_later(dict)`, which send without waiting and return a `Pending` (`server/calls.py`): the
+    server's `init_weight_transfer_engine` and `update_weights` block inside the same NCCL rendezvous / broadcasts
+    as the trainer, so each must be in flight while the trainer makes its side of the call.
+
+    vLLM 0.26: the static `NCCLWeightTransferEngine.trainer_init({...})` opens the trainer's endpoint (the caller
+    has the workers join: 'wt_init' sent first, read after) and `trainer_send_weights(iterator, {"group": ...,
+    "packed": True, ...})` broadcasts while the workers' `update_weights` (its update info carries `packed` and the
+    buffer sizes) receives. vLLM 0.32: `NCCLTrainerWeightTransferEngine.trainer_init(NCCLTrainerInitInfo(...),
+    client=, source=)` makes the same rendezvous (the workers' init from a thread of its own; `packed` travels in
+    the init info), and `send_weights()` drives start / update (from a thread, beside its broadcast) / finish
+    through the client. Both: packed chunks of `buffer_bytes` (vLLM cuts a chunk after the tensor that passes it),
+    `NCCL_NUM_BUFFERS` in flight; `send` returns once the server loaded every tensor, before it finished (the
+    client's `finish_weight_update` may leave that reply unread)."""
+
+    def __init__(self, client, *, host: str, port: int, world_size: int, buffer_bytes: int) -> None:
+        self.client, self.wire = client, nccl_wire(buffer_bytes)
+        mod = nccl_engine_module()
+        self._engine = self._group = None
+        if hasattr(mod, "NCCLTrainerWeightTransferEngine"):  # 0.32: the trainer engine drives the client itself
+            self._source = _weight_source()
+            info = mod.NCCLTrainerInitInfo(rank=0, master_address=host, master_port=port, world_size=world_size,
+                                           **self.wire)
+            self._engine = mod.NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self._source)
+            return
+        if not hasattr(mod.NCCLWeightTransferEngine, "trainer_init"):
+            raise RolloutError(f"rollout.weight_transport=vllm: vLLM {vllm_version()}'s NCCL weight-transfer engine "
+                               "has no trainer side ds_rlhf knows; use --rollout.weight_transport own")
+        joined = client.init_weight_transfer_engine_later(nccl_worker_init_info(host, port, world_size))
+        self._group = mod.NCCLWeightTransferEngine.trainer_init(
+            {"master_address": host, "master_port": port, "world_size": world_size})
+        joined.result()
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], plan) -> None:
+        """One weight update of `named_tensors` (cast to and following `plan`, our `BucketPlan`)."""
+        if self._engine is not None:  # 0.32
+            self._source.refill(named_tensors, plan)
+            self._engine.send_weights()
+            return
+        mod = nccl_engine_module()
+        self.client.start_weight_update()
+        received = self.client.update_weights_later(nccl_update_info(plan, self.wire))
+        mod.NCCLWeightTransferEngine.trainer_send_weights(iter(named_tensors), {"group": self._group, **self.wire})
+        received.result()  # the server loaded every chunk, so every broadcast landed on both ends
+        if torch.cuda.is_available():  # the producer's own streams included: the buckets may be released now
+            torch.cuda.synchronize()
+        self.client.finish_weight_update()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._engine = self._group = None
 
 
 class WeightSyncWorkerExtension:

@@ -4,14 +4,16 @@ What lives here only maps values: the version gate's parsing and range check (`c
 -> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), a
 `SamplingSpec` -> `SamplingParams` keywords (`sampling_kwargs`), vLLM's request outputs -> `RolloutSample`s
 (`samples_from_outputs`, `chosen_logprobs`), and, for `rollout.weight_transport vllm`, the engine keyword
-(`weight_transfer_kwargs`) and our weight buckets -> the (name, tensor) stream vLLM's IPC producer packs
-(`named_tensors_from_buckets`, `transfer_buffer_bytes`). `vllm_adapter.py` re-exports the names other code
+(`weight_transfer_kwargs`), our weight buckets -> the (name, tensor) stream vLLM's producers pack
+(`named_tensors_from_buckets`, `transfer_buffer_bytes`) and the NCCL engine's init / update infos
+(`nccl_worker_init_info`, `nccl_update_info`, `nccl_wire`). `vllm_adapter.py` re-exports the names other code
 imports from it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from importlib import metadata
@@ -155,20 +157,57 @@ def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
 
 
 WEIGHT_TRANSPORTS = ("own", "vllm")  # rollout.weight_transport: our IPC buffer / weight group, or vLLM's engines
+TRANSFER_BACKENDS = ("ipc", "nccl")  # vLLM's engine for "vllm": CUDA IPC (sidecar) / NCCL (disaggregated)
+NCCL_NUM_BUFFERS = 2  # chunks in flight in vLLM's packed NCCL broadcast (its default), on both ends
 
 
-def weight_transfer_kwargs(transport: str, *, version: str | None, arg_names: Collection[str]) -> dict:
-    """`LLM(...)` keywords for `transport`: none for "own"; vLLM's CUDA-IPC weight-transfer engine for "vllm"
-    (`weight_transfer_config`, an `EngineArgs` field in 0.26 and 0.32 that takes a dict). RolloutError naming the
-    setting when the transport is unknown or the installed vLLM has no such engine argument."""
+def weight_transfer_kwargs(transport: str, *, version: str | None, arg_names: Collection[str],
+                           backend: str = "ipc") -> dict:
+    """`LLM(...)` keywords for `transport`: none for "own"; for "vllm", vLLM's weight-transfer engine of `backend`
+    ("ipc": a sidecar server on the trainer's GPU; "nccl": a disaggregated server on other GPUs) as
+    `weight_transfer_config`, an `EngineArgs` field in 0.26 and 0.32 that takes a dict. RolloutError naming the
+    setting when the transport or backend is unknown or the installed vLLM has no such engine argument."""
     if transport not in WEIGHT_TRANSPORTS:
         raise RolloutError(f"rollout.weight_transport={transport!r}: choose one of {', '.join(WEIGHT_TRANSPORTS)}")
     if transport == "own":
         return {}
+    if backend not in TRANSFER_BACKENDS:
+        raise RolloutError(f"rollout.weight_transport=vllm: no vLLM weight-transfer backend {backend!r} (one of "
+                           f"{', '.join(TRANSFER_BACKENDS)})")
     if "weight_transfer_config" not in arg_names:
         raise RolloutError(f"rollout.weight_transport=vllm: vLLM {version} has no weight_transfer_config engine "
                            "argument; use --rollout.weight_transport own")
-    return {"weight_transfer_config": {"backend": "ipc"}}
+    return {"weight_transfer_config": {"backend": backend}}
+
+
+def nccl_wire(buffer_bytes: int, num_buffers: int = NCCL_NUM_BUFFERS) -> dict:
+    """The packed-broadcast parameters both ends of vLLM's NCCL engine must agree on (chunks cut at `buffer_bytes`,
+    `num_buffers` of them in flight). vLLM 0.26 carries them in every update info, 0.32 in the init info."""
+    return {"packed": True, "packed_buffer_size_bytes": int(buffer_bytes), "packed_num_buffers": int(num_buffers)}
+
+
+def nccl_worker_init_info(host: str, port: int, world_size: int) -> dict:
+    """vLLM 0.26's `NCCLWeightTransferInitInfo` for the server's workers: the trainer is rank 0 of the
+    `world_size` group (1 + the server's tensor-parallel ranks), worker r joins as rank 1 + r."""
+    return {"master_address": host, "master_port": int(port), "rank_offset": 1, "world_size": int(world_size)}
+
+
+def nccl_update_info(plan: BucketPlan, wire: dict | None = None) -> dict:
+    """vLLM's NCCL update info for one sync of `plan`: every tensor's name, dtype name and shape, in the order the
+    stream sends them (`named_tensors_from_buckets`: bucket by bucket, as planned). The receiver cuts the packed
+    chunks from these alone, so they must follow the stream exactly. `wire` (vLLM 0.26: `nccl_wire`) is added."""
+    metas = [m for bucket in plan for m in bucket]
+    return {"names": [m.name for m in metas], "dtype_names": [str(m.dtype).removeprefix("torch.") for m in metas],
+            "shapes": [[int(d) for d in m.shape] for m in metas], **(wire or {})}
+
+
+def update_info_nbytes(update_info: dict) -> int:
+    """The bytes one vLLM update info announces: its chunk's `tensor_sizes` (IPC), else its tensors' shapes and
+    dtype names (NCCL)."""
+    if update_info.get("tensor_sizes") is not None:
+        return sum(update_info["tensor_sizes"])
+    return sum(math.prod(shape) * torch.empty((), dtype=getattr(torch, name)).element_size()
+               for name, shape in zip(update_info.get("dtype_names", ()), update_info.get("shapes", ())))
 
 
 def transfer_buffer_bytes(plan: BucketPlan) -> int:

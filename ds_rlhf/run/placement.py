@@ -48,7 +48,7 @@ class Placement:
     train_devices: tuple[int, ...]  # physical GPU ids of this node's training ranks (empty on CPU)
     rollout_devices: tuple[int, ...]  # physical GPU ids of the disaggregated vLLM server (empty otherwise)
     tensor_parallel_size: int
-    weight_transport: str = "own"  # rollout.weight_transport (vllm: sidecar on a GPU only)
+    weight_transport: str = "own"  # rollout.weight_transport (vllm: a sidecar or disaggregated server on GPUs)
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments for `make_rollout_engine`."""
@@ -112,6 +112,9 @@ def resolve_placement(cfg, *, world_size: int, local_world_size: int, gpus_on_no
         if devices:
             raise ConfigError("rollout.devices lists GPUs, but this machine has none (on CPU the disaggregated "
                               "engine runs as a second process on the same cores)")
+        if r.weight_transport == "vllm":
+            raise ConfigError("rollout.weight_transport=vllm moves weights over NCCL, but this machine has no GPU "
+                              "(the disaggregated engine then syncs over gloo): use --rollout.weight_transport own")
         return Placement("disaggregated", (), (), tp)
     if not devices:
         free = [d for d in range(gpus_on_node) if d not in train]
@@ -128,7 +131,7 @@ def resolve_placement(cfg, *, world_size: int, local_world_size: int, gpus_on_no
     if len(devices) != tp:
         raise ConfigError(f"the disaggregated vLLM engine runs tensor-parallel over all of rollout.devices: "
                           f"{len(devices)} devices need rollout.tensor_parallel_size={len(devices)} (got {tp})")
-    return Placement("disaggregated", train, tuple(devices), tp)
+    return Placement("disaggregated", train, tuple(devices), tp, r.weight_transport)
 
 
 def physical_gpu_count() -> int:

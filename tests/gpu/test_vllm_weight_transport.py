@@ -3,7 +3,9 @@
 IPC engine), the latter with one server and with two sharing the trainer's buffer (`sidecar_engines=2`). After three
 AdamW steps the rollout is stale; after a sync the canary (every server's probe log-probs against the trainer's)
 and the log-probs of a generated response match the trainer's; a sync made without waiting (`wait=False`) is
-confirmed with the canary too. Skipped without CUDA (vLLM's IPC engine needs it). Run:
+confirmed with the canary too. The disaggregated cases (2 GPUs: the trainer on GPU 0, the vLLM server on GPU 1)
+sync the same way through our NCCL weight group (own) and vLLM's NCCL weight-transfer engine (vllm); skipped with
+fewer GPUs. Skipped without CUDA (vLLM's IPC and NCCL engines need it). Run:
 `python -m pytest tests/gpu/test_vllm_weight_transport.py -q -s` (prints each case's figures as one JSON line)."""
 
 from __future__ import annotations
@@ -44,12 +46,8 @@ def _train(engine, steps: int = 3, seed: int = 1234) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("transport, n_engines", [("own", 1), ("vllm", 1), ("vllm", 2)])
-def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path, dist_single, tmp_path):
-    rollout = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), dtype="float32",
-                                  max_model_len=256, gpu_memory_utilization=0.3, seed=0, weight_backend="ipc",
-                                  weight_transport=transport, sidecar_engines=n_engines, enforce_eager=True,
-                                  log_path=str(tmp_path / "server.log"))
+def _check_sync(rollout, tiny_model_path, **case) -> None:
+    """Sync, train, sync (waiting, then not): the canary and a generated response's log-probs match the trainer's."""
     try:
         trainer = _trainer(tiny_model_path)
         canary = SyncCanary(PROBE)
@@ -65,7 +63,7 @@ def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path,
         _train(trainer, seed=99)
         sync.sync(wait=False)
         confirmed = sync.confirm()
-        figures = {"transport": transport, "engines": n_engines, "stale": stale,
+        figures = {**case, "stale": stale,
                    "after": info["canary_max_abs_diff"], "gen_diff": gen_diff,
                    "after_deferred": confirmed["canary_max_abs_diff"], "buckets": info["buckets"],
                    "bytes": info["bytes"], "seconds": info["seconds"], "gbps": info["gbps"]}
@@ -76,3 +74,23 @@ def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path,
         assert gen_diff < stale / 10
     finally:
         rollout.close()
+
+
+@pytest.mark.parametrize("transport, n_engines", [("own", 1), ("vllm", 1), ("vllm", 2)])
+def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path, dist_single, tmp_path):
+    rollout = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), dtype="float32",
+                                  max_model_len=256, gpu_memory_utilization=0.3, seed=0, weight_backend="ipc",
+                                  weight_transport=transport, sidecar_engines=n_engines, enforce_eager=True,
+                                  log_path=str(tmp_path / "server.log"))
+    _check_sync(rollout, tiny_model_path, placement="sidecar", transport=transport, engines=n_engines)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="disaggregated: the trainer on GPU 0, vLLM on GPU 1")
+@pytest.mark.parametrize("transport", ["own", "vllm"])
+def test_disaggregated_sync_matches_the_trainer(transport, tiny_model_path, dist_single, tmp_path):
+    torch.cuda.set_device(0)
+    rollout = make_rollout_engine("vllm", "disaggregated", model_path=str(tiny_model_path), dtype="float32",
+                                  max_model_len=256, gpu_memory_utilization=0.3, seed=0, devices=[1],
+                                  weight_backend="nccl", weight_transport=transport, enforce_eager=True,
+                                  log_path=str(tmp_path / "server.log"))
+    _check_sync(rollout, tiny_model_path, placement="disaggregated", transport=transport, engines=1)

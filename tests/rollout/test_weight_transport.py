@@ -1,13 +1,19 @@
 """`rollout.weight_transport` (own | vllm): the setting's validation, the vLLM engine keyword it adds (only when
-chosen, and through the sidecar server's 'start'), the refusals outside the sidecar, the missing-package message of
-vLLM's IPC engine import, and the bucket stream handed to vLLM's producer. The transfer itself needs CUDA:
-`tests/gpu/test_vllm_weight_transport.py`. `vllm.LLM` is replaced by a recorder that stops before an engine starts."""
+chosen, through the sidecar's and the disaggregated server's 'start': IPC / NCCL backend), the refusals (colocated,
+HF, CPU), the missing-package message of vLLM's IPC engine import, the bucket stream handed to vLLM's producers, the
+NCCL engine's init / update infos, and the order of the trainer's and the server's NCCL calls (each side's
+blocking call must be in flight before the other makes its own). The transfer itself needs CUDA:
+`tests/gpu/test_vllm_weight_transport.py`. `vllm.LLM` is replaced by a recorder that stops before an engine starts;
+in the ordering tests vLLM's NCCL calls are replaced by rendezvous that time out when the peer's call was not sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.util
 import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -15,13 +21,23 @@ import torch
 from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout import make_rollout_engine
-from ds_rlhf.rollout.base import RolloutError, TensorMeta
+from ds_rlhf.rollout import make_rollout_engine, vllm_adapter
+from ds_rlhf.rollout.base import Pending, RolloutError, TensorMeta
 from ds_rlhf.rollout.server import client as remote
 from ds_rlhf.rollout.server import server as remote_server
+from ds_rlhf.rollout.server.calls import update_through_vllm_nccl
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 from ds_rlhf.rollout.vllm_adapter import engine_arg_names, ipc_engine_module
-from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes, weight_transfer_kwargs
+from ds_rlhf.rollout.vllm_mapping import (
+    named_tensors_from_buckets,
+    nccl_update_info,
+    nccl_wire,
+    nccl_worker_init_info,
+    transfer_buffer_bytes,
+    update_info_nbytes,
+    weight_transfer_kwargs,
+)
+from ds_rlhf.rollout.weight_group import bucket_nbytes
 from ds_rlhf.run.placement import resolve_placement
 
 pytest.importorskip("vllm")
@@ -30,15 +46,18 @@ SIDECAR_VLLM = ["--rollout.placement", "sidecar", "--rollout.weight_transport", 
 
 
 # ---- the setting ----------------------------------------------------------------------------------------------------
-def test_default_is_own_and_vllm_is_accepted_on_the_sidecar():
+DISAGG_VLLM = ["--rollout.placement", "disaggregated", "--rollout.devices", "1", "--rollout.weight_transport", "vllm"]
+
+
+def test_default_is_own_and_vllm_is_accepted_on_the_sidecar_and_disaggregated():
     assert parse_config([]).rollout.weight_transport == "own"
     assert parse_config(SIDECAR_VLLM).rollout.weight_transport == "vllm"
+    assert parse_config(DISAGG_VLLM).rollout.weight_transport == "vllm"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--rollout.weight_transport", "vllm"], "rollout.weight_transport=vllm .* rollout.placement=colocated"),
-    (["--rollout.weight_transport", "vllm", "--rollout.placement", "disaggregated"],
-     "rollout.placement=disaggregated"),
+    ([*SIDECAR_VLLM, "--rollout.backend", "hf"], "rollout.backend=hf"),
     (["--rollout.weight_transport", "nccl"], "rollout.weight_transport='nccl': choose one of own, vllm"),
 ])
 def test_vllm_transport_outside_the_sidecar_is_refused_naming_the_setting(argv, message):
@@ -58,6 +77,15 @@ def test_sidecar_placement_hands_the_transport_to_the_engine_on_gpu_and_refuses_
         resolve_placement(cfg, world_size=1, local_world_size=1, gpus_on_node=0)
 
 
+def test_disaggregated_placement_hands_the_transport_to_the_engine_on_gpus_and_refuses_it_on_cpu():
+    kw = resolve_placement(parse_config(DISAGG_VLLM), world_size=1, local_world_size=1, gpus_on_node=2).engine_kwargs()
+    assert kw == {"tensor_parallel_size": 1, "devices": [1], "weight_transport": "vllm"}  # NCCL: no "ipc" backend
+    cpu = parse_config(["--rollout.placement", "disaggregated", "--rollout.weight_transport", "vllm"])
+    with pytest.raises(ConfigError, match="weight_transport=vllm moves weights over NCCL, .* no GPU .*own") as info:
+        resolve_placement(cpu, world_size=1, local_world_size=1, gpus_on_node=0)
+    assert "\n" not in str(info.value)
+
+
 # ---- the engine keyword ---------------------------------------------------------------------------------------------
 def test_weight_transfer_config_only_when_vllm_is_chosen():
     names = engine_arg_names()
@@ -67,10 +95,15 @@ def test_weight_transfer_config_only_when_vllm_is_chosen():
         "weight_transfer_config": {"backend": "ipc"}}
     with pytest.raises(RolloutError, match=r"vLLM 0\.25\.0 has no weight_transfer_config .*weight_transport own"):
         weight_transfer_kwargs("vllm", version="0.25.0", arg_names=names - {"weight_transfer_config"})
+    assert weight_transfer_kwargs("vllm", version="x", arg_names=names, backend="nccl") == {
+        "weight_transfer_config": {"backend": "nccl"}}
+    assert weight_transfer_kwargs("own", version="x", arg_names=names, backend="nccl") == {}
+    with pytest.raises(RolloutError, match="no vLLM weight-transfer backend 'gloo'"):
+        weight_transfer_kwargs("vllm", version="x", arg_names=names, backend="gloo")
 
 
-def _sidecar_start_kwargs(monkeypatch, tiny_model_path, **kw) -> dict:
-    """The keywords a sidecar client sends in 'start' (no server spawned)."""
+def _sidecar_start_kwargs(monkeypatch, tiny_model_path, placement="sidecar", weight_backend="ipc", **kw) -> dict:
+    """The keywords a sidecar (or disaggregated) client sends in 'start' (no server spawned)."""
 
     sent = {}
 
@@ -81,8 +114,8 @@ def _sidecar_start_kwargs(monkeypatch, tiny_model_path, **kw) -> dict:
     monkeypatch.setattr(remote, "ServerProcess", lambda **kw: None)  # nothing is spawned
     monkeypatch.setattr(RemoteVLLMEngine, "_start", fake_start)
     with pytest.raises(RolloutError, match="stopped before"):
-        make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), max_model_len=256,
-                            weight_backend="ipc", **kw)
+        make_rollout_engine("vllm", placement, model_path=str(tiny_model_path), max_model_len=256,
+                            weight_backend=weight_backend, **kw)
     return sent
 
 
@@ -102,14 +135,30 @@ def test_sidecar_server_builds_llm_with_weight_transfer_config_only_for_vllm(tra
     assert "weight_transport" not in kw  # our setting, not a vLLM argument
 
 
-def test_vllm_transport_is_refused_by_engines_without_cuda_ipc(tiny_model_path, monkeypatch):
+@pytest.mark.parametrize("transport", ["own", "vllm"])
+def test_disaggregated_server_builds_llm_with_the_nccl_engine_only_for_vllm(transport, tiny_model_path, llm_calls,
+                                                                          as_gpu, monkeypatch):
+    extra = {} if transport == "own" else {"weight_transport": "vllm"}
+    sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, placement="disaggregated", weight_backend="nccl",
+                                 devices=[1], **extra)
+    with pytest.raises(LLMBuilt):
+        remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
+    (kw,) = llm_calls
+    if transport == "own":
+        assert "weight_transfer_config" not in kw
+    else:
+        assert kw["weight_transfer_config"] == {"backend": "nccl"}
+    assert "weight_transport" not in kw and "weight_transfer_backend" not in kw  # ours, not vLLM arguments
+
+
+def test_vllm_transport_is_refused_by_engines_without_cuda(tiny_model_path, monkeypatch):
 
     spawned = []
     monkeypatch.setattr(remote, "ServerProcess", lambda **kw: spawned.append(kw))
-    with pytest.raises(RolloutError, match="weight_transport=vllm .* sidecar .*over gloo here.*weight_transport own"):
+    with pytest.raises(RolloutError, match="weight_transport=vllm .* need CUDA .*over gloo here.*weight_transport own"):
         RemoteVLLMEngine(str(tiny_model_path), weight_backend="gloo", weight_transport="vllm")
     assert spawned == []  # refused before a server was started
-    with pytest.raises(ValueError, match="weight_transport='vllm' needs placement='sidecar'"):
+    with pytest.raises(ValueError, match="weight_transport='vllm' needs placement='sidecar' or 'disaggregated'"):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), weight_transport="vllm")
 
 
@@ -177,6 +226,123 @@ def test_buckets_that_do_not_follow_the_plan_are_refused(change, message):
         list(named_tensors_from_buckets(buckets, plan))
 
 
+# ---- vLLM's NCCL engine (disaggregated) -----------------------------------------------------------------------------
+VLLM_026_NCCL_UPDATE_FIELDS = {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
+                               "packed_num_buffers"}  # vLLM 0.26's NCCLWeightTransferUpdateInfo
+
+
+def test_nccl_infos_follow_the_plan_and_parse_as_vllms():
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    buckets, plan = _buckets()
+    info = nccl_update_info(plan)
+    assert info == {"names": ["a", "b", "c"], "dtype_names": ["bfloat16"] * 3, "shapes": [[2, 3], [4], [2, 2]]}
+    assert info["names"] == [n for n, _ in named_tensors_from_buckets(buckets, plan)]  # the order sent
+    assert update_info_nbytes(info) == sum(bucket_nbytes(m) for m in plan) == 28
+    wire = nccl_wire(transfer_buffer_bytes(plan))
+    assert set(nccl_update_info(plan, wire)) == VLLM_026_NCCL_UPDATE_FIELDS
+    nccl_engine.NCCLWeightTransferUpdateInfo(**info)  # the installed vLLM's own classes take them
+    worker = nccl_engine.NCCLWeightTransferInitInfo(**nccl_worker_init_info("127.0.0.1", 2345, 3))
+    assert (worker.rank_offset, worker.world_size) == (1, 3)  # the trainer is rank 0, tp=2 workers 1 and 2
+
+
+class _Server:
+    """A rollout server as `ServersWeightClient` sees it (`send_command` -> `Pending`, replies read in order). Its
+    'wt_init' / 'wt_update' answer only once the trainer joined the same NCCL call, as vLLM's do; `trainer_joins`
+    is the trainer's side, which, like NCCL, waits for the server's call to be in flight (2 s, then fails)."""
+
+    host, world = "127.0.0.1", 1
+
+    def __init__(self):
+        self.log, self.infos, self._wt_client, self._wt_sender = [], {}, None, None
+        self.sent = {c: threading.Event() for c in ("wt_init", "wt_update")}
+        self.joined = {c: threading.Event() for c in ("wt_init", "wt_update")}
+
+    def send_command(self, cmd, *args):
+        self.log.append(("send", cmd))
+        if args:
+            self.infos[cmd] = args[0]
+        if cmd in self.sent:
+            self.sent[cmd].set()
+
+        joined = self.joined.get(cmd)
+
+        def read():
+            if joined is not None and not joined.wait(2):
+                raise RolloutError(f"{cmd}: the trainer never joined")
+            self.log.append(("read", cmd))
+            return {"load_seconds": 0.5} if cmd == "wt_finish" else None
+
+        return Pending(read)
+
+    def trainer_joins(self, cmd, what):
+        if not self.sent[cmd].wait(2):
+            raise RuntimeError(f"{what}: the server's {cmd!r} was not in flight")
+        self.log.append(("trainer", what))
+        self.joined[cmd].set()
+        self.sent[cmd], self.joined[cmd] = threading.Event(), threading.Event()  # the next round's
+
+
+def _vllm_026_nccl(server, seen):
+    """vLLM 0.26's trainer side of `nccl_engine` (static `trainer_init` / `trainer_send_weights`), NCCL replaced."""
+
+    class NCCLWeightTransferEngine:
+        @staticmethod
+        def trainer_init(info):
+            seen["trainer_init"] = info
+            server.trainer_joins("wt_init", "rendezvous")
+            return "group"
+
+        @staticmethod
+        def trainer_send_weights(iterator, args):
+            seen["args"], seen["names"] = args, [n for n, _ in iterator]
+            server.trainer_joins("wt_update", "broadcast")
+
+    return types.SimpleNamespace(NCCLWeightTransferEngine=NCCLWeightTransferEngine)
+
+
+@pytest.mark.parametrize("api", ["0.26", "installed"])
+def test_nccl_sync_puts_each_blocking_server_call_in_flight_before_the_trainers(api, monkeypatch):
+    server, seen = _Server(), {}
+    if api == "0.26":
+        monkeypatch.setattr(vllm_adapter, "nccl_engine_module", lambda: _vllm_026_nccl(server, seen))
+    else:  # vLLM's own trainer engine (0.32): its threads and client calls, only the NCCL calls replaced
+        mod = vllm_adapter.nccl_engine_module()
+        if not hasattr(mod, "NCCLTrainerWeightTransferEngine"):
+            pytest.skip("the installed vLLM has no NCCLTrainerWeightTransferEngine")
+
+        def endpoint(info):
+            seen["trainer_init"] = dataclasses.asdict(info)
+            server.trainer_joins("wt_init", "rendezvous")
+            return types.SimpleNamespace(destroy=lambda: None)
+
+        def producer(iterator, **kw):
+            seen["args"], seen["names"] = kw, [n for n, _ in iterator]
+            server.trainer_joins("wt_update", "broadcast")
+
+        monkeypatch.setattr(mod, "open_trainer_endpoint", endpoint)
+        monkeypatch.setattr(mod, "packed_nccl_broadcast_producer", producer)
+    buckets, plan = _buckets()
+    nbytes, done = update_through_vllm_nccl(server, buckets, plan, wait=False)
+    assert server.log == [("send", "wt_init"), ("trainer", "rendezvous"), ("read", "wt_init"),
+                          ("send", "wt_start"), ("read", "wt_start"), ("send", "wt_update"),
+                          ("trainer", "broadcast"), ("read", "wt_update"), ("send", "wt_finish")]
+    assert nbytes == 28 and not done.ready  # wait=False: the finish is read later
+    assert done.result() == {"load_seconds": 0.5} and server.log[-1] == ("read", "wt_finish")
+    assert seen["names"] == ["a", "b", "c"] and seen["trainer_init"]["world_size"] == 2  # 1 trainer + tp=1
+    assert server.infos["wt_init"]["rank_offset"] == 1
+    assert server.infos["wt_update"]["names"] == ["a", "b", "c"]
+    if api == "0.26":
+        assert server.infos["wt_update"] == nccl_update_info(plan, nccl_wire(20))
+        assert seen["args"] == {"group": "group", **nccl_wire(20)}
+    else:
+        assert server.infos["wt_init"]["packed_buffer_size_bytes"] == 20 and server.infos["wt_init"]["packed"]
+    server.log.clear()
+    update_through_vllm_nccl(server, buckets, plan, wait=True)  # joined once: no second rendezvous
+    assert [e for e in server.log if e[0] == "send"] == [("send", "wt_start"), ("send", "wt_update"),
+                                                         ("send", "wt_finish")]
+
+
 # ---- the GPU bench's flag -------------------------------------------------------------------------------------------
 def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
 
@@ -185,14 +351,20 @@ def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def run_argv(*flags):
+    def run_argv(*flags, placement="sidecar"):
         monkeypatch.setattr("sys.argv", ["rl_step_gpu.py", "--workdir", str(tmp_path), *flags])
         captured = {}
         monkeypatch.setattr(bench, "run_one", lambda args, *a, **k: captured.update(args=args))
         monkeypatch.setattr(bench, "build_model", lambda *a: tmp_path)
         monkeypatch.setattr(bench, "build_prompts", lambda *a: tmp_path)
         bench.main()
-        return bench.config_argv(captured["args"], tmp_path, tmp_path, "sidecar", tmp_path / "run", [])[0]
+        return bench.config_argv(captured["args"], tmp_path, tmp_path, placement, tmp_path / "run", [])[0]
 
     assert parse_config(run_argv()).rollout.weight_transport == "own"
     assert parse_config(run_argv("--weight-transport", "vllm")).rollout.weight_transport == "vllm"
+    disagg = parse_config(run_argv("--placement", "disaggregated", "--weight-transport", "vllm",
+                                   placement="disaggregated"))
+    assert (disagg.rollout.placement, disagg.rollout.devices, disagg.rollout.weight_transport) == (
+        "disaggregated", "1", "vllm")  # the trainer on GPU 0, the server on GPU 1
+    placed = resolve_placement(disagg, world_size=1, local_world_size=1, gpus_on_node=2)
+    assert (placed.train_devices, placed.rollout_devices) == ((0,), (1,))

@@ -1,7 +1,8 @@
 """Calls to several rollout servers at once (`rollout.sidecar_engines`, `sharded.py`) over their `RemoteVLLMEngine`s:
 send to all, then read every reply even after one failed, so no connection is left with a reply that a later call
-would take for its own; and the weight update through one shared CUDA-IPC buffer: ours (`update_through_ipc`) or
-vLLM's IPC weight-transfer engine (`update_through_vllm_ipc`, `rollout.weight_transport vllm`)."""
+would take for its own; the weight update through one shared CUDA-IPC buffer: ours (`update_through_ipc`) or
+vLLM's IPC weight-transfer engine (`update_through_vllm_ipc`, `rollout.weight_transport vllm`); and a
+disaggregated server's update through vLLM's NCCL weight-transfer engine (`update_through_vllm_nccl`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
-from ds_rlhf.rollout.vllm_adapter import send_weights_through_vllm_ipc
+from ds_rlhf.rollout.vllm_adapter import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
 
@@ -98,7 +100,9 @@ class ServersWeightClient:
     """vLLM's `VLLMWeightSyncClient` methods over our rollout servers: each call goes to every server (commands
     'wt_init', 'wt_start', 'wt_update', 'wt_finish', `server.py`), which makes the same call on its `LLM`, and
     returns once every server answered (a chunk's 'wt_update' reply means its copy out of the trainer's buffer is
-    done). With `defer_finish` the 'wt_finish' replies are not awaited: `finished` reads them."""
+    done). With `defer_finish` the 'wt_finish' replies are not awaited: `finished` reads them. The `*_later` calls
+    send without waiting and return a `Pending` of every reply (NCCL: the server's call blocks until the trainer
+    joins the same rendezvous / broadcast, so it must be in flight before the trainer makes its side)."""
 
     def __init__(self, engines: Sequence[RemoteVLLMEngine], *, defer_finish: bool = False) -> None:
         self.engines, self.defer_finish = list(engines), defer_finish
@@ -106,6 +110,12 @@ class ServersWeightClient:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         command_all(self.engines, "wt_init", dict(init_info))
+
+    def init_weight_transfer_engine_later(self, init_info: dict) -> Pending:
+        return all_of(send_all(self.engines, "wt_init", dict(init_info)))
+
+    def update_weights_later(self, update_info: dict) -> Pending:
+        return all_of(send_all(self.engines, "wt_update", dict(update_info)))
 
     def start_weight_update(self) -> None:
         command_all(self.engines, "wt_start")
@@ -141,6 +151,29 @@ def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: 
     if wait:
         return nbytes, Pending.done(slowest_load(done.result()))
     lead._ipc_owed = done
+    return nbytes, Pending(lambda: slowest_load(done.result()))
+
+
+def update_through_vllm_nccl(engine: RemoteVLLMEngine, buckets, plan: BucketPlan, *,
+                             wait: bool = True) -> tuple[int, Pending]:
+    """`rollout.weight_transport vllm` on a disaggregated server (its own GPUs): the buckets go through vLLM's NCCL
+    weight-transfer engine (`NCCLWeightSender`; packed broadcasts of chunks of the largest bucket's size). The
+    first call joins the trainer (rank 0) and the server's workers (ranks 1..tp) in vLLM's NCCL group. A broadcast
+    completes only once the server received it, so the trainer waits until the server loaded every tensor; with
+    `wait=False` only the final 'wt_finish' (vLLM's `finish_weight_update`, then the prefix cache reset) is left
+    unread: the returned `Pending` reads it (the server answers in order, so a later command reads it first).
+    Returns the bytes sent and that `Pending`."""
+    if engine._wt_client is None:
+        engine._wt_client = ServersWeightClient([engine])
+        engine._wt_sender = NCCLWeightSender(engine._wt_client, host=engine.host, port=free_port(),
+                                             world_size=1 + engine.world, buffer_bytes=transfer_buffer_bytes(plan))
+    client = engine._wt_client
+    client.defer_finish, client.finished = not wait, None
+    engine._wt_sender.send(named_tensors_from_buckets(buckets, plan), plan)
+    nbytes = sum(bucket_nbytes(metas) for metas in plan)
+    done = client.finished
+    if wait:
+        return nbytes, Pending.done(slowest_load(done.result()))
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
 

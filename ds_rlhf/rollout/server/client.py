@@ -15,7 +15,9 @@ The server answers every command in the order it came, so replies are read in th
 `Pending` per command; reading one reads and keeps those before it). That lets a single-rank trainer hand weights
 over without waiting (`update_weight_buckets_later`): its next generation request queues behind the load, and the
 load's acknowledgement is read, at the latest, when that generation is collected.
-The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync. Server errors come
+The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync. With
+`rollout.weight_transport vllm` vLLM's own NCCL weight-transfer engine replaces it (`calls.update_through_vllm_nccl`,
+the same ranks; the server's engine is built with `weight_transfer_config={"backend": "nccl"}`). Server errors come
 back as RolloutError with the server's traceback; a dead server is reported with its exit code.
 """
 
@@ -39,7 +41,7 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.server.calls import update_through_ipc, update_through_vllm_ipc
+from ds_rlhf.rollout.server.calls import update_through_ipc, update_through_vllm_ipc, update_through_vllm_nccl
 from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
@@ -61,13 +63,15 @@ class RemoteVLLMEngine(RolloutEngine):
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        # own: our IPC buffer / weight group; vllm: vLLM's CUDA-IPC weight-transfer engine (the server's LLM is built
-        # with it: the keyword goes to 'start' with the other engine keywords)
+        # own: our IPC buffer / weight group; vllm: vLLM's weight-transfer engine, CUDA IPC on the sidecar, NCCL on
+        # other GPUs (the server's LLM is built with it: the keywords go to 'start' with the other engine keywords)
         self.weight_transport = engine_kwargs.get("weight_transport", "own")
-        if self.weight_transport == "vllm" and self.weight_backend != "ipc":
-            raise RolloutError(f"rollout.weight_transport=vllm uses vLLM's CUDA-IPC weight transfer, which only the "
-                               f"sidecar placement has (weights over {self.weight_backend} here): use "
-                               "--rollout.weight_transport own")
+        if self.weight_transport == "vllm":
+            if self.weight_backend not in ("ipc", "nccl"):
+                raise RolloutError(f"rollout.weight_transport=vllm uses vLLM's CUDA-IPC or NCCL weight transfer, "
+                                   f"which need CUDA (weights over {self.weight_backend} here): use "
+                                   "--rollout.weight_transport own")
+            engine_kwargs["weight_transfer_backend"] = self.weight_backend
         self._group: WeightGroup | None = None
         self._in_flight = False
         self._generation: Pending | None = None  # the reply to the generation in flight
@@ -75,6 +79,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self._lost: ConnectionLost | None = None  # set once the connection broke: no later reply can be trusted
         self._ipc_buf: torch.Tensor | None = None
         self._ipc_owed: Pending | None = None  # the last IPC update's replies, when not awaited (`calls.py`)
+        self._wt_client = self._wt_sender = None  # vLLM's NCCL weight transfer, joined on the first sync (`calls.py`)
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
@@ -319,6 +324,10 @@ class RemoteVLLMEngine(RolloutEngine):
             nbytes, done = send([self], buckets, plan, wait=wait)
             self._record_update(nbytes, time.perf_counter() - t0)
             return done
+        if self.weight_transport == "vllm":  # vLLM's NCCL weight-transfer engine
+            nbytes, done = update_through_vllm_nccl(self, buckets, plan, wait=wait)
+            self._record_update(nbytes, time.perf_counter() - t0)
+            return done
         self._ensure_group()
         done = self.send_command("update", plan_to_wire(plan))
         nbytes, pending, n_sent = 0, None, 0
@@ -387,6 +396,9 @@ class RemoteVLLMEngine(RolloutEngine):
                 pass
 
     def close(self) -> None:
+        sender, self._wt_sender, self._wt_client = self._wt_sender, None, None
+        if sender is not None:
+            sender.close()
         self.begin_close()
         if self._proc is not None:
             try:

@@ -5,8 +5,9 @@ built with the keywords of the client's 'start' (the vLLM engine options among t
 answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
 come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group; on a
 sidecar the trainer's CUDA buffer is mapped once ('init_ipc') and each 'update_ipc' loads the bucket it holds; with
-`rollout.weight_transport vllm` the 'wt_*' commands make vLLM's weight-transfer calls (init / start / one
-'wt_update' per chunk, carrying vLLM's IPC handle of the trainer's buffer / finish).
+`rollout.weight_transport vllm` the 'wt_*' commands make vLLM's weight-transfer calls (init / start / update /
+finish): on a sidecar one 'wt_update' per chunk, carrying vLLM's IPC handle of the trainer's buffer; on other GPUs
+(NCCL) 'wt_init' joins the trainer's NCCL group and one 'wt_update' receives the whole sync's broadcasts.
 Every failure goes back to the client with its traceback instead of killing the server.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from ds_rlhf.rollout.vllm_adapter import preload
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+from ds_rlhf.rollout.vllm_mapping import update_info_nbytes
 from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
 
 _IPC: dict = {}  # the trainer's shared CUDA buffer (sidecar placement), mapped once
@@ -80,10 +82,10 @@ def _handle(engine, cmd: str, args: tuple):
     if cmd == "wt_start":
         engine.handle.transfer_start()
         return engine, None
-    if cmd == "wt_update":  # one chunk; vLLM synchronises after loading it, so the trainer may refill its buffer
+    if cmd == "wt_update":  # IPC: one chunk, loaded (vLLM synchronises) before the reply; NCCL: every broadcast
         t0 = time.perf_counter()
         engine.handle.transfer_update(args[0])
-        nbytes = sum(args[0].get("tensor_sizes") or ())
+        nbytes = update_info_nbytes(args[0])
         engine._record_update(nbytes, time.perf_counter() - t0)
         _IPC["load_seconds"] = _IPC.get("load_seconds", 0.0) + time.perf_counter() - t0
         return engine, None
