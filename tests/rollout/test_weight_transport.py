@@ -119,35 +119,26 @@ def _sidecar_start_kwargs(monkeypatch, tiny_model_path, placement="sidecar", wei
     return sent
 
 
-@pytest.mark.parametrize("transport", ["own", "vllm"])
-def test_sidecar_server_builds_llm_with_weight_transfer_config_only_for_vllm(transport, tiny_model_path, llm_calls,
-                                                                             as_gpu, monkeypatch):
+PLACEMENTS = {"sidecar": ({}, "ipc"), "disaggregated": ({"placement": "disaggregated", "weight_backend": "nccl",
+                                                          "devices": [1]}, "nccl")}
 
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("transport", ["own", "vllm"])
+def test_server_builds_llm_with_vllms_weight_transfer_engine_only_for_vllm(placement, transport, tiny_model_path,
+                                                                           llm_calls, as_gpu, monkeypatch):
+    """The server's `LLM(...)` gets `weight_transfer_config` with the placement's engine (sidecar: ipc,
+    disaggregated: nccl) only with `weight_transport vllm`; our own settings never reach vLLM."""
+    settings, backend = PLACEMENTS[placement]
     extra = {} if transport == "own" else {"weight_transport": "vllm"}
-    sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **extra)
+    sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **settings, **extra)
     with pytest.raises(LLMBuilt):
         remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     if transport == "own":
         assert "weight_transfer_config" not in kw
     else:
-        assert kw["weight_transfer_config"] == {"backend": "ipc"}
-    assert "weight_transport" not in kw  # our setting, not a vLLM argument
-
-
-@pytest.mark.parametrize("transport", ["own", "vllm"])
-def test_disaggregated_server_builds_llm_with_the_nccl_engine_only_for_vllm(transport, tiny_model_path, llm_calls,
-                                                                          as_gpu, monkeypatch):
-    extra = {} if transport == "own" else {"weight_transport": "vllm"}
-    sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, placement="disaggregated", weight_backend="nccl",
-                                 devices=[1], **extra)
-    with pytest.raises(LLMBuilt):
-        remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
-    (kw,) = llm_calls
-    if transport == "own":
-        assert "weight_transfer_config" not in kw
-    else:
-        assert kw["weight_transfer_config"] == {"backend": "nccl"}
+        assert kw["weight_transfer_config"] == {"backend": backend}
     assert "weight_transport" not in kw and "weight_transfer_backend" not in kw  # ours, not vLLM arguments
 
 
