@@ -64,7 +64,7 @@ from low_memory_phase import PHASES, collect_plan, failure_reason, phase_argv, r
 from low_memory_report import markdown, save
 from low_memory_sweep import run_sweep
 
-# this module's own names, and those tests/trainer/test_low_memory_bench.py reaches through it
+# this module's own names, and those tests/ops/test_low_memory_bench.py reaches through it
 __all__ = ["RUN_SIZES", "SHAPES", "collect_plan", "failure_reason", "main", "params_of", "parser", "phase_argv",
            "run_phases"]
 

@@ -107,7 +107,7 @@ def lora_rollout(lora_engine):
 @pytest.fixture(scope="session")
 def lora_engine(tiny_model_path, dist_single):
     """A colocated vLLM engine with LoRA enabled (rank 8) on the tiny model (adapter-only sync: tests/rollout/
-    test_adapter_sync.py, tests/trainer/test_low_memory.py). Session-scoped: closing a vLLM engine
+    test_adapter_sync.py, tests/recipes/test_low_memory.py). Session-scoped: closing a vLLM engine
     (EngineCore.shutdown -> cleanup_dist_env_and_memory) destroys torch.distributed's default group, which later
     tests in the same worker still need."""
     from ds_rlhf.rollout.vllm_adapter import vllm_version

@@ -40,7 +40,7 @@ gradients are planned at 4 bytes); gradients and ZeRO's gradient-reduction bucke
 elements) otherwise exist only while it trains, so they count in the train phase alone.
 
 A run fits when both peaks plus `reserve` (CUDA context, NCCL buffers, allocator slack, what vLLM's sleep keeps)
-fit the device. These are estimates: `tests/tools/test_memory_plan.py` checks the model states against a real
+fit the device. These are estimates: `tests/memory/test_memory_plan.py` checks the model states against a real
 AdamW step on CPU; `tests/engines/test_memory.py` checks the activation estimate against autograd. Measured on one
 H200 (2026-12-01; torch 2.11, DeepSpeed 0.19.8, bf16, world size 1, a Qwen2-0.5B-shaped model, 4 x 1024 tokens,
 one actor step through the chunked head; `max_memory_allocated` of a step after the first, two runs):
@@ -65,7 +65,7 @@ from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_toke
 GiB = 1024 ** 3
 # fp32 [response tokens, vocab] tensors live at the peak of the JSD path (DeepSpeed's generalized_jsd_loss on both
 # models' logits, forward and backward, with the student's log-probs and entropy from the same logits), measured
-# with torch.profiler on CPU (tests/tools/test_memory_plan.py re-measures it): 0 < beta < 1 keeps both models'
+# with torch.profiler on CPU (tests/memory/test_memory_plan.py re-measures it): 0 < beta < 1 keeps both models'
 # fp32 and temperature-scaled logits, log-softmaxes and probabilities, the mixture's log-probs and its two shifted
 # inputs and the pointwise terms; beta 0 or 1 (one KL, no mixture) fewer
 JSD_FP32_TENSORS = {"mixture": 14, "one_kl": 8}

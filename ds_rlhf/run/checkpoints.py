@@ -352,7 +352,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _free_bytes(path: Path) -> int:  # here, not in checkpoint_files: tests/trainer/test_run_safety.py patches it
+def _free_bytes(path: Path) -> int:  # here, not in checkpoint_files: tests/run/test_run_safety.py patches it
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free

@@ -14,7 +14,7 @@ from ds_rlhf.engines import model_source
 from ds_rlhf.engines.model_source import ModelSourceError, resolve_model_source
 from ds_rlhf.run.preflight import check_model_sources, check_rl_run
 from ds_rlhf.testing.hub_cache import place_in_hub_cache
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 REPO = "ds-rlhf-test/tiny-chat"
 

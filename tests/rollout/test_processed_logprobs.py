@@ -94,7 +94,7 @@ def test_rl_step_with_temperature_and_the_correction(vllm_rollout, tiny_model_pa
     temperature-scaled ones (mismatch KL ~ 0: same weights before the first update, float32)."""
     from ds_rlhf.config import parse_config
     from ds_rlhf.recipes.rl import RLTrainer
-    from tests.trainer.stores import prompt_store
+    from tests.recipes.stores import prompt_store
 
     store = prompt_store(tmp_path, tiny_model_path, lengths=(4, 8, 6, 5))
     cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(store), "--run.output_dir",

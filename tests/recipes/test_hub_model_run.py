@@ -14,7 +14,7 @@ import pytest
 
 from ds_rlhf.testing.hub_cache import place_in_hub_cache
 from ds_rlhf.testing.multiproc import clean_env
-from tests.trainer.test_rl_e2e import rl_args
+from tests.recipes.test_rl_e2e import rl_args
 
 ROOT = Path(__file__).resolve().parents[2]
 HUB_ID = "ds-rlhf-test/tiny-chat"

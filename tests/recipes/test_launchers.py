@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ds_rlhf.testing.multiproc import clean_env, free_port
-from tests.trainer.test_rl_e2e import ROOT
+from tests.recipes.test_rl_e2e import ROOT
 
 pytestmark = pytest.mark.extended
 

@@ -19,8 +19,8 @@ from ds_rlhf.rollout.base import RolloutSample
 from ds_rlhf.run.preflight import check_rl_run
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.telemetry.samples import ROW_KEYS, read_samples
-from tests.trainer.stores import prompt_store, rl_config
-from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
+from tests.recipes.stores import prompt_store, rl_config
+from tests.recipes.test_rl_e2e import EXACT_KEYS, rl_args
 
 
 # ---- config ----------------------------------------------------------------------------------------------------

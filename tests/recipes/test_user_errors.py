@@ -30,7 +30,7 @@ from ds_rlhf.engines.models import load_causal_lm
 from ds_rlhf.recipes.rl import check_rollout_precision
 from ds_rlhf.rollout.vllm_adapter import vllm_version
 from ds_rlhf.testing.multiproc import clean_env
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ds_rlhf.testing.multiproc import clean_env
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from ds_rlhf.recipes.sft import SFTTask
 from ds_rlhf.recipes.supervised import SupervisedTrainer, drop_long, longest_sequence
 from ds_rlhf.run.checkpoints import CheckpointCorrupt
 from ds_rlhf.run.preflight import check_rl_run
-from tests.trainer.stores import prompt_store, rl_config
+from tests.recipes.stores import prompt_store, rl_config
 
 SHORT, LONG, MAX_LEN = 24, 100, 64
 

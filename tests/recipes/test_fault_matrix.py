@@ -17,7 +17,7 @@ import pytest
 
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.testing.multiproc import clean_env
-from tests.trainer.test_rl_e2e import rl_args
+from tests.recipes.test_rl_e2e import rl_args
 
 ROOT = Path(__file__).resolve().parents[2]
 # HF generation: the faults are the run directory's, not the rollout engine's, and each of the four processes is

@@ -14,7 +14,7 @@ import torch
 from ds_rlhf.algos.shaping import group_spread, informative_groups, overlong_penalty
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -342,7 +342,7 @@ DAPO_SWITCHES = ["--rl.dynamic_sampling", "true", "--rl.dynamic_sampling_max_rou
 @pytest.mark.slow
 def test_dapo_recipe_still_learns(sft_run, addition_stores, vllm_colocated, tmp_path):
     from ds_rlhf.recipes.rl import RLTrainer
-    from tests.trainer.test_rl_e2e import rl_args
+    from tests.recipes.test_rl_e2e import rl_args
 
     history = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 12,
                                              DAPO_SWITCHES)), rollout=vllm_colocated).train()
@@ -366,7 +366,7 @@ def test_dapo_resume_from_a_checkpoint_is_exact(sft_run, addition_stores, vllm_c
     """Steps 3-4 resumed from step 2's checkpoint equal the uninterrupted run's: the loader position after the
     extra rounds' draws is in the checkpoint."""
     from ds_rlhf.recipes.rl import RLTrainer
-    from tests.trainer.test_rl_e2e import EXACT_KEYS, rl_args
+    from tests.recipes.test_rl_e2e import EXACT_KEYS, rl_args
 
     model = sft_run[0] / "export"
     common = [*DAPO_SWITCHES, "--run.save_every", "2", "--optim.lr", "3e-4"]

@@ -10,7 +10,7 @@ import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.run.preflight import check_rl_run, check_supervised_run
-from tests.trainer.stores import prompt_store, rl_config
+from tests.recipes.stores import prompt_store, rl_config
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,4 +1,4 @@
-"""Session fixtures for the trainer tests: addition-task stores, an SFT'd tiny policy, a trained reward model.
+"""Session fixtures for the recipe tests: addition-task stores, an SFT'd tiny policy, a trained reward model.
 
 Each is built once per session with the real entry-point code path (SupervisedTrainer), so the SFT and RM tests
 assert on these very runs and the RL tests warm-start from them, as the README pipeline does.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.conftest import built_once, run_supervised
+from tests.recipes.conftest import built_once, run_supervised
 
 IDS = torch.tensor([[1, 5, 6, 7, 9, 4, 2], [1, 8, 9, 3, 0, 0, 0], [3, 4, 5, 6, 7, 8, 9]])
 ATTN = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]])

@@ -20,7 +20,7 @@ from ds_rlhf.rewards.loading import load_reward_fn
 from ds_rlhf.rewards.remote import RemoteReward, RemoteRewardError
 from ds_rlhf.run.preflight import check_reward
 from ds_rlhf.testing.multiproc import clean_env, free_port
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = (0.01, 0.02, 0.04)  # retry delays for the tests

@@ -24,7 +24,7 @@ from ds_rlhf.recipes.trajectory import pad_trajectory
 from ds_rlhf.rollout import stops as stops_module
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.stops import end_of_turn_id, generation_eos_ids, stop_token_ids
-from tests.trainer.stores import prompt_store
+from tests.recipes.stores import prompt_store
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -193,7 +193,7 @@ def test_ppo_learns_with_lora_and_shared_base(sft_run, addition_stores, vllm_col
     from ds_rlhf.engines.shared_base import AdapterOffReference
     from ds_rlhf.engines.shared_critic import actor_decoder, owned_parameters
     from ds_rlhf.recipes.rl import RLTrainer
-    from tests.trainer.test_rl_e2e import _mean, rl_args
+    from tests.recipes.test_rl_e2e import _mean, rl_args
 
     trainer = RLTrainer(parse_config(rl_args(tmp_path, sft_run[0] / "export", addition_stores, "ppo", 14,
                                              LOW_MEMORY_PPO)), rollout=vllm_colocated)
