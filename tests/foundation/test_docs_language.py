@@ -3,12 +3,14 @@ sessions of work, no references to the task text ("the brief", "the issue", issu
 no commit hashes in prose and no before/after narratives. The git log keeps the history; CHANGELOG.md lists
 user-facing changes per version.
 
-The scan covers every tracked text file (``git ls-files``) and every tracked path. A legitimate use of a flagged
+The scan covers every tracked text file (``git ls-files``), the strings of the results under docs/ (JSON: their notes
+are prose) and every tracked path. A legitimate use of a flagged
 word (pytest's fixture scope ``"session"``, an API name) is listed in ALLOWED with the file and the exact text, so
 the patterns themselves stay strict."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -129,6 +131,38 @@ def test_tracked_text_describes_the_project_as_it_is(tracked_texts):
     commits = _real_commits(tokens)
     hits = [h for path, text in sorted(tracked_texts.items()) for h in scan_text(path, text, commits)]
     assert not hits, f"{len(hits)} lines speak of how the project was made:\n" + "\n".join(hits)
+
+
+def json_strings(value, where: str = ""):
+    """(key path, string) for every string inside a parsed JSON value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from json_strings(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from json_strings(item, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+def scan_results(path: str, text: str) -> list[str]:
+    """`scan_text` over each string of a JSON (or JSON-lines) result file, named by its key path."""
+    docs = [json.loads(line) for line in text.splitlines() if line.strip()] if path.endswith(".jsonl") \
+        else [json.loads(text)]
+    return [hit for doc in docs for where, s in json_strings(doc) for hit in scan_text(f"{path}{where}", s)]
+
+
+def test_results_under_docs_describe_their_runs():
+    hits = [h for path in _tracked() if path.startswith("docs/") and path.endswith((".json", ".jsonl"))
+            for h in scan_results(path, (REPO / path).read_text(encoding="utf-8"))]
+    assert not hits, f"{len(hits)} strings in results speak of how the project was made:\n" + "\n".join(hits)
+
+
+def test_a_result_note_narrating_its_making_is_caught():
+    result = {"steps": 8, "mfu": {"value": 0.18, "note": "6*N per trained token: the issue's convention"}}
+    assert scan_results("docs/perf/raw/x.json", json.dumps(result)) == [
+        "docs/perf/raw/x.json.mfu.note:1: the issue: 6*N per trained token: the issue's convention"]
+    assert not scan_results("docs/perf/raw/x.jsonl", '{"note": "6*N per trained token"}\n{"steps": 8}\n')
 
 
 def test_tracked_file_names_describe_what_they_hold():

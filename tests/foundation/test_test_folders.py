@@ -1,7 +1,7 @@
 """The tests mirror the package: each folder under tests/ is named after a package or module of ds_rlhf (it tests
 that code), or is one of the project-wide folders: `foundation` (the project's own checks: layers, docs language,
 requirements, the wheel), `real_model` (runs on SmolLM2-135M-Instruct) and `gpu` (what needs CUDA). A folder named
-after a package that no longer exists fails here."""
+after a package that does not exist fails here."""
 
 from __future__ import annotations
 
