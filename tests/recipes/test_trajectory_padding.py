@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds_rlhf.recipes.batching import split_micro
-from ds_rlhf.recipes.trajectory import pad_trajectory as build_experience
+from ds_rlhf.recipes.trajectory import pad_trajectory
 from ds_rlhf.rollout.base import RolloutSample
 
 
@@ -21,7 +21,7 @@ def _samples():
 
 
 def test_layout_position_t_scores_token_t_plus_1():
-    exp = build_experience(_samples(), [1.0, 0.0, 0.5], pad_id=0)
+    exp = pad_trajectory(_samples(), [1.0, 0.0, 0.5], pad_id=0)
     assert exp.input_ids.tolist() == [[1, 2, 3, 7, 8, 0, 0], [1, 2, 3, 9, 10, 11, 12], [4, 5, 6, 0, 0, 0, 0]]
     assert exp.attention_mask.sum(1).tolist() == [5, 7, 3]
     # action_mask[t] == 1 exactly when token t+1 is a response token
@@ -35,7 +35,7 @@ def test_layout_position_t_scores_token_t_plus_1():
 
 
 def test_select_trims_to_the_longest_selected_row():
-    exp = build_experience(_samples(), [1.0, 0.0, 0.5], pad_id=0)
+    exp = pad_trajectory(_samples(), [1.0, 0.0, 0.5], pad_id=0)
     sub = exp.select([0, 2])
     assert sub.input_ids.shape == (2, 5) and sub.action_mask.shape == (2, 4)
     assert sub.input_ids.tolist() == [[1, 2, 3, 7, 8], [4, 5, 6, 0, 0]]
@@ -46,7 +46,7 @@ def test_mismatched_logprob_count_is_an_error():
     bad = _samples()[:1]
     bad[0].logprobs = [-1.0]
     try:
-        build_experience(bad, [0.0], pad_id=0)
+        pad_trajectory(bad, [0.0], pad_id=0)
     except ValueError as exc:
         assert "2 response tokens but 1 log-probs" in str(exc)
     else:

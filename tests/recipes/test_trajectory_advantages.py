@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_rlhf.config import RLConfig
-from ds_rlhf.recipes.trajectory import pad_trajectory as build_experience
-from ds_rlhf.recipes.trajectory import shaped_token_rewards as token_rewards
+from ds_rlhf.recipes.trajectory import pad_trajectory
+from ds_rlhf.recipes.trajectory import shaped_token_rewards
 from ds_rlhf.recipes.trajectory import with_advantages
 from ds_rlhf.rollout.base import RolloutSample
 
@@ -15,12 +15,12 @@ from ds_rlhf.rollout.base import RolloutSample
 def _exp(scores, groups=(0, 0, 1, 1)):
     samples = [RolloutSample(prompt_index=g, sample_index=i, prompt_ids=[1, 2], response_ids=[3] * (i + 1),
                              logprobs=[-1.0] * (i + 1), finish_reason="stop") for i, g in enumerate(groups)]
-    return build_experience(samples, scores, pad_id=0)
+    return pad_trajectory(samples, scores, pad_id=0)
 
 
 def test_score_lands_on_the_last_response_token():
     exp = _exp([1.0, 2.0, 3.0, 4.0])
-    rewards = token_rewards(exp, RLConfig(), kl_coef=0.0)
+    rewards = shaped_token_rewards(exp, RLConfig(), kl_coef=0.0)
     for row in range(4):
         last = int(exp.action_mask[row].nonzero().max())
         assert rewards[row, last] == exp.scores[row]
@@ -31,7 +31,7 @@ def test_kl_in_reward_is_subtracted_per_token():
     exp = _exp([1.0, 0.0, 0.0, 0.0])
     exp = exp.replace(ref_logp=exp.rollout_logp - 0.5 * exp.action_mask)  # log(pi/ref) = 0.5 on every action token
     rl = RLConfig(kl_in="reward", kl_estimator="k1")
-    rewards = token_rewards(exp, rl, kl_coef=0.1)
+    rewards = shaped_token_rewards(exp, rl, kl_coef=0.1)
     expected = -0.05 * exp.action_mask.sum(1) + exp.scores
     assert torch.allclose(rewards.sum(1), expected)
 
