@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from ds_rlhf.config import RLConfig
-from ds_rlhf.recipes.trajectory import pad_trajectory
-from ds_rlhf.recipes.trajectory import shaped_token_rewards
-from ds_rlhf.recipes.trajectory import with_advantages
+from ds_rlhf.recipes.trajectory import pad_trajectory, shaped_token_rewards, with_advantages
 from ds_rlhf.rollout.base import RolloutSample
 
 
