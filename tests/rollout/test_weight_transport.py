@@ -237,15 +237,25 @@ def test_nccl_infos_follow_the_plan_and_parse_as_vllms():
     assert (worker.rank_offset, worker.world_size) == (1, 3)  # the trainer is rank 0, tp=2 workers 1 and 2
 
 
+class _Running:
+    """A server process that keeps running, as `subprocess.Popen` answers `poll()`."""
+
+    pid, returncode = 0, None
+
+    def poll(self):
+        return None
+
+
 class _Server:
     """A rollout server as `ServersWeightClient` sees it (`send_command` -> `Pending`, replies read in order). Its
     'wt_init' / 'wt_update' answer only once the trainer joined the same NCCL call, as vLLM's do; `trainer_joins`
     is the trainer's side, which, like NCCL, waits for the server's call to be in flight (2 s, then fails)."""
 
-    host, world = "127.0.0.1", 1
+    host, world, timeout_s = "127.0.0.1", 1, 600.0
 
     def __init__(self):
         self.log, self.infos, self._wt_client, self._wt_sender = [], {}, None, None
+        self._proc = _Running()  # the server process the watchdog polls
         self.sent = {c: threading.Event() for c in ("wt_init", "wt_update")}
         self.joined = {c: threading.Event() for c in ("wt_init", "wt_update")}
 

@@ -14,6 +14,7 @@ import torch
 
 from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
+from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
 from ds_rlhf.rollout.vllm_adapter import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
@@ -162,14 +163,18 @@ def update_through_vllm_nccl(engine: RemoteVLLMEngine, buckets, plan: BucketPlan
     completes only once the server received it, so the trainer waits until the server loaded every tensor; with
     `wait=False` only the final 'wt_finish' (vLLM's `finish_weight_update`, then the prefix cache reset) is left
     unread: the returned `Pending` reads it (the server answers in order, so a later command reads it first).
+    vLLM's NCCL group has no timeout: the call runs under `watchdog.exit_if_server_fails`, which ends this process
+    with a one-line error if the server exits or the call outlasts the client's timeout.
     Returns the bytes sent and that `Pending`."""
-    if engine._wt_client is None:
-        engine._wt_client = ServersWeightClient([engine])
-        engine._wt_sender = NCCLWeightSender(engine._wt_client, host=engine.host, port=free_port(),
-                                             world_size=1 + engine.world, buffer_bytes=transfer_buffer_bytes(plan))
-    client = engine._wt_client
-    client.defer_finish, client.finished = not wait, None
-    engine._wt_sender.send(named_tensors_from_buckets(buckets, plan), plan)
+    with exit_if_server_fails([engine._proc], engine.timeout_s, "weight update of the disaggregated server"):
+        if engine._wt_client is None:
+            engine._wt_client = ServersWeightClient([engine])
+            engine._wt_sender = NCCLWeightSender(engine._wt_client, host=engine.host, port=free_port(),
+                                                 world_size=1 + engine.world,
+                                                 buffer_bytes=transfer_buffer_bytes(plan))
+        client = engine._wt_client
+        client.defer_finish, client.finished = not wait, None
+        engine._wt_sender.send(named_tensors_from_buckets(buckets, plan), plan)
     nbytes = sum(bucket_nbytes(metas) for metas in plan)
     done = client.finished
     if wait:
