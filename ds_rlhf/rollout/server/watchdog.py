@@ -11,15 +11,12 @@ checkpoint is intact; `--run.resume latest` continues from it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-
-log = logging.getLogger(__name__)
 
 EXIT_CODE = 1
 
@@ -38,7 +35,7 @@ def failure(processes: Sequence[subprocess.Popen], started: float, timeout_s: fl
 def exit_if_server_fails(processes: Sequence[subprocess.Popen], timeout_s: float, what: str, *,
                          poll_s: float = 1.0, exit: Callable[[int], object] = os._exit) -> Iterator[None]:
     """Run the body with the watchdog on: if a process in `processes` exits or `timeout_s` passes before the body
-    returns, write the one-line error to stderr and the log, then `exit(EXIT_CODE)` (by default `os._exit`, as the
+    returns, write the one-line error to stderr, then `exit(EXIT_CODE)` (by default `os._exit`, as the
     body is stuck where no exception can reach it)."""
     done, started = threading.Event(), time.monotonic()
 
@@ -49,7 +46,6 @@ def exit_if_server_fails(processes: Sequence[subprocess.Popen], timeout_s: float
                 line = (f"error: {what}: {reason} while this process waited inside vLLM's NCCL weight transfer, "
                         "which has no timeout; exiting so the run does not hang (the last checkpoint is intact: "
                         "resume with --run.resume latest)")
-                log.error(line)
                 print(line, file=sys.stderr, flush=True)
                 exit(EXIT_CODE)
                 return
