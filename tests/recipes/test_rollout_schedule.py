@@ -123,6 +123,15 @@ class DeferringSync:
         return out
 
 
+def recording_service(cfg, calls: list):
+    """The rollout service of `cfg` over a server-like engine and a deferring sync, both recording into `calls`."""
+    parts = SimpleNamespace(environment=None, rollout=ServerLikeEngine(calls), sync=DeferringSync(calls),
+                            loader_iter=iter([[{"input_ids": [1]}]] * 4))
+    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
+                          tokenizer=SimpleNamespace(eos_token_id=0))
+    return rollout_service(parts, ctx, PhaseTimer())
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_it(overlap):
     """With rollout.overlap_sync the step's sync does not wait; the engine is not woken (it is awake: a call would
@@ -131,12 +140,7 @@ def test_async_sync_is_confirmed_when_its_batch_is_collected_and_reported_with_i
     calls = []
     cfg = parse_config(["--rollout.placement", "sidecar", "--rollout.async_generation", "true", "--run.steps", "3",
                         "--rollout.overlap_sync", str(overlap)])
-    rollout = ServerLikeEngine(calls)
-    parts = SimpleNamespace(environment=None, rollout=rollout, sync=DeferringSync(calls),
-                            loader_iter=iter([[{"input_ids": [1]}]] * 4))
-    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
-                          tokenizer=SimpleNamespace(eos_token_id=0))
-    service = rollout_service(parts, ctx, PhaseTimer())
+    service = recording_service(cfg, calls)
     reports = []
     for step in range(3):
         service.batch(step)
@@ -163,12 +167,7 @@ def test_synchronous_sync_hands_over_after_every_update_but_the_last_and_is_conf
     confirmed canary and its own handover. The last step's sync waits. `quiesce` (evaluation) confirms too."""
     calls = []
     cfg = parse_config(["--rollout.placement", "sidecar", "--run.steps", "3", "--rollout.overlap_sync", str(overlap)])
-    rollout = ServerLikeEngine(calls)
-    parts = SimpleNamespace(environment=None, rollout=rollout, sync=DeferringSync(calls),
-                            loader_iter=iter([[{"input_ids": [1]}]] * 4))
-    ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
-                          tokenizer=SimpleNamespace(eos_token_id=0))
-    service = rollout_service(parts, ctx, PhaseTimer())
+    service = recording_service(cfg, calls)
     reports = []
     for step in range(3):
         service.batch(step)
