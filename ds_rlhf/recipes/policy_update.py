@@ -241,6 +241,9 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
                 if critic is not None:
                     stats.add(critic_micro_step(critic, mb, cfg, share), share)
             actor.step()
+            norm = actor.get_global_grad_norm() if hasattr(actor, "get_global_grad_norm") else None
+            if norm is not None:  # DeepSpeed's norm of the step's gradient, before clipping
+                stats.add({"actor/grad_norm": float(norm)}, 1.0)
             if critic is not None:
                 critic.step()
             steps += 1
