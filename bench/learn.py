@@ -114,7 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(every score 0: with --cfg rl.teacher=DIR --cfg rl.distill_loss=jsd the teacher alone teaches; "
                     "held-out scores as usual)")
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
-                    "phase's token budget per micro-batch (-1: 49152 on a GPU, the trainer's default on a CPU)")
+                    "phase's token budget per micro-batch (-1: 49152 on a GPU, chosen by the memory split under "
+                    "--cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
                     "with this environment (rl.environment), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
@@ -221,7 +222,9 @@ def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: 
 
 def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool) -> list[str]:
     placement = ["--rollout.placement", "sidecar", "--rollout.sidecar_engines", "2"] if gpu else []
-    budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu else 0)
+    capped = any(item.partition("=")[0].removeprefix("--") == "run.max_gpu_memory_gb" for item in args.cfg)
+    # under a memory cap the trainer's split picks the micro-batch budget that fits (memory/split.py)
+    budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu and not capped else 0)
     placement += ["--data.micro_batch_tokens", str(budget)] if budget else []
     cfg = ["--model.path", model, "--data.train", str(stores["train"]), "--data.eval", str(stores["heldout"]),
            "--run.output_dir", str(run_dir), "--run.overwrite", "true", "--run.steps", str(args.steps),

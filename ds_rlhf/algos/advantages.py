@@ -17,7 +17,8 @@ import torch
 from ds_rlhf.algos.cu_seqlens import packed_to_padded, padded_to_packed
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 
-GROUP_MODES = ("grpo", "grpo_no_std", "rloo")
+GROUP_MODES = ("grpo", "grpo_batch_std", "grpo_no_std", "rloo")
+SCALE_REWARDS = {"group": "grpo", "batch": "grpo_batch_std", "none": "grpo_no_std"}  # rl.scale_rewards -> mode
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,10 @@ def group_advantages(scores: torch.Tensor, group_size: int | None = None, mode: 
     """Sequence-level advantages ``[B]`` from scalar scores ``[B]`` with a per-prompt group baseline.
 
     - ``grpo``: ``(s_i - mean_g) / (std_g + eps)`` (unbiased std); Shao et al. 2024, DeepSeekMath, sec. 4.1.2.
+    - ``grpo_batch_std``: ``(s_i - mean_g) / (std_batch + eps)``, the group's mean and the standard deviation of
+      every score in the batch (unbiased): a group whose scores barely differ (a small format credit) keeps
+      advantages of its own size instead of being scaled up to a correct-vs-wrong group's. Liu et al. 2025,
+      "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning" (Lite PPO: group mean, batch std).
     - ``grpo_no_std`` (Dr.GRPO): ``s_i - mean_g``; Liu et al. 2025, "Understanding R1-Zero-Like Training", eq. 3.
       Dr.GRPO's other half, no per-response length normalisation, is the loss aggregation
       ``seq-mean-token-sum-norm`` in ``losses.aggregate``.
@@ -120,6 +125,8 @@ def group_advantages(scores: torch.Tensor, group_size: int | None = None, mode: 
     centred = x - mean
     if mode == "grpo":
         centred = centred / (std + eps)
+    elif mode == "grpo_batch_std":
+        centred = centred / (x.std(unbiased=x.numel() > 1) + eps)
     elif mode == "rloo":
         centred = centred * n / (n - 1).clamp(min=1)
     return torch.where(n > 1, centred, 0.0)
@@ -241,8 +248,13 @@ def _group(mode: str):
     return estimator
 
 
-ADVANTAGE_ESTIMATORS.register("grpo", "group-normalised score (s - mean) / std per prompt (Shao et al. 2024)",
-                              groups=True)(_group("grpo"))
+@ADVANTAGE_ESTIMATORS.register("grpo", "(s - group mean) / std, the std per batch or group by rl.scale_rewards "
+                               "(Shao et al. 2024; Liu et al. 2025)", groups=True)
+def _grpo(*, scores, mask, group_size=None, group_ids=None, scale_rewards: str = "group", eps: float = 1e-6):
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {tuple(SCALE_REWARDS)}, got {scale_rewards!r}")
+    return _group(SCALE_REWARDS[scale_rewards])(scores=scores, mask=mask, group_size=group_size,
+                                                group_ids=group_ids, eps=eps)
 ADVANTAGE_ESTIMATORS.register("dr_grpo", "Dr.GRPO: s - mean, no std (Liu et al. 2025); pair with loss_agg const-norm",
                               groups=True)(_group("grpo_no_std"))
 ADVANTAGE_ESTIMATORS.register("rloo", "leave-one-out baseline s - mean of the others (Ahmadian et al. 2024)",

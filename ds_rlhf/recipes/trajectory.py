@@ -209,7 +209,7 @@ def with_advantages(traj: Trajectory, rl: RLConfig, kl_coef: float) -> Trajector
     available = {"rewards": token_rewards, "token_rewards": token_rewards, "scores": scores,
                  "values": traj.values, "mask": mask, "gamma": rl.gamma, "lam": rl.lam,
                  # group_ids, not a fixed group size: groups may have lost samples to the `drop` policy.
-                 "group_ids": traj.group_ids}
+                 "group_ids": traj.group_ids, "scale_rewards": rl.scale_rewards}
     advantages, returns = compute_advantages(rl.algo, **{k: available[k] for k in names if k in available})
     return traj.replace(token_rewards=token_rewards, advantages=advantages, returns=returns)
 

@@ -345,3 +345,20 @@ def test_compute_advantages_rejects_unknown_inputs():
         compute_advantages("grpo", scores=torch.randn(2), group_size=2, mask=mask, gama=1.0)
     with pytest.raises(ValueError):
         compute_advantages("a2c", mask=mask)
+
+
+def test_grpo_scale_rewards_batch_keeps_a_format_only_group_small():
+    """`rl.scale_rewards batch`: a group whose only signal is a 0.1 format credit gets advantages a tenth of a
+    correct-vs-wrong group's; with the per-group std (`group`) the lone formatted guess outweighs a right answer."""
+    scores = torch.tensor([0.1, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    mask, ids = torch.ones(8, 3), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    per_group, _ = compute_advantages("grpo", scores=scores, mask=mask, group_ids=ids, scale_rewards="group")
+    per_batch, _ = compute_advantages("grpo", scores=scores, mask=mask, group_ids=ids, scale_rewards="batch")
+    none, _ = compute_advantages("grpo", scores=scores, mask=mask, group_ids=ids, scale_rewards="none")
+    assert per_group[0, 0] > per_group[4, 0]
+    centred = scores - torch.tensor([0.025] * 4 + [0.5] * 4)
+    torch.testing.assert_close(per_batch[:, 0], centred / (scores.std() + 1e-6))
+    torch.testing.assert_close(none[:, 0], centred)
+    assert per_batch[0, 0] < 0.2 * per_batch[4, 0]
+    with pytest.raises(ValueError, match="scale_rewards"):
+        compute_advantages("grpo", scores=scores, mask=mask, group_ids=ids, scale_rewards="global")

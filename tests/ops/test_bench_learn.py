@@ -181,6 +181,24 @@ def test_reward_none_trains_on_no_reward_and_still_scores_the_held_out_set(tmp_p
     assert none[-2:] == ["--rl.teacher", "/t"]
 
 
+def test_a_memory_cap_leaves_the_micro_batch_budget_to_the_trainers_split(tmp_path, monkeypatch):
+    """On a GPU the bench fixes 49152-token micro-batches, except under `--cfg run.max_gpu_memory_gb=N`, where the
+    trainer's memory split (memory/split.py) picks the budget that fits the cap; an explicit flag always wins."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    learn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(learn)
+    stores = {"train": tmp_path / "train", "heldout": tmp_path / "heldout"}
+
+    def budget(*flags):
+        argv = learn.trainer_args(learn.parse_args(["--tiny", *flags]), "tiny", stores, tmp_path / "r", "sync", True)
+        return argv[argv.index("--data.micro_batch_tokens") + 1] if "--data.micro_batch_tokens" in argv else None
+
+    assert budget() == "49152"
+    assert budget("--cfg", "run.max_gpu_memory_gb=30") is None
+    assert budget("--cfg", "run.max_gpu_memory_gb=30", "--micro-batch-tokens", "8192") == "8192"
+
+
 @pytest.mark.extended
 def test_tiny_calculator_episodes_on_gsm8k(shared_data, tmp_path):
     """The calculator tool on real GSM8K questions (the test file re-split): episodes run, are scored by the
