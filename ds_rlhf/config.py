@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import json
 import math
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +22,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
+from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
+from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     ConfigError,
     DataConfig,
@@ -152,19 +156,13 @@ def _all_keys() -> dict[str, tuple[str | None, str]]:
     return keys
 
 
-def _resolve_key(key: str) -> tuple[str | None, str]:
-    keys = _all_keys()
-    key = key.replace("-", "_")
-    if key in keys:
-        return keys[key]
-    bare = [k for k in keys if k.split(".")[-1] == key]
-    if len(bare) == 1:
-        return keys[bare[0]]
-    if len(bare) > 1:
-        raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(sorted(bare))}")
-    close = difflib.get_close_matches(key, list(keys) + sorted({k.split('.')[-1] for k in keys}), n=3)
-    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    raise ConfigError(f"unknown config key '{key}'{hint}; see --help for the list")
+def _resolve_key(key: str, recipe: str | None = None, notes: list[str] | None = None) -> tuple[str | None, str]:
+    """(section or None, field) of `key` in `recipe`'s sections (None: all; see `config_keys.resolve`); the note
+    of a peer's alias goes to `notes`."""
+    dotted, note = config_keys.resolve(key, _all_keys(), recipe)
+    if note and notes is not None and note not in notes:
+        notes.append(note)
+    return _all_keys()[dotted]
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
@@ -202,21 +200,32 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     return value
 
 
-def set_value(cfg: Config, key: str, value: Any) -> None:
-    section, name = _resolve_key(key)
+def set_value(cfg: Config, key: str, value: Any, recipe: str | None = None, notes: list[str] | None = None) -> None:
+    section, name = _resolve_key(key, recipe, notes)
     target = getattr(cfg, section) if section else cfg
     typ = _field_types(type(target))[name]
+    if value is None and typ is bool:  # a bare flag
+        value = "true"
+    elif value is None:
+        raise ConfigError(f"--{key} needs a value")
     setattr(target, name, _coerce(value, typ, key))
 
 
-def apply_mapping(cfg: Config, mapping: dict, prefix: str = "") -> None:
-    """Apply a nested dict (from YAML/JSON): sections as sub-dicts, or dotted/bare keys at top level."""
+def apply_mapping(cfg: Config, mapping: dict, prefix: str = "", recipe: str | None = None,
+                  notes: list[str] | None = None) -> list[str]:
+    """Apply a nested dict (from YAML/JSON): sections as sub-dicts, or dotted/bare keys at top level; a sub-dict
+    of another name reads as dotted keys (verl's `actor_rollout_ref: {rollout: {n: 8}}`). Returns the dotted keys
+    it set."""
+    applied = []
     for key, value in mapping.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict) and full in SECTIONS:
-            apply_mapping(cfg, value, prefix=f"{full}.")
-        else:
-            set_value(cfg, full, value)
+        if isinstance(value, dict):
+            applied += apply_mapping(cfg, value, f"{full}.", recipe, notes)
+            continue
+        section, name = _resolve_key(full, recipe, notes)
+        set_value(cfg, f"{section}.{name}" if section else name, "" if value is None else value)
+        applied.append(f"{section}.{name}" if section else name)
+    return applied
 
 
 class _DuplicateKey(Exception):
@@ -293,7 +302,7 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': settings are given as --key value")
+            raise ConfigError(config_keys.positional_hint(arg))
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -308,24 +317,11 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _dotted(key: str) -> str:
-    section, name = _resolve_key(key)
-    return f"{section}.{name}" if section else name
-
-
-def _mapping_keys(mapping: dict, prefix: str = "") -> list[str]:
-    """The dotted keys a nested mapping sets (as `apply_mapping` reads it)."""
-    out = []
-    for key, value in mapping.items():
-        full = f"{prefix}{key}"
-        out += _mapping_keys(value, f"{full}.") if isinstance(value, dict) and full in SECTIONS else [_dotted(full)]
-    return out
-
-
-def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
-    """Build a Config from entry-point defaults, an optional --config file and --key value overrides; `given` holds
-    the keys the file and the overrides set."""
-    cfg = Config()
+def parse_config(argv: list[str], defaults: dict | None = None, recipe: str | None = None) -> Config:
+    """Build a Config from entry-point defaults, optional --config files and --key value overrides; `given` holds
+    the keys the files and the overrides set. `recipe` (a `config_keys.RECIPES` name) accepts only the sections
+    its trainer reads; a peer trainer's name for a setting prints one `note:` line on stderr (rank 0)."""
+    cfg, notes = Config(), []
     apply_mapping(cfg, defaults or {})
     pairs = _split_overrides(argv)
     given: list[str] = []
@@ -333,22 +329,22 @@ def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
         if key == "config":
             if value is None:
                 raise ConfigError("--config needs a file path")
-            mapping = load_file(value)
-            apply_mapping(cfg, mapping)
-            given += _mapping_keys(mapping)
+            try:
+                given += apply_mapping(cfg, load_file(value), recipe=recipe, notes=notes)
+            except ConfigError as exc:
+                raise ConfigError(f"{value}: {exc}" if not str(exc).startswith(("config file", value)) else exc) \
+                    from None
     for key, value in pairs:
         if key == "config":
             continue
-        given.append(_dotted(key))
-        if value is None:
-            section, name = _resolve_key(key)
-            target = getattr(cfg, section) if section else cfg
-            if _field_types(type(target))[name] is not bool:
-                raise ConfigError(f"--{key} needs a value")
-            value = "true"
-        set_value(cfg, key, value)
+        section, name = _resolve_key(key, recipe, notes)
+        given.append(f"{section}.{name}" if section else name)
+        set_value(cfg, given[-1], value)
     cfg.check()
     cfg.given = frozenset(given)
+    check_file_precedence(cfg, recipe)
+    if notes and os.environ.get("RANK", "0") == "0":
+        print("\n".join(notes), file=sys.stderr, flush=True)
     return cfg
 
 
@@ -380,20 +376,25 @@ def _choice_lines(rule: dict) -> list[str]:
     return [f"      {line}" for line in ALL[rule["choices"]].describe()]
 
 
-def help_text(cfg: Config | None = None) -> str:
-    """Every key with its default (or current value) and its comment, grouped by section, for --help."""
+def help_text(cfg: Config | None = None, recipe: str | None = None) -> str:
+    """Every key `recipe` reads (None: every key) with its default (or current value) and its comment, grouped by
+    section, then the peer trainers' names it reads as its own, for --help."""
     cfg = cfg or Config()
     lines = []
-    top = _field_comments(Config)
+    top, shown = _field_comments(Config), config_keys.sections_of(recipe, SECTIONS)
     for name, typ in _field_types(Config).items():
-        if dataclasses.is_dataclass(typ):
+        if dataclasses.is_dataclass(typ) and name in shown:
             lines.append(f"[{name}]")
             notes, rules = _field_comments(typ), _field_rules(typ)
             for sub, value in dataclasses.asdict(getattr(cfg, name)).items():
                 note = f"  # {notes[sub]}" if sub in notes else ""
                 lines.append(f"  --{name}.{sub} {value!r}{note}")
                 lines.extend(_choice_lines(rules.get(sub, {})))
-        else:
+        elif not dataclasses.is_dataclass(typ):
             note = f"  # {top[name]}" if name in top else ""
             lines.append(f"--{name} {getattr(cfg, name)!r}{note}")
+    if recipe is not None:
+        lines.append("[names of peer trainers read as these settings]")
+        lines += [f"  --{key} ({peer.source}) = --{peer.alias}" for key, peer in config_peers.aliases(recipe)
+                  if peer.alias.split(".")[0] in shown]
     return "\n".join(lines)
