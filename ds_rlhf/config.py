@@ -2,14 +2,16 @@
 
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
-bare key when it is unique across sections (`--kl_coef 0.05`). Unknown or misspelled keys are errors with a
-suggestion, never silently ignored. The resolved config is printed and saved in the run directory.
+bare key when it is unique among the command's sections (`--kl_coef 0.05`). A training command reads only its
+trainer's sections (`config_keys.RECIPES`); another trainer's setting, a peer trainer's name without our meaning
+(`config_peers`) and unknown or misspelled keys are errors naming what to use, never silently ignored. A given setting
+that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved in the run
+directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -17,13 +19,13 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
 import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
 from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
+from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     ConfigError,
@@ -226,74 +228,6 @@ def apply_mapping(cfg: Config, mapping: dict, prefix: str = "", recipe: str | No
         set_value(cfg, f"{section}.{name}" if section else name, "" if value is None else value)
         applied.append(f"{section}.{name}" if section else name)
     return applied
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str, where: str):
-        super().__init__(key, where)
-        self.key, self.where = key, where
-
-
-def _yaml_loader():
-    """yaml's SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                if key in seen:
-                    raise _DuplicateKey(str(key), f"lines {seen[key]} and {line}")
-                seen[key] = line
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-def _unique_pairs(pairs: list) -> dict:
-    """json.loads' object_pairs_hook refusing a key given twice in one object."""
-    keys = [k for k, _ in pairs]
-    for key in keys:
-        if keys.count(key) > 1:
-            raise _DuplicateKey(key, f"{keys.count(key)} times in one object")
-    return dict(pairs)
-
-
-def _one_line_parse_error(exc: Exception) -> str:
-    """A YAML/JSON parse error in one line: yaml's own text spans several (a context, a quoted excerpt, a caret)."""
-    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
-    if problem and mark is not None:
-        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return " ".join(str(exc).split())
-
-
-def load_file(path: str | Path) -> dict:
-    """A --config file (YAML or JSON) as a dict; ConfigError when it is missing, malformed, not a mapping, or gives
-    one key twice in a mapping. `ds_configs/NAME` not found here is the recipe shipped in the package, so
-    `--config ds_configs/dapo.yaml` works from any directory and from an installed wheel."""
-    path = Path(path)
-    if not path.is_file() and not path.is_absolute() and path.parts[:1] == ("ds_configs",):
-        packaged = Path(str(resources.files("ds_rlhf"))) / path  # a recipe shipped in the package
-        path = packaged if packaged.is_file() else path
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
-    import yaml
-
-    is_yaml = path.suffix in (".yaml", ".yml")
-    try:
-        data = (yaml.load(text, Loader=_yaml_loader()) or {}) if is_yaml else json.loads(
-            text, object_pairs_hook=_unique_pairs)
-    except _DuplicateKey as dup:
-        raise ConfigError(f"config file {path}: key '{dup.key}' is given twice ({dup.where}); keep one") from None
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if is_yaml else "JSON"
-        raise ConfigError(f"config file {path} is not valid {kind}: {_one_line_parse_error(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
-    return data
 
 
 def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:

@@ -30,16 +30,16 @@ def _hint(source: str, text: str, recipes: tuple[str, ...] = ()) -> Peer:
     return Peer(source, hint=text, recipes=recipes)
 
 
-_ACCUMULATION = ("the optimizer step is a batch here, not a count of micro-batches: {batch}, cut into "
+_ACCUMULATION = ("{batch} per optimizer step (a batch, not a count of micro-batches), cut into "
                  "--optim.micro_batch_size micro-batches (or --data.micro_batch_tokens token budgets)")
-_LOGGING = ("--run.wandb true for Weights & Biases (--run.wandb_project NAME); TensorBoard is --run.tensorboard "
+_LOGGING = ("--run.wandb true for Weights & Biases (--run.wandb_project NAME); TensorBoard: --run.tensorboard "
             "(on by default)")
 _DATA = "--data.train, a store written by `ds-rlhf prep-{kind}` (which reads {source}'s files)"
 
 PEERS: dict[str, tuple[Peer, ...]] = {
     # TRL (GRPOTrainer, SFTTrainer, DPOTrainer, RewardTrainer and their TrainingArguments)
     "beta": (_alias("TRL", "rl.kl_coef", PPO),
-             _hint("TRL", "the KL coefficient --rl.kl_coef of train-ppo, or --dpo.beta of train-dpo")),
+             _hint("TRL", "--rl.kl_coef (the KL coefficient) of train-ppo, or --dpo.beta of train-dpo")),
     "num_generations": (_alias("TRL", "rollout.n_samples"),),
     "max_completion_length": (_alias("TRL", "rollout.max_new_tokens"),),
     "max_prompt_length": (_hint("TRL", "--data.max_prompt_len (a longer prompt is refused or dropped, see "
@@ -47,8 +47,8 @@ PEERS: dict[str, tuple[Peer, ...]] = {
     "max_length": (_hint("TRL", "--data.max_len (a longer row is dropped, not truncated)"),),
     "learning_rate": (_alias("TRL", "optim.lr"),),
     "gradient_accumulation_steps": (
-        _hint("TRL", _ACCUMULATION.format(batch="--rl.mini_batch_size rollouts per rank"), PPO),
-        _hint("TRL", _ACCUMULATION.format(batch="--optim.batch_size sequences (pairs) per rank"))),
+        _hint("TRL", _ACCUMULATION.format(batch="--rl.mini_batch_size, the rollouts per rank"), PPO),
+        _hint("TRL", _ACCUMULATION.format(batch="--optim.batch_size, the sequences (pairs) per rank"))),
     "per_device_train_batch_size": (
         _hint("TRL", "--rl.prompts_per_step (prompts per step per rank) with --rollout.n_samples; "
                      "--optim.micro_batch_size is the micro-batch", PPO),
@@ -56,7 +56,7 @@ PEERS: dict[str, tuple[Peer, ...]] = {
                      "batch of an optimizer step")),
     "bf16": (_hint("TRL", "--model.dtype bf16 (auto: bf16 on a GPU that has it)"),),
     "fp16": (_hint("TRL", "--model.dtype fp16"),),
-    "use_peft": (_hint("TRL", "LoRA is --model.lora_rank N (e.g. 16; 0 = full fine-tuning), with "
+    "use_peft": (_hint("TRL", "--model.lora_rank N for LoRA (e.g. 16; 0 = full fine-tuning), with "
                               "--model.lora_alpha and --model.lora_targets"),),
     "lora_r": (_alias("TRL", "model.lora_rank"),),
     "report_to": (_hint("TRL", _LOGGING),),
@@ -89,7 +89,7 @@ PEERS: dict[str, tuple[Peer, ...]] = {
     "advantage_estimator": (_hint("OpenRLHF", "--rl.algo (gae: ppo, group_norm: grpo, rloo: rloo, reinforce: "
                                               "reinforce_pp)"),),
     "prompt_data": (_hint("OpenRLHF", _DATA.format(kind="prompts", source="OpenRLHF")),),
-    "dataset": (_hint("OpenRLHF", _DATA.format(kind="sft or prep-preferences", source="OpenRLHF")),),
+    "dataset": (_hint("OpenRLHF", _DATA.format(kind="sft` or `ds-rlhf prep-preferences", source="OpenRLHF")),),
     "use_wandb": (_hint("OpenRLHF", _LOGGING),),
     # verl (Hydra keys)
     "actor_rollout_ref.model.path": (_alias("verl", "model.path"),),
@@ -146,7 +146,7 @@ def lookup(key: str, recipe: str | None) -> Peer | None:
 
 def hint_line(key: str, peer: Peer) -> str:
     """The one-line refusal of a peer name that is not an alias."""
-    return f"--{key} is {peer.source}'s setting, not one here; use {peer.hint}"
+    return f"--{key} is {peer.source}'s setting, not one here; ours with that meaning: {peer.hint}"
 
 
 def aliases(recipe: str | None) -> list[tuple[str, Peer]]:

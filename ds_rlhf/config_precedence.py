@@ -43,14 +43,14 @@ def _batch_conflicts(cfg: Any, raw: dict, recipe: str | None) -> list[str]:
     if found is None or not any(key in cfg.given for key in found[1]):
         return []
     steps, keys = found
-    given = ", ".join(f"{key}={_setting(cfg, key)}" for key in keys if key in cfg.given)
+    settings = ", ".join(f"{key}={_setting(cfg, key)}" for key in keys)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = []
     for key, ours in (("gradient_accumulation_steps", steps),
                       ("train_batch_size", max(1, cfg.optim.micro_batch_size) * steps * world)):
         theirs = file_value(raw, key)
         if theirs is not None and not same_value(ours, theirs):
-            out.append(f"{given} give {key}={ours} and the ds_config file sets {key}={theirs!r}")
+            out.append(f"the settings ({settings}) make {key} {ours} and the ds_config file sets {key}={theirs!r}")
     return out
 
 

@@ -2,8 +2,8 @@
 
 `main_sft`, `main_rm`, `main_ppo` and `main_dpo` back the console scripts (`ds-rlhf-train-sft`,
 `ds-rlhf train-sft`, ...) and the `launch/train_*.py` scripts that `deepspeed` and `accelerate launch` run. Each
-prints its `*_DOC` plus the settings its trainer reads, with its defaults, on --help (without importing the trainer), else parses the
-config and trains.
+prints its `*_DOC` plus the settings its trainer reads, with its defaults, on --help (without importing the
+trainer), else parses those settings and trains.
 """
 
 from __future__ import annotations
