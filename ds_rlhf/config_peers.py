@@ -39,7 +39,8 @@ _DATA = "--data.train, a store written by `ds-rlhf prep-{kind}` (which reads {so
 PEERS: dict[str, tuple[Peer, ...]] = {
     # TRL (GRPOTrainer, SFTTrainer, DPOTrainer, RewardTrainer and their TrainingArguments)
     "beta": (_alias("TRL", "rl.kl_coef", PPO),
-             _hint("TRL", "--rl.kl_coef (the KL coefficient) of train-ppo, or --dpo.beta of train-dpo")),
+             _hint("TRL", "--rl.kl_coef (the KL coefficient) of train-ppo, or --dpo.beta of train-dpo",
+                   ("train-sft", "train-rm"))),  # train-dpo: our own dpo.beta, the same meaning
     "num_generations": (_alias("TRL", "rollout.n_samples"),),
     "max_completion_length": (_alias("TRL", "rollout.max_new_tokens"),),
     "max_prompt_length": (_hint("TRL", "--data.max_prompt_len (a longer prompt is refused or dropped, see "
