@@ -15,8 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
 from low_memory_machine import BENCH, ROOT, GiB
 from low_memory_report import fmt
+
+from ds_rlhf.config import load_file
+from ds_rlhf.config_keys import recipe_view
 
 RECIPE = "ds_configs/low_memory_24g.yaml"
 PHASES = {"sft": "train-sft", "rm": "train-rm", "ppo": "train-ppo", "grpo": "train-ppo"}
@@ -26,8 +30,9 @@ BENCH_REWARD = f"{BENCH / 'bench_rewards.py'}:distinct_ratio"
 
 def phase_argv(args, phase: str, model: Path, stores: dict, sizes: dict, run_dir: Path, gpu: bool,
                export_rm: bool) -> list[str]:
-    """The CLI arguments of one phase: the recipe, then this benchmark's overrides, then --extra / --phase-extra."""
-    a = ["--config", str(ROOT / RECIPE), "--model.path", str(model), "--run.output_dir", str(run_dir),
+    """The CLI arguments of one phase: the recipe (the sections its command reads), then this benchmark's overrides,
+    then --extra / --phase-extra."""
+    a = ["--config", phase_recipe(phase, run_dir.parent), "--model.path", str(model), "--run.output_dir", str(run_dir),
          "--run.steps", str(args.steps), "--run.overwrite", "true", "--run.progress", "false",
          "--run.tensorboard", "false", "--run.log_every", "1", "--run.keep_last", "1",
          "--run.max_gpu_memory_gb", f"{args.cap_gb:g}"]
@@ -59,6 +64,17 @@ def phase_argv(args, phase: str, model: Path, stores: dict, sizes: dict, run_dir
         if name == phase:
             a += shlex.split(rest)
     return a
+
+
+def phase_recipe(phase: str, where: Path) -> str:
+    """The recipe file for one phase: the recipe itself for RL, else a copy under `where` without the sections its
+    command does not read (train-sft and train-rm refuse the rollout and RL settings)."""
+    if PHASES[phase] == "train-ppo":
+        return str(ROOT / RECIPE)
+    path = Path(where) / f"low_memory_24g.{PHASES[phase]}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe_view(load_file(ROOT / RECIPE), PHASES[phase]), sort_keys=False))
+    return str(path)
 
 
 def start_plan(phase: str, argv: list[str], cap_gb: float, gpu_gib: float | None, env: dict):

@@ -58,19 +58,23 @@ def debug_requested(argv: list[str]) -> bool:
     return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: list[str] | None = None):
+def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: list[str] | None = None,
+              recipe: str | None = None):
+    """Print --help, or parse the settings `recipe` (a `config_keys.RECIPES` name) reads and `run` them; a user
+    error ends the command with one `error: ...` line."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         shown = Config()
         apply_mapping(shown, defaults)
-        print(doc.strip() + "\n" + USAGE + "\nAll settings with this entry point's defaults:\n" + help_text(shown))
+        print(doc.strip() + "\n" + USAGE + "\nThe settings of this command, with its defaults:\n" +
+              help_text(shown, recipe))
         return None
     runtime_env_defaults()  # also for launch/*.py and the ds-rlhf-train-* scripts, which skip entrypoints.main
     debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
     cfg = None
     try:
-        cfg = parse_config(argv, defaults)
+        cfg = parse_config(argv, defaults, recipe)
         result = run(cfg)
     except USER_ERRORS as exc:  # bad settings, inputs or rewards: one line, no traceback
         if debug:

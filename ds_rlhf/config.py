@@ -2,25 +2,31 @@
 
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
-bare key when it is unique across sections (`--kl_coef 0.05`). Unknown or misspelled keys are errors with a
-suggestion, never silently ignored. The resolved config is printed and saved in the run directory.
+bare key when it is unique among the command's sections (`--kl_coef 0.05`). A training command reads only its
+trainer's sections (`config_keys.RECIPES`); another trainer's setting, a peer trainer's name without our meaning
+(`config_peers`) and unknown or misspelled keys are errors naming what to use, never silently ignored. A given setting
+that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved in the run
+directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
 import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
+from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
+from ds_rlhf.config_files import load_file
+from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     ConfigError,
     DataConfig,
@@ -152,19 +158,13 @@ def _all_keys() -> dict[str, tuple[str | None, str]]:
     return keys
 
 
-def _resolve_key(key: str) -> tuple[str | None, str]:
-    keys = _all_keys()
-    key = key.replace("-", "_")
-    if key in keys:
-        return keys[key]
-    bare = [k for k in keys if k.split(".")[-1] == key]
-    if len(bare) == 1:
-        return keys[bare[0]]
-    if len(bare) > 1:
-        raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(sorted(bare))}")
-    close = difflib.get_close_matches(key, list(keys) + sorted({k.split('.')[-1] for k in keys}), n=3)
-    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    raise ConfigError(f"unknown config key '{key}'{hint}; see --help for the list")
+def _resolve_key(key: str, recipe: str | None = None, notes: list[str] | None = None) -> tuple[str | None, str]:
+    """(section or None, field) of `key` in `recipe`'s sections (None: all; see `config_keys.resolve`); the note
+    of a peer's alias goes to `notes`."""
+    dotted, note = config_keys.resolve(key, _all_keys(), recipe)
+    if note and notes is not None and note not in notes:
+        notes.append(note)
+    return _all_keys()[dotted]
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
@@ -202,89 +202,32 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     return value
 
 
-def set_value(cfg: Config, key: str, value: Any) -> None:
-    section, name = _resolve_key(key)
+def set_value(cfg: Config, key: str, value: Any, recipe: str | None = None, notes: list[str] | None = None) -> None:
+    section, name = _resolve_key(key, recipe, notes)
     target = getattr(cfg, section) if section else cfg
     typ = _field_types(type(target))[name]
+    if value is None and typ is bool:  # a bare flag
+        value = "true"
+    elif value is None:
+        raise ConfigError(f"--{key} needs a value")
     setattr(target, name, _coerce(value, typ, key))
 
 
-def apply_mapping(cfg: Config, mapping: dict, prefix: str = "") -> None:
-    """Apply a nested dict (from YAML/JSON): sections as sub-dicts, or dotted/bare keys at top level."""
+def apply_mapping(cfg: Config, mapping: dict, prefix: str = "", recipe: str | None = None,
+                  notes: list[str] | None = None) -> list[str]:
+    """Apply a nested dict (from YAML/JSON): sections as sub-dicts, or dotted/bare keys at top level; a sub-dict
+    of another name reads as dotted keys (verl's `actor_rollout_ref: {rollout: {n: 8}}`). Returns the dotted keys
+    it set."""
+    applied = []
     for key, value in mapping.items():
         full = f"{prefix}{key}"
-        if isinstance(value, dict) and full in SECTIONS:
-            apply_mapping(cfg, value, prefix=f"{full}.")
-        else:
-            set_value(cfg, full, value)
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str, where: str):
-        super().__init__(key, where)
-        self.key, self.where = key, where
-
-
-def _yaml_loader():
-    """yaml's SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                if key in seen:
-                    raise _DuplicateKey(str(key), f"lines {seen[key]} and {line}")
-                seen[key] = line
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
-def _unique_pairs(pairs: list) -> dict:
-    """json.loads' object_pairs_hook refusing a key given twice in one object."""
-    keys = [k for k, _ in pairs]
-    for key in keys:
-        if keys.count(key) > 1:
-            raise _DuplicateKey(key, f"{keys.count(key)} times in one object")
-    return dict(pairs)
-
-
-def _one_line_parse_error(exc: Exception) -> str:
-    """A YAML/JSON parse error in one line: yaml's own text spans several (a context, a quoted excerpt, a caret)."""
-    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
-    if problem and mark is not None:
-        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
-    return " ".join(str(exc).split())
-
-
-def load_file(path: str | Path) -> dict:
-    """A --config file (YAML or JSON) as a dict; ConfigError when it is missing, malformed, not a mapping, or gives
-    one key twice in a mapping. `ds_configs/NAME` not found here is the recipe shipped in the package, so
-    `--config ds_configs/dapo.yaml` works from any directory and from an installed wheel."""
-    path = Path(path)
-    if not path.is_file() and not path.is_absolute() and path.parts[:1] == ("ds_configs",):
-        packaged = Path(str(resources.files("ds_rlhf"))) / path  # a recipe shipped in the package
-        path = packaged if packaged.is_file() else path
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
-    import yaml
-
-    is_yaml = path.suffix in (".yaml", ".yml")
-    try:
-        data = (yaml.load(text, Loader=_yaml_loader()) or {}) if is_yaml else json.loads(
-            text, object_pairs_hook=_unique_pairs)
-    except _DuplicateKey as dup:
-        raise ConfigError(f"config file {path}: key '{dup.key}' is given twice ({dup.where}); keep one") from None
-    except (ValueError, yaml.YAMLError) as exc:
-        kind = "YAML" if is_yaml else "JSON"
-        raise ConfigError(f"config file {path} is not valid {kind}: {_one_line_parse_error(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values")
-    return data
+        if isinstance(value, dict):
+            applied += apply_mapping(cfg, value, f"{full}.", recipe, notes)
+            continue
+        section, name = _resolve_key(full, recipe, notes)
+        set_value(cfg, f"{section}.{name}" if section else name, "" if value is None else value)
+        applied.append(f"{section}.{name}" if section else name)
+    return applied
 
 
 def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -293,7 +236,7 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}': settings are given as --key value")
+            raise ConfigError(config_keys.positional_hint(arg))
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -308,24 +251,11 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def _dotted(key: str) -> str:
-    section, name = _resolve_key(key)
-    return f"{section}.{name}" if section else name
-
-
-def _mapping_keys(mapping: dict, prefix: str = "") -> list[str]:
-    """The dotted keys a nested mapping sets (as `apply_mapping` reads it)."""
-    out = []
-    for key, value in mapping.items():
-        full = f"{prefix}{key}"
-        out += _mapping_keys(value, f"{full}.") if isinstance(value, dict) and full in SECTIONS else [_dotted(full)]
-    return out
-
-
-def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
-    """Build a Config from entry-point defaults, an optional --config file and --key value overrides; `given` holds
-    the keys the file and the overrides set."""
-    cfg = Config()
+def parse_config(argv: list[str], defaults: dict | None = None, recipe: str | None = None) -> Config:
+    """Build a Config from entry-point defaults, optional --config files and --key value overrides; `given` holds
+    the keys the files and the overrides set. `recipe` (a `config_keys.RECIPES` name) accepts only the sections
+    its trainer reads; a peer trainer's name for a setting prints one `note:` line on stderr (rank 0)."""
+    cfg, notes = Config(), []
     apply_mapping(cfg, defaults or {})
     pairs = _split_overrides(argv)
     given: list[str] = []
@@ -333,22 +263,22 @@ def parse_config(argv: list[str], defaults: dict | None = None) -> Config:
         if key == "config":
             if value is None:
                 raise ConfigError("--config needs a file path")
-            mapping = load_file(value)
-            apply_mapping(cfg, mapping)
-            given += _mapping_keys(mapping)
+            try:
+                given += apply_mapping(cfg, load_file(value), recipe=recipe, notes=notes)
+            except ConfigError as exc:
+                raise ConfigError(f"{value}: {exc}" if not str(exc).startswith(("config file", value)) else exc) \
+                    from None
     for key, value in pairs:
         if key == "config":
             continue
-        given.append(_dotted(key))
-        if value is None:
-            section, name = _resolve_key(key)
-            target = getattr(cfg, section) if section else cfg
-            if _field_types(type(target))[name] is not bool:
-                raise ConfigError(f"--{key} needs a value")
-            value = "true"
-        set_value(cfg, key, value)
+        section, name = _resolve_key(key, recipe, notes)
+        given.append(f"{section}.{name}" if section else name)
+        set_value(cfg, given[-1], value)
     cfg.check()
     cfg.given = frozenset(given)
+    check_file_precedence(cfg, recipe)
+    if notes and os.environ.get("RANK", "0") == "0":
+        print("\n".join(notes), file=sys.stderr, flush=True)
     return cfg
 
 
@@ -380,20 +310,25 @@ def _choice_lines(rule: dict) -> list[str]:
     return [f"      {line}" for line in ALL[rule["choices"]].describe()]
 
 
-def help_text(cfg: Config | None = None) -> str:
-    """Every key with its default (or current value) and its comment, grouped by section, for --help."""
+def help_text(cfg: Config | None = None, recipe: str | None = None) -> str:
+    """Every key `recipe` reads (None: every key) with its default (or current value) and its comment, grouped by
+    section, then the peer trainers' names it reads as its own, for --help."""
     cfg = cfg or Config()
     lines = []
-    top = _field_comments(Config)
+    top, shown = _field_comments(Config), config_keys.sections_of(recipe, SECTIONS)
     for name, typ in _field_types(Config).items():
-        if dataclasses.is_dataclass(typ):
+        if dataclasses.is_dataclass(typ) and name in shown:
             lines.append(f"[{name}]")
             notes, rules = _field_comments(typ), _field_rules(typ)
             for sub, value in dataclasses.asdict(getattr(cfg, name)).items():
                 note = f"  # {notes[sub]}" if sub in notes else ""
                 lines.append(f"  --{name}.{sub} {value!r}{note}")
                 lines.extend(_choice_lines(rules.get(sub, {})))
-        else:
+        elif not dataclasses.is_dataclass(typ):
             note = f"  # {top[name]}" if name in top else ""
             lines.append(f"--{name} {getattr(cfg, name)!r}{note}")
+    if recipe is not None:
+        lines.append("[names of peer trainers read as these settings]")
+        lines += [f"  --{key} ({peer.source}) = --{peer.alias}" for key, peer in config_peers.aliases(recipe)
+                  if peer.alias.split(".")[0] in shown]
     return "\n".join(lines)

@@ -2,9 +2,10 @@
 
 Raw DeepSpeed rejects ``"auto"``; Hugging Face's Trainer/accelerate fill those values from the command line before
 handing the config over. We do the same, with one rule for everything: ``"auto"`` (or a missing key) takes the CLI
-value; an explicit value in the file wins over the CLI (logged as a warning) unless the combination is one DeepSpeed
-would reject, in which case we raise a ``ConfigError`` (a ValueError) naming the key. After resolution no
-``"auto"`` may remain.
+value; an explicit value in the file wins over a setting left at its default (logged as a warning; a setting the
+user gave that differs from it is refused when the config is parsed, `config_precedence.py`) unless the combination
+is one DeepSpeed would reject, in which case we raise a ``ConfigError`` (a ValueError) naming the key. After
+resolution no ``"auto"`` may remain.
 
 The resolved dict is what gets passed to ``deepspeed.initialize``, logged, and saved beside every checkpoint, so a
 run can be reproduced from the checkpoint alone.
@@ -66,7 +67,7 @@ def _fill(section: dict, key: str, value: Any, where: str) -> None:
         section[key] = value
     elif value is not None and current != value:
         OVERRIDES.append((where, current, value))
-        logger.warning("ds_config %s=%r (from the file) overrides the CLI value %r", where, current, value)
+        logger.warning("ds_config %s=%r (from the file) overrides the run's default %r", where, current, value)
 
 
 # Top-level keys DeepSpeed reads: its constants modules (collected at first use) plus sections named elsewhere.

@@ -6,6 +6,7 @@ A new subcommand is one row of `SUBCOMMANDS` (and, for its own console script, o
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -84,6 +85,15 @@ def resolve(name: str) -> Callable[[list[str]], int | None]:
     return getattr(importlib.import_module(module), func)
 
 
+def _command_hint(name: str, rest: list[str]) -> str:
+    """' (did you mean `ds-rlhf train-rm ...`?)' for a command typed apart (`train rm`) or misspelled, else ''."""
+    joined = f"{name}-{rest[0]}" if rest else ""
+    if joined in SUBCOMMANDS:
+        return f" (did you mean `{PROG} {joined}`?)"
+    close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
+    return f" (did you mean `{PROG} {close[0]}`?)" if close else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -95,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     runtime_env_defaults()
     if name not in SUBCOMMANDS:
-        import difflib
-
-        close = difflib.get_close_matches(name, SUBCOMMANDS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        print(f"{PROG}: unknown command {name!r}{hint}; run `{PROG} --help` for the list", file=sys.stderr)
+        print(f"{PROG}: unknown command {name!r}{_command_hint(name, rest)}; run `{PROG} --help` for the list",
+              file=sys.stderr)
         return 2
     return resolve(name)(rest) or 0
 

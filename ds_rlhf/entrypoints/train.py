@@ -2,8 +2,8 @@
 
 `main_sft`, `main_rm`, `main_ppo` and `main_dpo` back the console scripts (`ds-rlhf-train-sft`,
 `ds-rlhf train-sft`, ...) and the `launch/train_*.py` scripts that `deepspeed` and `accelerate launch` run. Each
-prints its `*_DOC` plus every setting with its defaults on --help (without importing the trainer), else parses the
-config and trains.
+prints its `*_DOC` plus the settings its trainer reads, with its defaults, on --help (without importing the
+trainer), else parses those settings and trains.
 """
 
 from __future__ import annotations
@@ -86,16 +86,16 @@ def run_ppo(cfg):
 
 # The trainers' summaries are not exit codes: the mains return None (exit 0) and leave the summary to the logs.
 def main_sft(argv: list[str] | None = None) -> None:
-    run_entry(SFT_DOC, SFT_DEFAULTS, run_sft, argv)
+    run_entry(SFT_DOC, SFT_DEFAULTS, run_sft, argv, recipe="train-sft")
 
 
 def main_rm(argv: list[str] | None = None) -> None:
-    run_entry(RM_DOC, RM_DEFAULTS, run_rm, argv)
+    run_entry(RM_DOC, RM_DEFAULTS, run_rm, argv, recipe="train-rm")
 
 
 def main_dpo(argv: list[str] | None = None) -> None:
-    run_entry(DPO_DOC, DPO_DEFAULTS, run_dpo, argv)
+    run_entry(DPO_DOC, DPO_DEFAULTS, run_dpo, argv, recipe="train-dpo")
 
 
 def main_ppo(argv: list[str] | None = None) -> None:
-    run_entry(PPO_DOC, PPO_DEFAULTS, run_ppo, argv)
+    run_entry(PPO_DOC, PPO_DEFAULTS, run_ppo, argv, recipe="train-ppo")

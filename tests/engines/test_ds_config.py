@@ -53,13 +53,13 @@ def test_config_specifics():
     assert z3["zero_optimization"]["stage3_param_persistence_threshold"] == 640
 
 
-def test_explicit_file_value_wins_with_a_warning(caplog):
+def test_explicit_file_value_wins_over_a_default_with_a_warning(caplog):
     raw = load_ds_config("zero2")
     raw["train_micro_batch_size_per_gpu"] = 8
     with caplog.at_level(logging.WARNING):
         cfg = resolve_ds_config(raw, **CLI)
     assert cfg["train_micro_batch_size_per_gpu"] == 8 and cfg["train_batch_size"] == 8 * 2 * 2
-    assert "overrides the CLI" in caplog.text
+    assert "overrides the run's default" in caplog.text
 
 
 def test_explicit_zero_stage_overrides_the_file(caplog):

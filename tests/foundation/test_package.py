@@ -80,7 +80,7 @@ def test_umbrella_dispatch_and_errors(tmp_path):
     out = _run([BIN / "ds-rlhf", "prep-gsm8k", "--help"], cwd=tmp_path, timeout=60)
     assert out.returncode == 0 and HELP_TEXT["prep-gsm8k"] in out.stdout and "--tokenizer" in out.stdout
     out = _run([BIN / "ds-rlhf", "trian-ppo"], cwd=tmp_path, timeout=60)
-    assert out.returncode == 2 and "did you mean 'train-ppo'" in out.stderr
+    assert out.returncode == 2 and "did you mean `ds-rlhf train-ppo`" in out.stderr
     out = _run([BIN / "ds-rlhf"], cwd=tmp_path, timeout=60)
     assert out.returncode == 2 and "commands:" in out.stdout
     out = _run([sys.executable, "-m", "ds_rlhf.entrypoints", "--version"], cwd=tmp_path, timeout=60)

@@ -33,7 +33,7 @@ WORKERS = 3
 
 def _tiny_run(model, store, out, *extra):
     return ["--model.path", str(model), "--data.train", str(store), "--run.output_dir", str(out),
-            "--rollout.backend", "hf", "--run.steps", "1", "--run.progress", "false", "--run.tensorboard", "false",
+            "--run.steps", "1", "--run.progress", "false", "--run.tensorboard", "false",
             *extra]
 
 
@@ -80,7 +80,8 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     out = tmp / "runs"
 
     def ppo(name, *extra, store=prompts, model_path=model):
-        return ["train-ppo", *_tiny_run(model_path, store, out / name, "--rl.reward_fn", "gsm8k", *extra)]
+        return ["train-ppo", *_tiny_run(model_path, store, out / name, "--rollout.backend", "hf", "--rl.reward_fn",
+                                        "gsm8k", *extra)]
 
     def sft_run(name, *extra, store=sft, model_path=model):
         return ["train-sft", *_tiny_run(model_path, store, out / name, "--optim.batch_size", "4", *extra)]
@@ -118,8 +119,7 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "model_path_does_not_exist": (ppo("r", model_path=tmp / "no_model"), "model.path"),
         "model_path_is_a_file": (ppo("s", model_path=a_file), str(a_file)),
         "model_hub_id_not_cached_offline": (ppo("ms", model_path="nobody-here/no-such-model"), "model.path"),
-        "reward_model_does_not_exist": (["train-ppo", *_tiny_run(model, prompts, out / "mr", "--rl.reward_model",
-                                                                str(tmp / "no_rm"))], "rl.reward_model"),
+        "reward_model_does_not_exist": (ppo("mr", "--rl.reward_model", str(tmp / "no_rm")), "rl.reward_model"),
         "eval_store_does_not_exist": (ppo("ev", "--data.eval", str(tmp / "no_eval"), "--run.eval_every", "2"),
                                       "data.eval"),
         "reward_weights_count_mismatch": (ppo("rw", "--rl.reward_weights", "1,2"), "rl.reward_weights"),
