@@ -33,6 +33,7 @@ from typing import Any
 
 from ds_rlhf.agent.environment import ToolEnvironment, environment_factory, load_object, resolve
 from ds_rlhf.config import ConfigError
+from ds_rlhf.rewards.calling import reward_number
 
 _TRL_RESERVED = ("reset", "get_reward")
 
@@ -116,12 +117,13 @@ def _row_fields(row) -> dict:
 
 
 def _number(value, what: str) -> float:
-    if hasattr(value, "item"):
-        value = value.item()
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{what} must be a number or a one-element tensor, got {type(value).__name__}") from None
+    if hasattr(value, "item") and not isinstance(value, str | bytes):
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError):
+            raise TypeError(f"{what} must be a number or a one-element tensor, got a tensor of "
+                            f"{getattr(value, 'numel', lambda: '?')()} elements") from None
+    return reward_number(value, what)
 
 
 class TRLEnvironment(ToolEnvironment):

@@ -5,7 +5,8 @@ An environment is any class with
     reset(self, row) -> str                                   # the first user message of the episode
     step(self, action_text) -> (observation, reward, done)    # observation: str, reward: float, done: bool
 
-(either may be `async def`). One instance serves one episode (the runner builds it with no arguments), so it may
+(either may be `async def`; the reward is a real number finite in float32: a bool or a string stops the run, a
+non-finite one ends the episode as failed). One instance serves one episode (the runner builds it with no arguments), so it may
 keep the episode's state on `self`. `action_text` is the decoded assistant turn; the observation becomes the next
 user turn.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 from ds_rlhf.agent.sandbox import Sandbox, tool_location
 from ds_rlhf.agent.tool_calls import ParsedCalls, parse_tool_calls
 from ds_rlhf.config import ConfigError
+from ds_rlhf.rewards.calling import reward_number
 from ds_rlhf.rewards.loading import _load_module
 
 
@@ -106,9 +107,7 @@ def run_step(env, action_text: str, timeout: float = 0.0) -> StepResult:
     observation, reward, done = out
     if not isinstance(observation, str):
         raise TypeError(f"{type(env).__name__}.step's observation must be str, got {type(observation).__name__}")
-    reward = float(reward)
-    if not math.isfinite(reward):
-        raise ValueError(f"{type(env).__name__}.step returned a non-finite reward {reward}")
+    reward = reward_number(reward, f"environment {type(env).__name__}.step")
     return StepResult([{"role": "user", "content": observation}], reward, bool(done))
 
 
@@ -162,7 +161,8 @@ class ToolEnvironment:
     def step(self, action_text: str) -> StepResult:
         parsed = self.parse(action_text)
         if not parsed.has_calls:
-            reward = 0.0 if self.reward_fn is None else float(self.reward_fn(action_text, self.row))
+            reward = 0.0 if self.reward_fn is None else reward_number(self.reward_fn(action_text, self.row),
+                                                                      f"environment {type(self).__name__}'s reward")
             return StepResult([], reward, True)
         if parsed.error is not None:
             message = {"role": "tool", "name": "error", "content": f"Error: {parsed.error}"}

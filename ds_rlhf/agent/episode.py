@@ -25,7 +25,8 @@ it returns later is ignored. An `async def` reset or step is cancelled at the de
 blocks run and its thread ends). A tool that must be stopped runs in a `Sandbox` process, which is killed at its
 own timeout.
 An observation turn larger than `max_observation_bytes` (UTF-8) is not tokenized or appended: the episode ends
-("oversized", with a report). A step that raises ends its episode ("error"). `BAD_ENDS` are these three ends;
+("oversized", with a report). A step that raises ends its episode ("error"), except one whose reward is a bool or a
+string (`BadRewardError`): that stops the runner. `BAD_ENDS` are these three ends;
 the RL loop applies `rl.on_bad_tool` to such episodes.
 
 Output (`Episode`): `token_ids`; `loss_mask` (1 on generated tokens, 0 on prompt and observation tokens);
@@ -47,6 +48,7 @@ from ds_rlhf.agent.environment import StepResult, StepTimeout, run_reset, run_st
 from ds_rlhf.agent.rendering import ChatRenderer
 from ds_rlhf.agent.sandbox import Sandbox
 from ds_rlhf.config import ConfigError, UserInputError
+from ds_rlhf.rewards.calling import BadRewardError
 from ds_rlhf.rollout.base import RolloutSample, SamplingSpec
 from ds_rlhf.rollout.stops import stop_token_ids
 
@@ -196,6 +198,8 @@ class EpisodeRunner:
     def _after_step(self, ep: Episode, result: StepResult | BaseException, renderer: ChatRenderer) -> bool:
         """Record a finished step; True when the episode waits for the policy again."""
         turn = ep.turns
+        if isinstance(result, BadRewardError):  # a reward of a type no reward has: the environment is wrong
+            raise result
         if isinstance(result, BaseException):
             status = "timeout" if isinstance(result, StepTimeout) else "error"
             ep.reports.append({"turn": turn, "status": status, "error": f"step: {_describe(result)}"})

@@ -1,8 +1,9 @@
 """The optimisation half of an RL step: PPO epochs over mini-batches of token-budget micro-batches.
 
 Each micro-batch's loss is aggregated within the micro-batch and then weighted by its share of the mini-batch
-(tokens for token-mean, sequences otherwise), so accumulating any number of micro-batches gives exactly the
-mini-batch's loss. DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
+(response tokens for token-mean; for the seq-mean modes, rows with at least one response token, the rows
+`aggregate` averages over), so accumulating any number of micro-batches gives exactly the mini-batch's loss and
+gradient, also where a row has no response token (`rl.overlong_mask`). DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
 micro-batch, `step()` once per mini-batch.
 
 With `data.rl_packing` each micro-batch runs as one padding-free packed row (`recipes/packed_batch.py`): the token
@@ -136,10 +137,18 @@ def _agg_mode(cfg: Config) -> tuple[str, float | None]:
     return cfg.rl.loss_agg, None
 
 
+def scored_rows(action_mask: torch.Tensor) -> int:
+    """Rows with at least one response token: the rows the seq-mean aggregations average over."""
+    return int((action_mask.sum(dim=-1) > 0).sum())
+
+
 def _share(mb: Trajectory, mode: str, total_tokens: float, total_seqs: int) -> float:
+    """Micro-batch `mb`'s weight in its mini-batch under aggregation `mode`: its share of the mini-batch's
+    `total_tokens` response tokens for token-mean, else its share of the `total_seqs` rows that have one
+    (`scored_rows`); the weights of a mini-batch's micro-batches sum to 1 (0 when it has no response token)."""
     if mode == "token-mean":
         return float(mb.action_mask.sum()) / max(total_tokens, 1.0)
-    return len(mb) / max(total_seqs, 1)
+    return scored_rows(mb.action_mask) / max(total_seqs, 1)
 
 
 def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: float, *, teacher=None,
@@ -189,11 +198,18 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
     return metrics, logp.detach()
 
 
+def critic_agg(cfg: Config) -> str:
+    """The value loss's aggregation: the actor's, but token-mean where the actor's is Dr.GRPO's constant norm."""
+    mode, _ = _agg_mode(cfg)
+    return mode if mode != DR_GRPO_AGG else "token-mean"
+
+
 def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict:
-    mode, const = _agg_mode(cfg)
+    """Forward, value loss (`critic_agg`) and backward for one micro-batch; `share`: its weight under that
+    aggregation."""
     values = micro_values(critic, mb, cfg)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
-                               clip=cfg.rl.value_clip or None, agg=mode if mode != DR_GRPO_AGG else "token-mean")
+                               clip=cfg.rl.value_clip or None, agg=critic_agg(cfg))
     critic.backward(loss * share, scale_wrt_gas=False)
     return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
 
@@ -226,20 +242,22 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
         for k in range(n_mini):
             rows = order[k * per : (k + 1) * per]
             total_tokens = float(exp.action_mask[rows].sum())
+            total_seqs = scored_rows(exp.action_mask[rows])
             for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
                                        max_rows=cfg.optim.micro_batch_size, packed=packed):
-                share = None if micro else 0.0  # an empty micro-batch: run a row with zero weight
+                real = bool(micro)  # an empty micro-batch: run a row with zero weight
                 micro = micro or [0]
                 mb = exp.select(micro)
-                share = _share(mb, mode, total_tokens, len(rows)) if share is None else share
-                token_share = float(mb.action_mask.sum()) / max(total_tokens, 1.0) if share > 0 else 0.0
+                share = _share(mb, mode, total_tokens, total_seqs) if real else 0.0
+                token_share = _share(mb, "token-mean", total_tokens, total_seqs) if real else 0.0
                 metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share, teacher=teacher,
                                                  token_share=token_share)
                 stats.add(metrics, share)
                 if record is not None and share > 0:
                     record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
                 if critic is not None:
-                    stats.add(critic_micro_step(critic, mb, cfg, share), share)
+                    value_share = _share(mb, critic_agg(cfg), total_tokens, total_seqs) if real else 0.0
+                    stats.add(critic_micro_step(critic, mb, cfg, value_share), value_share)
             actor.step()
             norm = actor.get_global_grad_norm() if hasattr(actor, "get_global_grad_norm") else None
             if norm is not None:  # DeepSpeed's norm of the step's gradient, before clipping

@@ -22,10 +22,21 @@ from collections.abc import Callable
 from functools import partial
 
 from ds_rlhf.rewards.loading import STYLES
+from ds_rlhf.rewards.remote import with_logs
 
 Outcome = tuple[float, dict[str, float]] | str
 F32_MAX = 3.4028234663852886e38  # the largest finite float32; a larger score becomes inf in the loss
 BATCHED_STYLES = ("batched", "trl", "openrlhf")
+
+
+class BadRewardError(RuntimeError):
+    """A reward function raised or returned a non-finite value and the policy is `fail`; or a reward (a function's,
+    an environment's) that is not a number at all (a bool, a string), whatever the policy."""
+
+
+class Refused(str):
+    """The reason for a value whose type is not a reward (a bool, a string): the function itself is wrong, not one
+    sample, so `scoring` stops the run under any `rl.on_bad_reward`."""
 
 
 def detect_style(fn: Callable) -> str:
@@ -109,8 +120,7 @@ def _call_openrlhf(fn, items):
     if rewards is None:
         return result["rewards"]
     logs = {k: as_list(v) for k, v in (result.get("extra_logs") or {}).items()}
-    logs = {k: v for k, v in logs.items() if v is not None and len(v) == len(rewards)}
-    return [{"score": r, **{k: v[i] for k, v in logs.items()}} for i, r in enumerate(rewards)]
+    return with_logs(rewards, {k: v for k, v in logs.items() if v is not None})
 
 
 def as_list(value) -> list | None:
@@ -132,17 +142,50 @@ def _describe(value) -> str:
 
 
 def _number(value) -> float | None:
-    """A real number (int, float, bool, numpy/torch scalar) as float, else None; never a string."""
+    """A real number (int, float, numpy/torch scalar) as float, else None; never a bool or a string."""
     try:
         if not isinstance(value, numbers.Real) and hasattr(value, "item"):
             value = value.item()
+        if isinstance(value, bool):  # a subclass of int, but True is no reward of 1.0
+            return None
         return float(value) if isinstance(value, numbers.Real) else None
     except Exception:  # overflowing ints, multi-element tensors
         return None
 
 
+def wrong_type(value) -> str | None:
+    """Why `value` (or a numpy/torch scalar holding it) is of a type that is never a reward (a bool, a string);
+    None for any other value."""
+    if hasattr(value, "item") and not isinstance(value, str | bytes):
+        try:
+            value = value.item()
+        except Exception:  # multi-element tensors: not a number, but not this refusal
+            return None
+    if isinstance(value, bool):
+        return f"returned {_describe(value)}: a bool is not a reward; return a number (e.g. float(ok))"
+    if isinstance(value, str | bytes):
+        return f"returned {_describe(value)}: a string is not a reward; return a number (e.g. float(text))"
+    return None
+
+
+def reward_number(value, who: str) -> float:
+    """An environment's reward as float: BadRewardError naming `who` for a bool or a string (a type no reward
+    has: refused, whatever the policy), ValueError for any other value that is not a real number finite in
+    float32 (the episode's failure: `rl.on_bad_tool`)."""
+    refused = wrong_type(value)
+    if refused is not None:
+        raise BadRewardError(f"{who} {refused}")
+    number = _number(value)
+    if number is None:
+        raise ValueError(f"{who} returned {_describe(value)}, not a number")
+    if not (math.isfinite(number) and abs(number) <= F32_MAX):
+        raise ValueError(f"{who} returned a reward {number:g}, which is not finite in float32")
+    return number
+
+
 def to_outcome(value) -> Outcome:
-    """A float or a dict with `score` (+ numeric extras) -> (score, extras); anything else a reason string."""
+    """A float or a dict with `score` (+ numeric extras) -> (score, extras); anything else a reason string (a
+    `Refused` one for a bool or a string score)."""
     extras: dict[str, float] = {}
     if isinstance(value, dict):
         if "score" not in value:
@@ -152,6 +195,9 @@ def to_outcome(value) -> Outcome:
             if key != "score" and number is not None and math.isfinite(number) and abs(number) <= F32_MAX:
                 extras[str(key)] = number
         value = value["score"]
+    refused = wrong_type(value)
+    if refused is not None:
+        return Refused(refused)
     score = _number(value)
     if score is None:
         return f"returned {_describe(value)}, not a number"

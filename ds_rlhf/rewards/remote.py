@@ -11,7 +11,8 @@ remote reward model protocol, so a server written for OpenRLHF (its `serve_rm`, 
      "responses": [response, ...],              the responses alone
      "labels":    [ground truth or null, ...]}  the prompt store's ground truth (a verifier's answer key)
     -> 200 {"rewards": [float, ...]}            (or "scores"), one per item, in order; optionally
-           "extra_logs": {name: [float, ...]}   per-item metrics, logged as reward/remote/<name>
+           "extra_logs": {name: [float, ...]}   per-item metrics, logged as reward/remote/<name> (never
+                                                the reward: a log named `score` is logged as `extra_score`)
 
 A batch is sent as requests of at most `batch_size` items (`rl.reward_http_batch`), several at once (`PARALLEL`
 threads). Each request waits at most `timeout` seconds (`rl.reward_timeout`); a connection error, a timeout, an
@@ -154,10 +155,17 @@ class RemoteReward:
             raise RemoteRewardError(f"remote reward {self.url}: '{key}' holds {wrong!r}, not a number (one number "
                                     "per item)")
         logs = reply.get("extra_logs") if isinstance(reply.get("extra_logs"), dict) else {}
-        logs = {str(k): v for k, v in logs.items() if isinstance(v, list) and len(v) == n}
-        if not logs:
-            return list(values)
-        return [{"score": v, **{k: col[i] for k, col in logs.items()}} for i, v in enumerate(values)]
+        return with_logs(values, {k: v for k, v in logs.items() if isinstance(v, list)})
+
+
+def with_logs(rewards: list, logs: dict[str, list]) -> list:
+    """Each reward with its per-item `extra_logs` as a `{"score": reward, name: value, ...}` dict (the logs are
+    metrics only: one named `score` is kept as `extra_score`, never in the reward's place); logs whose length is
+    not the rewards' are left out; the rewards as they are without logs."""
+    logs = {("extra_score" if str(k) == "score" else str(k)): v for k, v in logs.items() if len(v) == len(rewards)}
+    if not logs:
+        return list(rewards)
+    return [{**{k: v[i] for k, v in logs.items()}, "score": r} for i, r in enumerate(rewards)]
 
 
 def _snippet(raw: bytes, limit: int = 160) -> str:

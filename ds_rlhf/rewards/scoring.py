@@ -2,8 +2,9 @@
 
 A sample is bad when any of its functions raised (any BaseException from user code, SystemExit included), hung
 past the pool's timeout, or returned something that is not a real number finite in float32 (NaN, inf, 1e300,
-None, a string). A bad sample is never averaged in silently: it is reported with its id and reason, then the
-declared policy applies — `fail` stops the run, `zero` scores it 0, `drop` removes it from the update.
+None). A bad sample is never averaged in silently: it is reported with its id and reason, then the declared policy
+applies — `fail` stops the run, `zero` scores it 0, `drop` removes it from the update. A bool or a string is no
+reward under any policy: the function is wrong, and the run stops with one line naming it.
 """
 
 from __future__ import annotations
@@ -12,14 +13,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ds_rlhf.rewards.calling import F32_MAX, Outcome
+from ds_rlhf.rewards.calling import F32_MAX, BadRewardError, Outcome, Refused
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 
 POLICIES = ("fail", "zero", "drop")
-
-
-class BadRewardError(RuntimeError):
-    """A reward function raised or returned a non-finite value and the policy is `fail`."""
 
 
 @dataclass
@@ -59,6 +56,8 @@ def _combine(rewards: RewardSet, per_member: list[list[Outcome]], items: list[di
         total, reasons = 0.0, []
         for spec, outcomes in zip(rewards.specs, per_member):
             outcome = outcomes[i]
+            if isinstance(outcome, Refused):  # a bool or a string: the function is wrong, whatever the policy
+                raise BadRewardError(f"reward function {spec.name} {outcome} (sample {item['id']})")
             if isinstance(outcome, str):
                 reasons.append(outcome if single else f"{spec.name} {outcome}")
                 continue
