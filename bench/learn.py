@@ -141,7 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stagger", type=float, default=35.0, help="--concurrent: seconds between two runs' starts")
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
     ap.add_argument("--merge", type=Path, nargs="+", help="join the modes of these learn_<task>.json files (runs of "
-                    "one mode each, e.g. on a machine that allows one run per call) into --out's JSON and PNG; no run")
+                    "one mode each, e.g. on a machine that allows one run per call; --seeds runs with their seeds) "
+                    "into --out's JSON and PNG; no run")
     ap.add_argument("--labels", nargs="+", default=[], help="with --merge: one label per file, added to its modes' "
                     "names (two runs of one mode with different settings: --labels whole partial -> 'sync, whole', "
                     "'sync, partial')")
@@ -413,14 +414,18 @@ def merge(files: list[Path], out: Path, labels: list[str] | None = None) -> Path
     result = None
     for i, f in enumerate(files):
         data = json.loads(f.read_text())
-        result = result or {**data, "modes": {}}
-        result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run for mode, run in data["modes"].items()})
+        result = result or {**{k: v for k, v in data.items() if k != "seeds"}, "modes": {}}
+        if data.get("seeds"):  # a --seeds run: its runs and each mode's aggregate
+            learn_seeds.merge_into(result, data, labels[i] if labels else "")
+        else:
+            result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run
+                                    for mode, run in data["modes"].items()})
         if data.get("warm_start", {}).get("step0") and result.get("warm_start"):  # each run's own warm start
             result["warm_start"] = {**result["warm_start"], "step0": {**result["warm_start"].get("step0", {}),
                                                                       **data["warm_start"]["step0"]}}
     out_json = out / f"learn_{result['task']}.json"
     out_json.write_text(json.dumps(result, indent=1))
-    plot(result, out_json.with_suffix(".png"))
+    (learn_seeds.plot if result.get("seeds") else plot)(result, out_json.with_suffix(".png"))
     return out_json
 
 

@@ -10,6 +10,7 @@ once if asked, and sum the runs up.
   to the first evaluation at X = 15, 25, 50 % exact match (`time_to`; None where not reached: the median counts
   such a seed as never, so it is None when half the seeds or more did not get there), each seed's end and best
   exact match and its dips (evaluations after step 10 below half the one before);
+- `merge_into`: `learn.py --merge` of --seeds results (e.g. one mode per call);
 - `plot`: `learn_<task>.png`: per mode every seed's curve (thin), the median (thick) and the min/max band, against
   training seconds and against steps.
 """
@@ -136,6 +137,16 @@ def aggregate(runs: dict[int, dict | str]) -> dict:
                                            "median_step": _median_or_none([v["step"] for v in each.values()])}
     return {"seeds": list(runs), "failed": {s: r for s, r in runs.items() if isinstance(r, str)},
             "per_seed": per_seed, "time_to": time_to_x, "by_step": by_step(curves), "by_seconds": by_seconds(curves)}
+
+
+def merge_into(result: dict, data: dict, label: str = "") -> None:
+    """Add a --seeds result's runs and aggregates (`data`) to `result` (--merge of runs made apart, e.g. one mode per
+    call); with `label` each mode is named "<mode>, <label>"."""
+    for mode, agg in data["seeds"].items():
+        name = f"{mode}, {label}" if label else mode
+        result.setdefault("seeds", {})[name] = agg
+        for seed in agg["per_seed"]:
+            result["modes"][f"{name}, seed {seed}"] = data["modes"][f"{mode}, seed {seed}"]
 
 
 def plot(result: dict, png) -> bool:

@@ -438,3 +438,23 @@ def test_tiny_seeds_run_writes_each_seeds_curve_the_band_and_time_to(tmp_path):
     assert all(set(t["per_seed"]) == {"0", "1"} for t in agg["time_to"].values())
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "median training seconds to" in out.stdout
+
+
+def test_merge_joins_seed_runs_of_one_mode_each(tmp_path, monkeypatch):
+    """--seeds runs of sync and async made apart (one per call), joined by --merge: both modes' runs and aggregates,
+    and the seeds' PNG; with --labels each mode's name carries its label."""
+    learn, seeds = _learn(monkeypatch), _seeds_module(monkeypatch)
+    files = []
+    for i, mode in enumerate(("sync", "async")):
+        runs = {s: _run([(0, 0, 0.1), (10, 20 + s, 0.2 + i / 10 + s / 100)]) for s in (0, 1)}
+        data = {"task": "arithmetic", "model_name": "m", "device": "CPU", "settings": {},
+                "modes": {f"{mode}, seed {s}": run for s, run in runs.items()},
+                "seeds": {mode: seeds.aggregate(runs)}}
+        files.append(tmp_path / f"{mode}.json")
+        files[-1].write_text(json.dumps(data))
+    merged = json.loads(learn.merge(files, tmp_path).read_text())
+    assert list(merged["modes"]) == ["sync, seed 0", "sync, seed 1", "async, seed 0", "async, seed 1"]
+    assert merged["seeds"]["async"]["by_step"][1]["median"] == pytest.approx(0.305)
+    assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    labelled = json.loads(learn.merge(files, tmp_path, ["a", "b"]).read_text())
+    assert list(labelled["seeds"]) == ["sync, a", "async, b"] and "async, b, seed 1" in labelled["modes"]
