@@ -193,6 +193,10 @@ def run_seeds(args, result: dict, run_one: Callable[[str, int], dict]) -> int:
     mode's `aggregate` in `seeds`) and the PNG. Returns the exit status: 1 when a run failed (its message in
     `seeds.<mode>.failed`)."""
     jobs = [(mode, seed) for mode in args.modes for seed in args.seed_values]
+    caps = ("run.max_gpu_memory_gb=", "rollout.gpu_memory_utilization=")
+    if args.concurrent > 1 and not any(c.removeprefix("--").startswith(caps) for c in args.cfg):
+        print(f"learn: --concurrent {args.concurrent}: on one GPU give each run its share (--cfg "
+              "run.max_gpu_memory_gb=GiB), else every run's vLLM takes its default share", flush=True)
     done = run_jobs(jobs, lambda job: run_one(*job), args.concurrent, args.stagger)
     result["modes"] = {f"{mode}, seed {seed}": run for (mode, seed), run in done.items() if isinstance(run, dict)}
     result["seeds"] = {mode: aggregate({s: done[(mode, s)] for s in args.seed_values}) for mode in args.modes}
