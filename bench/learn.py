@@ -54,6 +54,15 @@ JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share 
 spent after half of the samples had finished (waiting for the longest ones), and per mode the GPU's mean
 utilisation and peak used memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a CPU).
 `--cfg key=value` passes any trainer setting.
+
+Seeds: `--seeds N` runs each mode N times with `run.seed` 0 .. N-1 (`--seed-list 3,7` names them), each in
+`work_<task>/run_<mode>_seed<S>`, and writes every run's curve (`modes`: "<mode>, seed <S>"), per mode the
+per-step median and min/max band of the held-out exact match, the same against training seconds, and per seed and
+as the median the time to 15, 25 and 50 % exact match (`seeds`, `learn_seeds.py`); the PNG draws the seeds, the
+median and the band. `--concurrent K` runs up to K seeds at once on one machine (separate trainer processes, the
+starts `--stagger` seconds apart), each with the same settings:
+
+    python3 bench/learn.py --model X --modes sync,async --seeds 5 --concurrent 3 --stagger 35 --out $OUT
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ import sys
 import time
 from pathlib import Path
 
+import learn_seeds
 from gpu_timeline import Sampler
 from gpu_timeline import summarize as summarize_gpu
 from learn_tasks.tasks import INSTRUCTION, heldout_rows, training_rows, write_arithmetic, write_gsm8k
@@ -125,9 +135,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warm-start-lr", type=float, default=5e-5, help="the warm start's SFT learning rate")
     ap.add_argument("--cfg", action="append", default=[], help="extra trainer setting key=value (repeatable)")
     ap.add_argument("--tiny", action="store_true", help="CPU end-to-end check: the tiny model, 2 steps, 16 prompts")
+    ap.add_argument("--seeds", type=int, default=1, help="runs per mode, with run.seed 0 .. N-1: every seed's "
+                    "curve, the median, the min/max band and the time to 15/25/50%% (1: one run, the trainer's seed)")
+    ap.add_argument("--seed-list", default="", help="comma list of run.seed values instead of 0 .. N-1")
+    ap.add_argument("--concurrent", type=int, default=1, help="seeds run at once (separate trainer processes)")
+    ap.add_argument("--stagger", type=float, default=35.0, help="--concurrent: seconds between two runs' starts")
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
     ap.add_argument("--merge", type=Path, nargs="+", help="join the modes of these learn_<task>.json files (runs of "
-                    "one mode each, e.g. on a machine that allows one run per call) into --out's JSON and PNG; no run")
+                    "one mode each, e.g. on a machine that allows one run per call; --seeds runs with their seeds) "
+                    "into --out's JSON and PNG; no run")
     ap.add_argument("--labels", nargs="+", default=[], help="with --merge: one label per file, added to its modes' "
                     "names (two runs of one mode with different settings: --labels whole partial -> 'sync, whole', "
                     "'sync, partial')")
@@ -157,6 +173,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--modes: comma list of sync, async; got {','.join(args.modes)!r}")
     if args.environment:
         args.environment = environment_spec(args.environment)
+    if args.seeds < 1 or args.concurrent < 1 or args.stagger < 0:
+        ap.error("--seeds and --concurrent: give 1 or more; --stagger: seconds >= 0")
+    args.seed_values = learn_seeds.seed_list(args.seeds, args.seed_list) if args.seeds > 1 or args.seed_list else []
+    if args.seed_values and any(c.removeprefix("--").startswith("run.seed=") for c in args.cfg):
+        ap.error("--cfg run.seed: --seeds / --seed-list set each run's run.seed")
     return args
 
 
@@ -220,7 +241,8 @@ def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: 
     return stores
 
 
-def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool) -> list[str]:
+def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool,
+                 seed: int | None = None) -> list[str]:
     placement = ["--rollout.placement", "sidecar", "--rollout.sidecar_engines", "2"] if gpu else []
     capped = any(item.partition("=")[0].removeprefix("--") == "run.max_gpu_memory_gb" for item in args.cfg)
     # under a memory cap the trainer's split picks the micro-batch budget that fits (memory/split.py)
@@ -235,7 +257,8 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
            "--rl.prompts_per_step", str(args.prompts_per_step), "--rollout.n_samples", str(args.n_samples),
            "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.temperature", "1.0",
            "--data.max_prompt_len", str(args.max_prompt_len), "--optim.lr", str(args.lr),
-           "--rollout.async_generation", str(mode == "async").lower(), *placement]
+           "--rollout.async_generation", str(mode == "async").lower(), *placement,
+           *(["--run.seed", str(seed)] if seed is not None else [])]
     for item in args.cfg:
         key, _, value = item.partition("=")
         cfg += [f"--{key.removeprefix('--')}", value]
@@ -394,14 +417,18 @@ def merge(files: list[Path], out: Path, labels: list[str] | None = None) -> Path
     result = None
     for i, f in enumerate(files):
         data = json.loads(f.read_text())
-        result = result or {**data, "modes": {}}
-        result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run for mode, run in data["modes"].items()})
+        result = result or {**{k: v for k, v in data.items() if k != "seeds"}, "modes": {}}
+        if data.get("seeds"):  # a --seeds run: its runs and each mode's aggregate
+            learn_seeds.merge_into(result, data, labels[i] if labels else "")
+        else:
+            result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run
+                                    for mode, run in data["modes"].items()})
         if data.get("warm_start", {}).get("step0") and result.get("warm_start"):  # each run's own warm start
             result["warm_start"] = {**result["warm_start"], "step0": {**result["warm_start"].get("step0", {}),
                                                                       **data["warm_start"]["step0"]}}
     out_json = out / f"learn_{result['task']}.json"
     out_json.write_text(json.dumps(result, indent=1))
-    plot(result, out_json.with_suffix(".png"))
+    (learn_seeds.plot if result.get("seeds") else plot)(result, out_json.with_suffix(".png"))
     return out_json
 
 
@@ -422,28 +449,39 @@ def main(argv=None) -> int:
                   k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out",)}
               | {"instruction": INSTRUCTION},
               "modes": {}} | ({"warm_start": warm} if warm else {})
+    if args.seed_values:  # every mode once per seed: learn_seeds.py's JSON and PNG
+        return learn_seeds.run_seeds(args, result, lambda mode, seed: run_mode(args, result, policy, stores, work,
+                                                                               gpu, mode, seed))
     for mode in args.modes:
-        run_dir = work / f"run_{mode}"
-        print(f"learn: {args.task}, {mode}: {args.steps} steps, eval every {args.eval_every} ...", flush=True)
-        t0 = time.perf_counter()
-        with Sampler(0.5) as sampler:
-            ds_rlhf("train-ppo", *trainer_args(args, policy, stores, run_dir, mode, gpu),
-                    log=work / f"train_{mode}.log", minutes=args.minutes)
-        metrics = read_metrics(run_dir)
-        result["modes"][mode] = curve(metrics)
-        result["modes"][mode]["gpu"] = gpu_use(sampler.samples, sampler.source, metrics)
-        result["modes"][mode]["summary"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        result["modes"][mode]["summary"]["gpu_util_mean"] = result["modes"][mode]["gpu"]["gpu_util_mean"]
-        if warm and result["modes"][mode]["points"]:  # GRPO's step 0: the SFT'd model, before any RL
-            start = result["modes"][mode]["points"][0]
-            warm.setdefault("step0", {})[mode] = {k: start.get(k) for k in ("exact_match", "tool_call_rate",
-                                                                              "turns_mean")}
-        print(f"learn: {mode}: {json.dumps(result['modes'][mode]['summary'])}", flush=True)
+        result["modes"][mode] = run_mode(args, result, policy, stores, work, gpu, mode)
     out_json = args.out / f"learn_{args.task}.json"
     out_json.write_text(json.dumps(result, indent=1))
     plot(result, args.out / f"learn_{args.task}.png")
     print(f"learn: wrote {out_json} and {out_json.with_suffix('.png')}")
     return 0
+
+
+def run_mode(args, result: dict, policy: str, stores: dict[str, Path], work: Path, gpu: bool, mode: str,
+             seed: int | None = None) -> dict:
+    """One trainer run of `mode` (with `seed`: its run.seed, in run_<mode>_seed<S>): its curve, GPU use, summary."""
+    name, tag = (mode, "") if seed is None else (f"{mode}, seed {seed}", f"_seed{seed}")
+    run_dir = work / f"run_{mode}{tag}"
+    print(f"learn: {args.task}, {name}: {args.steps} steps, eval every {args.eval_every} ...", flush=True)
+    t0 = time.perf_counter()
+    with Sampler(0.5) as sampler:
+        ds_rlhf("train-ppo", *trainer_args(args, policy, stores, run_dir, mode, gpu, seed),
+                log=work / f"train_{mode}{tag}.log", minutes=args.minutes)
+    metrics = read_metrics(run_dir)
+    run = curve(metrics)
+    run["gpu"] = gpu_use(sampler.samples, sampler.source, metrics)
+    run["summary"]["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    run["summary"]["gpu_util_mean"] = run["gpu"]["gpu_util_mean"]
+    warm = result.get("warm_start")
+    if warm and run["points"]:  # GRPO's step 0: the SFT'd model, before any RL
+        warm.setdefault("step0", {})[name] = {k: run["points"][0].get(k) for k in ("exact_match", "tool_call_rate",
+                                                                                  "turns_mean")}
+    print(f"learn: {name}: {json.dumps(run['summary'])}", flush=True)
+    return run
 
 
 def gpu_use(samples: list, source: str | None, metrics: list[dict]) -> dict:

@@ -506,6 +506,7 @@ class RunConfig:
     metrics_host: str = ""  # bind address of the metrics endpoint ("": 127.0.0.1 unless $DS_RLHF_METRICS_ADDR)
     profile_memory: bool = False  # RL: peak memory per phase against the `ds-rlhf memory` plan (memory/* metrics)
     health_warnings: bool = True  # warn in the log when a step is slower, under-utilises the GPU, ... (with the cause)
+    health_collapse_steps: int = opt(5, ge=0)  # RL: warn once when every group's rewards stay equal this long (0 off)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
     # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off. RL: picks rollout.gpu_memory_utilization,
     # data.micro_batch_tokens (and fewer rollout.sidecar_engines if needed) unless set (docs/LOW_MEMORY.md)

@@ -8,7 +8,20 @@ The newest record is compared with the running median of the `window` records be
 - GPU utilisation (`sys/gpu_util_pct` or `gpu/util`) below `gpu_util_min` (70 %);
 - no learning signal: in each of the last `no_signal_steps` (3) RL steps every prompt's samples got the same reward
   (`reward/frac_zero_std` = 1, else `reward/std` = 0), so every group-relative advantage is zero and the weights
-  do not move; the likely cause is the reward function (it never fires, the answer format or the reward key).
+  do not move, and no earlier step had a spread: the likely cause is the reward function (it never fires, the
+  answer format or the reward key).
+
+Two warnings name a policy collapse; each is raised once per run (`ONCE`: the trainer's monitor prints it once and
+keeps it in `status.json`'s `health`; `replay` keeps its first step):
+
+- `policy_collapse`: over the last `collapse_window` (10) steps the mean response length (`response/len_mean`) and
+  the policy entropy (`actor/entropy`) both fell to at most `collapse_drop` (half) of their highest value while the
+  reward (`reward/mean`) sat still (its last half-window within a tenth of the best sample reward seen,
+  `reward/max`) at a low value (at most 0.3 of that best): the policy shortens its answers to collect a fixed
+  partial credit (e.g. the format's) instead of the right answers;
+- `flat_rewards`: in each of the last `collapse_steps` (5; `run.health_collapse_steps`) RL steps every prompt's
+  samples got the same reward although an earlier step had a spread: zero advantages, the policy has settled on one
+  answer per prompt and learns nothing from its samples.
 
 Each warning names its likely cause from the phase timers: the phase group that grew the most against its own
 median (for a slowdown) or the largest non-training share of the step (for an idle GPU): rollout-bound,
@@ -43,11 +56,14 @@ ZERO_STD_KEY = "reward/frac_zero_std"  # share of prompt groups whose samples' r
 NO_SIGNAL_CAUSE = ("no learning signal: the weights do not change; likely the reward function never fires (check "
                    "rl.reward_fn), the responses miss the answer format it parses (see samples.jsonl: "
                    "--run.sample_log_every), or it reads the wrong key (ground_truth in the prompt store)")
+COLLAPSE_TRY = ("try rl.algo dr_grpo with rl.loss_agg seq-mean-token-sum-norm (no length bias), a lower optim.lr, "
+                "or rl.entropy_coef > 0")
+ONCE = ("policy_collapse", "flat_rewards")  # raised once per run
 
 
 @dataclass(frozen=True)
 class HealthWarning:
-    kind: str  # step_time | throughput | gpu_util | no_signal
+    kind: str  # step_time | throughput | gpu_util | no_signal | policy_collapse | flat_rewards
     step: int
     value: float
     baseline: float  # the running median (or the threshold, for gpu_util)
@@ -110,10 +126,12 @@ def idle_cause(record: dict) -> str:
 
 
 def health_warnings(history: list[dict], *, window: int = 20, min_history: int = 5, step_time_ratio: float = 1.2,
-                    throughput_ratio: float = 0.8, gpu_util_min: float = 70.0,
-                    no_signal_steps: int = 3) -> list[HealthWarning]:
+                    throughput_ratio: float = 0.8, gpu_util_min: float = 70.0, no_signal_steps: int = 3,
+                    collapse_window: int = 10, collapse_drop: float = 0.5,
+                    collapse_steps: int = 5) -> list[HealthWarning]:
     """Warnings for the newest record of `history` (the timing ones empty with fewer than `min_history` earlier
-    records, so the first, slower steps (compilation, warm-up) set no baseline)."""
+    records, so the first, slower steps (compilation, warm-up) set no baseline; the no-signal one empty once any
+    record of `history` had a reward spread: then `flat_rewards` speaks)."""
     if not history:
         return []
     last, before = history[-1], history[-1 - window:-1] if window else history[:-1]
@@ -122,8 +140,11 @@ def health_warnings(history: list[dict], *, window: int = 20, min_history: int =
     if len(before) >= min_history:
         out += _slow_step(last, before, step, step_time_ratio) + _low_throughput(last, before, step, throughput_ratio)
     out += _idle_gpu(last, step, gpu_util_min)
-    out += _no_signal(history[-no_signal_steps:] if no_signal_steps > 0 else [], step, no_signal_steps)
-    return out
+    spread_seen = any(zero_spread(r) is False for r in history)
+    out += [] if spread_seen else _no_signal(history[-no_signal_steps:] if no_signal_steps > 0 else [], step,
+                                             no_signal_steps)
+    out += _policy_collapse(history, step, collapse_window, collapse_drop)
+    return out + _flat_rewards(history, step, collapse_steps)
 
 
 def zero_spread(record: dict) -> bool | None:
@@ -144,6 +165,44 @@ def _no_signal(last: list[dict], step: int, steps: int) -> list[HealthWarning]:
     text = (f"step {step}: {steps} steps in a row where each prompt's samples all got the same reward "
             f"({ZERO_STD_KEY} = 1{same}): {NO_SIGNAL_CAUSE}")
     return [HealthWarning("no_signal", step, 1.0, 1.0, "", text)]
+
+
+def _policy_collapse(history: list[dict], step: int, window: int, drop: float) -> list[HealthWarning]:
+    keys = ("response/len_mean", "actor/entropy", "reward/mean")
+    recs = [r for r in history if all(_num(r, k) is not None for k in keys)][-window:] if window > 1 else []
+    if len(recs) < window or recs[-1] is not history[-1]:
+        return []
+    lens, ents, rewards = ([_num(r, k) for r in recs] for k in keys)
+    if lens[-1] > drop * max(lens) or ents[-1] > drop * max(ents):
+        return []
+    best = max([v for r in history if (v := _num(r, "reward/max")) is not None] + rewards)
+    tail = rewards[-max(2, window // 2):]
+    level = statistics.fmean(tail)
+    if best <= 0 or max(tail) - min(tail) > 0.1 * best or level > 0.3 * best:
+        return []
+    text = (f"policy collapse suspected at step {step}: response length {max(lens):.0f}->{lens[-1]:.0f} tokens "
+            f"and entropy {max(ents):.2g}->{ents[-1]:.2g} within the last {window} steps while the reward stays at "
+            f"{level:.2f} (the best sample reward seen is {best:.2g}: a partial credit such as the format's, not "
+            f"right answers); {COLLAPSE_TRY}")
+    return [HealthWarning("policy_collapse", step, lens[-1], max(lens), "", text)]
+
+
+def _flat_rewards(history: list[dict], step: int, steps: int) -> list[HealthWarning]:
+    recs = [(r, flat) for r in history if (flat := zero_spread(r)) is not None]
+    if steps <= 0 or len(recs) <= steps or recs[-1][0] is not history[-1]:
+        return []
+    if not all(flat for _, flat in recs[-steps:]):
+        return []
+    spread = [r for r, flat in recs[:-steps] if not flat]
+    if not spread:
+        return []  # never a spread: no_signal's case (the reward function)
+    mean, std = _num(history[-1], "reward/mean"), _num(history[-1], "reward/std")
+    same = f" (every reward {mean:.4g})" if std == 0.0 and mean is not None else ""
+    text = (f"policy collapse at step {step}: in each of the last {steps} steps every prompt's samples got the "
+            f"same reward{same} though step {spread[-1].get('step', '?')}'s still differed: zero advantages, the "
+            f"policy gives one answer per prompt and learns nothing from it; {COLLAPSE_TRY}, or a higher "
+            f"rollout.temperature")
+    return [HealthWarning("flat_rewards", step, 1.0, 1.0, "", text)]
 
 
 def _slow_step(last: dict, before: list[dict], step: int, ratio: float) -> list[HealthWarning]:
@@ -179,5 +238,13 @@ def _with_cause(text: str, cause: str) -> str:
 
 
 def replay(history: list[dict], **kwargs) -> list[HealthWarning]:
-    """Every warning the trainer would have raised step by step over a whole run (for the run report)."""
-    return [w for i in range(len(history)) for w in health_warnings(history[: i + 1], **kwargs)]
+    """Every warning the trainer would have raised step by step over a whole run (for the run report); a `ONCE`
+    kind at its first step only."""
+    out, seen = [], set()
+    for i in range(len(history)):
+        for w in health_warnings(history[: i + 1], **kwargs):
+            if w.kind not in seen:
+                out.append(w)
+            if w.kind in ONCE:
+                seen.add(w.kind)
+    return out

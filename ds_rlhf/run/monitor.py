@@ -7,7 +7,9 @@
   second signal (which exits at once) leaves `running`: `ds-rlhf report` then tells a live run from a dead one by
   the run lock;
 - health warnings after each step (`run.health`, with `run.health_warnings`): each new warning printed once, with
-  its likely cause, and `health/warnings` (how many are active) in the step's metrics;
+  its likely cause, and `health/warnings` (how many are active) in the step's metrics; a policy collapse
+  (`health.ONCE`) is printed once per run and kept in `status.json`'s `health` (a list of `{kind, step, message}`),
+  written when it is raised;
 - the live Prometheus endpoint (`telemetry.prometheus`) when `run.metrics_port` > 0, fed with each step's metrics.
 
 None of it ever stops a run: a failure here is one printed line.
@@ -26,7 +28,7 @@ from collections import deque
 from pathlib import Path
 
 from ds_rlhf.run.environment import apply_config, doctor_json, run_checks
-from ds_rlhf.run.health import health_warnings
+from ds_rlhf.run.health import ONCE, health_warnings
 from ds_rlhf.telemetry.prometheus import PrometheusExporter
 
 STATUS_FILE = "status.json"
@@ -101,6 +103,9 @@ class RunMonitor:
         self.active, self.total_steps, self.print = is_main, int(total_steps), print_fn
         self.environment = environment
         self.health = bool(cfg.run.health_warnings)
+        self.collapse_steps = int(cfg.run.health_collapse_steps)
+        self.collapses: list[dict] = []  # the ONCE warnings raised, for status.json's `health`
+        self._status: dict = {}
         self.exporter = None
         self.started = time.time()
         self._history: deque[dict] = deque(maxlen=64)
@@ -157,19 +162,26 @@ class RunMonitor:
 
     def _health(self, step: int, metrics: dict) -> int:
         self._history.append({"step": step, **metrics})
-        found = health_warnings(list(self._history))
+        found = health_warnings(list(self._history), collapse_steps=self.collapse_steps)
         now = {(w.kind, w.cause) for w in found}
-        new = [w for w in found if (w.kind, w.cause) not in self._active_warnings]
+        raised = {c["kind"] for c in self.collapses}
+        new = [w for w in found if (w.kind, w.cause) not in self._active_warnings and w.kind not in raised]
         for w in new:
             self.print(f"[health] {w.message}")
         self._active_warnings = now
+        once = [{"kind": w.kind, "step": w.step, "message": w.message} for w in new if w.kind in ONCE]
+        if once:
+            self.collapses += once
+            self._write_status(self._status)
         self.warnings_raised += len(new)
         if new and self.exporter is not None:
             self.exporter.count_warnings([w.kind for w in new])
         return len(found)
 
     def _write_status(self, fields: dict) -> None:
-        status = {**fields, "kind": self.kind, "total_steps": self.total_steps, "pid": os.getpid(),
+        self._status = fields
+        status = {**fields, "kind": self.kind, "total_steps": self.total_steps, "health": self.collapses,
+                  "pid": os.getpid(),
                   "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S",
                                                                          time.localtime(self.started))}
         self._guard("status.json", lambda: _write_json(self.run_dir / STATUS_FILE, status))

@@ -76,7 +76,7 @@ def no_signal(history):
 
 
 def test_three_steps_without_reward_spread_warn_of_no_learning_signal():
-    flat = [rl_rec(1, 0.5)] + [rl_rec(s, 1.0, std=0.0, mean=0.0) for s in (2, 3, 4)]
+    flat = [rec(1)] + [rl_rec(s, 1.0, std=0.0, mean=0.0) for s in (2, 3, 4)]
     assert no_signal(flat[:3]) == []  # two steps: not yet
     (warning,) = no_signal(flat)
     assert warning.step == 4 and "3 steps in a row" in warning.message and "every reward 0" in warning.message
@@ -104,3 +104,69 @@ def test_frac_zero_std_is_the_share_of_prompt_groups_without_reward_spread():
     assert zero_std_stats(samples, scores) == {"reward/frac_zero_std": pytest.approx(2 / 3)}
     assert zero_std_stats(samples[-1:], scores[-1:]) == {}  # no prompt with two samples (e.g. n_samples 1)
     assert zero_std_stats([], []) == {}
+
+
+def rl_step(step, length, entropy, reward, frac_zero_std=0.3, best=1.0):
+    return {**rl_rec(step, frac_zero_std, std=0.3, mean=reward), "response/len_mean": length,
+            "actor/entropy": entropy, "reward/max": best}
+
+
+def kinds(history, kind):
+    return [w for w in replay(history) if w.kind == kind]
+
+
+def collapsing(n=25):
+    """Steps 1-10 healthy (length ~227, entropy ~3, reward 0.1 -> 0.3), then the answers shrink to ~18 tokens, the
+    entropy to 0.3 and the reward sits at the format credit, 0.10-0.13."""
+    out = [rl_step(s, 227 - s, 3.0, 0.1 + 0.02 * s) for s in range(1, 11)]
+    for s in range(11, n + 1):
+        k = min(1.0, (s - 10) / 8)
+        out.append(rl_step(s, 227 - 209 * k, 3.0 - 2.7 * k, 0.10 + 0.03 * (s % 2), frac_zero_std=0.7))
+    return out
+
+
+def test_length_and_entropy_falling_at_a_flat_format_reward_is_named_a_policy_collapse_once():
+    (warning,) = kinds(collapsing(), "policy_collapse")
+    # step 15: length and entropy under half their peak of the last 10 steps (221 at step 6, 3.0), the reward's
+    # last 5 steps flat (0.10-0.13) and low against the best sample reward (1.0)
+    assert warning.step == 15
+    assert warning.message.startswith("policy collapse suspected at step 15: response length 221->96 tokens and "
+                                      "entropy 3->1.3 within the last 10 steps while the reward stays at 0.12")
+    assert "rl.algo dr_grpo" in warning.message and "optim.lr" in warning.message
+    assert "rl.entropy_coef" in warning.message
+    assert [w.kind for w in health_warnings(collapsing()[:15])] == ["policy_collapse"]
+    assert health_warnings(collapsing()[:14]) == []
+
+
+@pytest.mark.parametrize("change", ["reward rises", "entropy holds", "length holds", "reward is high",
+                                    "too few steps"])
+def test_a_policy_collapse_needs_every_sign(change):
+    history = collapsing()
+    if change == "reward rises":  # shorter, surer answers that are right: learning, not a collapse
+        history = [{**r, "reward/mean": 0.1 + 0.04 * r["step"]} for r in history]
+    elif change == "entropy holds":
+        history = [{**r, "actor/entropy": 2.9} for r in history]
+    elif change == "length holds":
+        history = [{**r, "response/len_mean": 200.0} for r in history]
+    elif change == "reward is high":  # a flat reward at 0.8 of the best: the task is mostly solved
+        history = [{**r, "reward/mean": 0.8 + 0.01 * (r["step"] % 2)} for r in history]
+    else:  # steps 7-15: the collapse of step 15 seen in 9 steps, under the 10-step window
+        assert [w.step for w in kinds(history[5:15], "policy_collapse")] == [15]
+        history = history[6:15]
+    assert kinds(history, "policy_collapse") == []
+
+
+def test_every_groups_rewards_equal_for_k_steps_after_a_spread_is_a_collapse_not_a_reward_bug():
+    history = [rl_step(s, 100, 2.0, 0.3) for s in range(1, 6)]
+    history += [rl_rec(s, 1.0, std=0.0, mean=0.1) for s in range(6, 12)]
+    (warning,) = kinds(history, "flat_rewards")
+    assert warning.step == 10 and warning.message.startswith(
+        "policy collapse at step 10: in each of the last 5 steps every prompt's samples got the same reward "
+        "(every reward 0.1) though step 5's still differed")
+    assert kinds(history, "no_signal") == []  # the reward fired before: not the reward function
+    assert kinds(history[:9], "flat_rewards") == []  # 4 flat steps
+    assert kinds(history, "flat_rewards") == [w for w in replay(history, collapse_steps=5) if w.kind == "flat_rewards"]
+    assert [w.step for w in replay(history, collapse_steps=3) if w.kind == "flat_rewards"] == [8]
+    assert replay(history, collapse_steps=0) == []
+    never = [rl_rec(s, 1.0, std=0.0, mean=0.0) for s in range(1, 8)]  # no spread ever: the reward function
+    assert kinds(never, "flat_rewards") == [] and kinds(never, "no_signal")

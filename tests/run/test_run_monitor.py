@@ -103,6 +103,32 @@ def test_each_new_health_warning_is_printed_once_with_its_cause(tmp_path):
     assert read_status(tmp_path)["health_warnings"] == monitor.warnings_raised >= 2
 
 
+def test_a_policy_collapse_is_printed_once_and_kept_in_status_json(tmp_path):
+    """Every group's rewards equal for run.health_collapse_steps steps after steps with a spread: one line in the
+    log, the same in status.json's `health` while running and after the run."""
+    printed: list[str] = []
+    monitor = _monitor(tmp_path, "--run.health_collapse_steps", "4", printed=printed)
+    spread = {**rec(), "reward/mean": 0.3, "reward/std": 0.3, "reward/frac_zero_std": 0.25}
+    flat = {**rec(), "reward/mean": 0.1, "reward/std": 0.0, "reward/frac_zero_std": 1.0}
+    for step in range(1, 4):
+        monitor.after_step(step, spread)
+    for step in range(4, 12):  # flat from step 4: four flat steps at step 7, still flat after
+        monitor.after_step(step, flat)
+        if step == 6:
+            assert read_status(tmp_path)["health"] == []
+    monitor.after_step(12, spread)
+    for step in range(13, 18):  # flat again: the collapse was named already
+        monitor.after_step(step, flat)
+    lines = [line for line in printed if "collapse" in line]
+    assert len(lines) == 1 and lines[0].startswith("[health] policy collapse at step 7: in each of the last 4 steps")
+    status = read_status(tmp_path)
+    assert status["status"] == "running"
+    assert status["health"] == [{"kind": "flat_rewards", "step": 7, "message": lines[0].removeprefix("[health] ")}]
+    monitor.finish(None, step=17)
+    status = read_status(tmp_path)
+    assert status["status"] == "finished" and [h["step"] for h in status["health"]] == [7]
+
+
 def test_health_off_adds_no_metric(tmp_path):
     monitor = _monitor(tmp_path, "--run.health_warnings", "false")
     assert "health/warnings" not in monitor.after_step(1, rec())
