@@ -180,8 +180,9 @@ class RemoteReward:
     def _parse(self, raw: bytes, n: int) -> list:
         try:
             reply = json.loads(raw)
-        except ValueError:
-            raise RemoteRewardError(f"remote reward {self.shown}: the reply is not JSON: {_snippet(raw)!r} (expected "
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the decoder's stack
+            what = "is nested too deep" if isinstance(exc, RecursionError) else "is not JSON"
+            raise RemoteRewardError(f"remote reward {self.shown}: the reply {what}: {_snippet(raw)!r} (expected "
                                     '{"rewards": [...]})') from None
         key = next((k for k in REPLY_KEYS if isinstance(reply, dict) and k in reply), None)
         if key is None:
