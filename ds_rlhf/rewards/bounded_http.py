@@ -1,17 +1,18 @@
 """One HTTP request with hard bounds, for the remote reward: httpx speaks the protocol; this module bounds it.
 
 - **A total deadline.** httpx's timeouts bound each connect, read and write, so a server that drips a byte a
-  second never trips them. Here a timer shuts the request's socket down at the deadline, which ends a blocked
-  connect, read or write at once; the request then raises `DeadlineExceeded`. The socket is learnt from httpcore's
-  `trace` extension (the stream of each `connect_tcp` / `start_tls`); connections are not kept alive, so the socket
-  a request registered is the one it uses.
+  second never trips them. Here a watchdog thread shuts the request's socket down at the deadline, which ends a
+  blocked connect, read or write at once; the request then raises `DeadlineExceeded`. The socket is learnt from
+  httpcore's `trace` extension (the stream of each `connect_tcp` / `start_tls`); connections are not kept alive, so
+  the socket a request registered is the one it uses.
 - **A reply size cap.** The reply is streamed: a `Content-Length` above `max_bytes` is refused before any of the
   body is read, and a body without one is read only until it passes the cap (`ReplyTooLarge`).
 - **No redirects** (httpx's default): a 3xx comes back as it is, with its `Location`, for the caller to report.
-- **Interruption.** `interrupt(signum)` (GracefulStop calls it on SIGTERM / SIGINT) shuts every open request's
-  socket down and makes each request in flight or started later raise `Interrupted`, a KeyboardInterrupt (reward
-  calling lets it through, as Ctrl-C), so a run stops within seconds even while a reward server hangs. It takes no
-  lock: it runs inside a signal handler.
+- **A stop signal.** `interrupt(signum)` (GracefulStop calls it on SIGTERM / SIGINT) leaves every request, open or
+  started later, `GRACE_S` seconds at most from the signal: one that completes in that time returns as usual (the
+  step finishes and is saved); one still open then is cut and raises `Interrupted`, a KeyboardInterrupt (reward
+  calling lets it through, as Ctrl-C), as does a retry after the signal, so a run stops within seconds even while
+  a reward server hangs. `interrupt` only sets numbers (it runs inside a signal handler: no locks, no threads).
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import httpx
 
 CONNECTION_EVENTS = ("connection.connect_tcp.complete", "connection.start_tls.complete")
-_interrupted = threading.Event()
-_signum = [0]
+GRACE_S = 5.0  # after a stop signal: how long requests may still take
+TICK_S = 0.1  # how often the watchdog looks at the deadlines
+IDLE_S = 5.0  # the watchdog thread ends after this long with no request open (the next request starts it again)
+_signal = {"signum": 0, "at": 0.0}  # the stop signal and when it came (monotonic)
 _open: set[_Bounds] = set()
+_watchdog_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
 
 
 class DeadlineExceeded(Exception):
@@ -54,9 +60,10 @@ class Reply:
 
 
 class _Bounds:
-    """One request's sockets and why they were cut ("deadline" / "interrupt"; "" while not cut)."""
+    """One request's deadline, sockets and why they were cut ("deadline" / "interrupt"; "" while not cut)."""
 
-    def __init__(self):
+    def __init__(self, deadline: float):
+        self.deadline = deadline
         self.sockets: list[socket.socket] = []
         self.cut_by = ""
 
@@ -79,24 +86,55 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
+def _deadline(end: float) -> float:
+    """A request's deadline: its own `end`, and no later than GRACE_S after a stop signal."""
+    return min(end, _signal["at"] + GRACE_S) if _signal["signum"] else end
+
+
+def _watch() -> None:
+    """Cut each open request at its deadline; the thread ends once nothing has been open for IDLE_S."""
+    idle = 0.0
+    while True:
+        time.sleep(TICK_S)
+        now, open_now = time.monotonic(), list(_open)
+        for bounds in open_now:
+            if now >= _deadline(bounds.deadline):
+                bounds.cut("interrupt" if _signal["signum"] else "deadline")
+        idle = 0.0 if open_now else idle + TICK_S
+        if idle >= IDLE_S:
+            with _watchdog_lock:  # a request adds itself to _open before it looks for the watchdog
+                if not _open:
+                    _watchdog.clear()
+                    return
+            idle = 0.0
+
+
+def _ensure_watchdog() -> None:
+    with _watchdog_lock:
+        if not _watchdog:
+            _watchdog.append(threading.Thread(target=_watch, daemon=True, name="ds_rlhf-http-deadlines"))
+            _watchdog[0].start()
+
+
 def interrupt(signum: int) -> None:
-    """Stop every request now and every later one at its start (signal-handler safe: no locks)."""
-    _signum[0] = _signum[0] or signum
-    _interrupted.set()
-    for bounds in list(_open):
-        bounds.cut("interrupt")
+    """A stop signal: every request ends within GRACE_S seconds from now (see the module docstring)."""
+    if not _signal["signum"]:
+        _signal["at"] = time.monotonic()
+        _signal["signum"] = signum
 
 
 def clear_interrupt() -> None:
-    """Allow requests again after `interrupt` (a process that goes on after a stopped run, such as a test)."""
-    _signum[0] = 0
-    _interrupted.clear()
+    """Forget the stop signal (a process that goes on after a stopped run, such as a test)."""
+    _signal["signum"] = 0
 
 
 def pause(seconds: float) -> None:
-    """Sleep `seconds` (between retries), or raise Interrupted as soon as `interrupt` is called."""
-    if _interrupted.wait(seconds):
-        raise Interrupted(_signum[0])
+    """Sleep `seconds` (between retries); Interrupted instead once a stop signal came (a retry is not worth it)."""
+    end = time.monotonic() + seconds
+    while not _signal["signum"] and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, TICK_S))
+    if _signal["signum"]:
+        raise Interrupted(_signal["signum"])
 
 
 def make_client(timeout: float) -> httpx.Client:
@@ -109,14 +147,13 @@ def make_client(timeout: float) -> httpx.Client:
 def request(client: httpx.Client, method: str, url: str, *, timeout: float, max_bytes: int,
             content: bytes | None = None, headers: dict | None = None) -> Reply:
     """`method url` within `timeout` seconds in all, its body at most `max_bytes`; httpx's errors pass through
-    (a connection refused, a malformed reply) unless the deadline or an interrupt cut the request."""
-    if _interrupted.is_set():
-        raise Interrupted(_signum[0])
-    bounds = _Bounds()
-    timer = threading.Timer(timeout, bounds.cut, ("deadline",))
-    timer.daemon = True
+    (a connection refused, a malformed reply) unless the deadline or a stop signal cut the request."""
+    start = time.monotonic()
+    if _deadline(start + timeout) <= start:  # the grace after a stop signal is over
+        raise Interrupted(_signal["signum"])
+    bounds = _Bounds(start + timeout)
     _open.add(bounds)
-    timer.start()
+    _ensure_watchdog()
     try:
         with client.stream(method, url, content=content, timeout=timeout, extensions={"trace": bounds.trace},
                            headers={"Accept-Encoding": "identity", **(headers or {})}) as response:
@@ -126,10 +163,9 @@ def request(client: httpx.Client, method: str, url: str, *, timeout: float, max_
         if not bounds.cut_by:
             raise
     finally:
-        timer.cancel()
         _open.discard(bounds)
-    if bounds.cut_by == "interrupt" or _interrupted.is_set():
-        raise Interrupted(_signum[0])
+    if bounds.cut_by == "interrupt":
+        raise Interrupted(_signal["signum"])
     if bounds.cut_by == "deadline":
         raise DeadlineExceeded(f"no reply within {timeout:g}s")
     return reply

@@ -21,8 +21,9 @@ or 5xx is retried after 0.5, 1 and 2 s (`RETRY_DELAYS`). What still fails, a red
 `Location`, never followed, as a POST must not turn into a GET), a reply over the cap, and a reply that is not that
 JSON (not a list of numbers, or a list of the wrong length), raises `RemoteRewardError` naming the URL, the HTTP
 status or error, and the setting to change; the reward set reports it per sample as a bad reward, so
-`rl.on_bad_reward` applies (`fail` stops the run with that line). A stop signal (bounded_http.interrupt) ends the
-requests in flight at once with `Interrupted`. URLs in messages have their secrets masked (ds_rlhf/redaction.py).
+`rl.on_bad_reward` applies (`fail` stops the run with that line). After a stop signal (bounded_http.interrupt)
+a request has a few seconds left and is not retried; then it raises `Interrupted`. URLs in messages have their
+secrets masked (ds_rlhf/redaction.py).
 
 Preflight (`check_remote`) sends one GET with a `PROBE_TIMEOUT_S` timeout before any model loads: a server that
 does not answer, answers 404 (no such path) or redirects, is a one-line error. Any other answer (405 for a

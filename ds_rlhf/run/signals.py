@@ -6,8 +6,8 @@ came during it stops the run there instead of a step later; all ranks agree (one
 same step together.
 A second signal exits at once (`os._exit(128 + signal)`), for when the current step itself is what hangs.
 `on_signal` callbacks run at the first signal (inside the handler, so they must not block or take locks): the RL
-recipe passes the remote reward's `interrupt`, which ends a request to a hung reward server at once, so the step
-stops instead of waiting out its deadline and retries.
+recipe passes the remote reward's `interrupt`, which leaves requests to a reward server a few seconds and then
+ends them, so a step waiting on a hung server stops instead of waiting out its deadline and retries.
 """
 
 from __future__ import annotations

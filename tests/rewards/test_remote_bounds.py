@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rewards.bounded_http import clear_interrupt
+from ds_rlhf.rewards.bounded_http import GRACE_S, Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rewards.loading import load_reward_fn
 from ds_rlhf.rewards.remote import RemoteReward, RemoteRewardError, check_remote
 from ds_rlhf.run.preflight import check_reward
@@ -191,6 +191,22 @@ def test_secrets_in_the_url_are_masked_in_errors_config_json_and_the_log(raw_ser
     for text in (written, out.out, out.err, json.dumps(seen["config"])):
         assert "s3cret" not in text and "pw123" not in text
     assert masked in out.out
+
+
+def late(conn, server):
+    time.sleep(1.0)
+    server.send(conn, b'HTTP/1.1 200 OK\r\nContent-Length: 18\r\n\r\n{"rewards": [0.5]}')
+
+
+def test_a_stop_signal_lets_a_request_finish_within_the_grace_and_cuts_a_hung_one(raw_server):
+    answers, hangs = raw_server(late), raw_server(hang)
+    threading.Timer(0.2, interrupt, (signal.SIGTERM,)).start()
+    assert RemoteReward(answers.url, timeout=60)(["p"], ["r"], [None], [{}]) == [0.5]  # the step can finish
+    start = time.monotonic()
+    with pytest.raises(Interrupted):  # a hung server: cut GRACE_S after the signal, never retried
+        RemoteReward(hangs.url, timeout=60)(["p"], ["r"], [None], [{}])
+    assert time.monotonic() - start < GRACE_S + 10
+    assert len(hangs.requests) == 1
 
 
 def hang(conn, server):
