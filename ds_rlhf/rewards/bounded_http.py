@@ -8,11 +8,12 @@
 - **A reply size cap.** The reply is streamed: a `Content-Length` above `max_bytes` is refused before any of the
   body is read, and a body without one is read only until it passes the cap (`ReplyTooLarge`).
 - **No redirects** (httpx's default): a 3xx comes back as it is, with its `Location`, for the caller to report.
-- **A stop signal.** `interrupt(signum)` (GracefulStop calls it on SIGTERM / SIGINT) leaves every request, open or
-  started later, `GRACE_S` seconds at most from the signal: one that completes in that time returns as usual (the
-  step finishes and is saved); one still open then is cut and raises `Interrupted`, a KeyboardInterrupt (reward
-  calling lets it through, as Ctrl-C), as does a retry after the signal, so a run stops within seconds even while
-  a reward server hangs. `interrupt` only sets numbers (it runs inside a signal handler: no locks, no threads).
+- **A stop signal.** After `interrupt(signum)` (GracefulStop calls it on SIGTERM / SIGINT) a request may take
+  `GRACE_S` seconds at most, counted from the signal for one open then, from its start for a later one: one that
+  completes in that time returns as usual (the step finishes and is saved); one still open then is cut and raises
+  `Interrupted`, a KeyboardInterrupt (reward calling lets it through, as Ctrl-C), as does a retry after the signal,
+  so a run stops within seconds even while a reward server hangs. `interrupt` only sets numbers (it runs inside a
+  signal handler: no locks, no threads).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class Reply:
 class _Bounds:
     """One request's deadline, sockets and why they were cut ("deadline" / "interrupt"; "" while not cut)."""
 
-    def __init__(self, deadline: float):
-        self.deadline = deadline
+    def __init__(self, start: float, timeout: float):
+        self.start, self.end = start, start + timeout
         self.sockets: list[socket.socket] = []
         self.cut_by = ""
 
@@ -86,9 +87,12 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _deadline(end: float) -> float:
-    """A request's deadline: its own `end`, and no later than GRACE_S after a stop signal."""
-    return min(end, _signal["at"] + GRACE_S) if _signal["signum"] else end
+def _deadline(bounds: _Bounds) -> float:
+    """A request's deadline: its own end, and after a stop signal no later than GRACE_S after the signal or the
+    request's start, whichever came last."""
+    if not _signal["signum"]:
+        return bounds.end
+    return min(bounds.end, max(bounds.start, _signal["at"]) + GRACE_S)
 
 
 def _watch() -> None:
@@ -98,7 +102,7 @@ def _watch() -> None:
         time.sleep(TICK_S)
         now, open_now = time.monotonic(), list(_open)
         for bounds in open_now:
-            if now >= _deadline(bounds.deadline):
+            if now >= _deadline(bounds):
                 bounds.cut("interrupt" if _signal["signum"] else "deadline")
         idle = 0.0 if open_now else idle + TICK_S
         if idle >= IDLE_S:
@@ -148,10 +152,7 @@ def request(client: httpx.Client, method: str, url: str, *, timeout: float, max_
             content: bytes | None = None, headers: dict | None = None) -> Reply:
     """`method url` within `timeout` seconds in all, its body at most `max_bytes`; httpx's errors pass through
     (a connection refused, a malformed reply) unless the deadline or a stop signal cut the request."""
-    start = time.monotonic()
-    if _deadline(start + timeout) <= start:  # the grace after a stop signal is over
-        raise Interrupted(_signal["signum"])
-    bounds = _Bounds(start + timeout)
+    bounds = _Bounds(time.monotonic(), timeout)
     _open.add(bounds)
     _ensure_watchdog()
     try:
