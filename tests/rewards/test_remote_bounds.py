@@ -21,6 +21,7 @@ from ds_rlhf.rewards import bounded_http
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rewards.loading import load_reward_fn
 from ds_rlhf.rewards.remote import RemoteReward, RemoteRewardError, check_remote
+from ds_rlhf.run.context import setup_run
 from ds_rlhf.run.preflight import check_reward
 from ds_rlhf.testing.multiproc import clean_env
 from tests.recipes.stores import prompt_store
@@ -164,11 +165,8 @@ def test_another_url_scheme_is_named(tmp_path):
         check_reward(cfg)
 
 
-def test_secrets_in_the_url_are_masked_in_errors_config_json_and_the_log(raw_server, tmp_path, tiny_model_path,
-                                                                         monkeypatch, capsys):
-    from ds_rlhf.run import context
-    from ds_rlhf.run.context import setup_run
-
+def test_secrets_in_the_url_are_masked_in_errors_config_json_the_log_and_wandb(raw_server, tmp_path,
+                                                                               tiny_model_path, monkeypatch, capsys):
     srv = raw_server(not_found)
     url = srv.url.replace("http://", "http://bob:pw123@") + "?token=s3cret&v=2"
     with pytest.raises(RemoteRewardError) as err:
@@ -176,22 +174,27 @@ def test_secrets_in_the_url_are_masked_in_errors_config_json_and_the_log(raw_ser
     assert "pw123" not in str(err.value) and "s3cret" not in str(err.value)
     assert srv.url.replace("http://", "http://bob:***@") + "?token=***&v=***: HTTP 404" in str(err.value)
 
-    seen = {}
-    monkeypatch.setattr(context, "MetricsLogger", lambda *a, **kw: seen.update(kw))
-    ctx = setup_run(parse_config(["--model.path", str(tiny_model_path), "--run.output_dir", str(tmp_path / "run"),
-                                  "--rl.reward_fn", f"gsm8k,{url}", "--rl.reward_weights", "1,1"]), "rl")
+    argv = ["--model.path", str(tiny_model_path), "--run.output_dir", str(tmp_path / "run"), "--rl.reward_fn",
+            f"gsm8k,{url}", "--rl.reward_weights", "1,1", "--run.wandb", "true", "--run.tensorboard", "false"]
+    monkeypatch.setattr(sys, "argv", ["ds-rlhf-train-ppo", *argv])  # wandb records the command line too
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ctx = setup_run(parse_config(argv), "rl")
     try:
-        ctx.metrics_logger(total_steps=1, start_step=0, desc="rl", postfix_keys=())
+        logger = ctx.metrics_logger(total_steps=1, start_step=0, desc="rl", postfix_keys=())
+        assert logger.wandb_run is not None
+        logger.close()
     finally:
         ctx.close()
-    written = (tmp_path / "run" / "config.json").read_text()
+    assert sys.argv[-7] == f"gsm8k,{url}"  # the process's own command line is left as it was
     masked = "gsm8k," + srv.url.replace("http://", "http://bob:***@") + "?token=***&v=***"
-    assert json.loads(written)["rl"]["reward_fn"] == masked
-    assert seen["config"]["rl"]["reward_fn"] == masked  # what wandb and tensorboard get
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["rl"]["reward_fn"] == masked
     out = capsys.readouterr()
-    for text in (written, out.out, out.err, json.dumps(seen["config"])):
+    assert masked in out.out  # the resolved config in the log
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any("wandb" in p.parts for p in written)
+    for text in [out.out, out.err, *(p.read_bytes().decode("latin-1") for p in written)]:
         assert "s3cret" not in text and "pw123" not in text
-    assert masked in out.out
 
 
 def late(conn, server):
