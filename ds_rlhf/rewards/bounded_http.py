@@ -121,7 +121,7 @@ def _ensure_watchdog() -> None:
 
 
 def interrupt(signum: int) -> None:
-    """A stop signal: every request ends within GRACE_S seconds from now (see the module docstring)."""
+    """A stop signal: each request has GRACE_S seconds left, from now or from its later start (module docstring)."""
     if not _signal["signum"]:
         _signal["at"] = time.monotonic()
         _signal["signum"] = signum
