@@ -39,6 +39,7 @@ from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's 
     UserInputError,
     opt,
 )
+from ds_rlhf.redaction import redacted
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Config:
                 check(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        Path(path).write_text(json.dumps(redacted(self.to_dict()), indent=2, sort_keys=True) + "\n")
 
 
 def _field_types(cls) -> dict[str, Any]:

@@ -298,8 +298,9 @@ class RLConfig:
     reward_fn: str = ""  # gsm8k | format | math_shaped | math_verify | file.py:func[@trl|@verl|@openrlhf], comma list
     reward_weights: str = ""  # comma-separated weights, one per reward_fn entry (default 1 each)
     reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
-    reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker; longer = a bad reward
+    reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker / per HTTP request in all
     reward_http_batch: int = opt(64, ge=1)  # reward_fn http(s)://...: items per request (each within reward_timeout)
+    reward_max_reply_mb: float = opt(64.0, gt=0)  # reward_fn http(s)://...: a larger reply is refused unread
     # seconds a reward worker may take to import the reward file(s) (a progress line after 5 s); longer = an error
     reward_import_timeout: float = opt(300.0, gt=0)
     reward_mp_context: str = opt("spawn", choices=("spawn", "forkserver"))  # how reward workers start

@@ -28,6 +28,7 @@ from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_ref
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
 from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.reward_stage import RewardStage
+from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rollout import make_rollout_engine
@@ -207,12 +208,12 @@ def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> R
         return RewardSet.from_spec(rl.reward_fn, rl.reward_weights or None, workers=workers,
                                    timeout=rl.reward_timeout, mp_context=rl.reward_mp_context,
                                    import_timeout=rl.reward_import_timeout, announce=announce,
-                                   http_batch=rl.reward_http_batch)
+                                   http_batch=rl.reward_http_batch, http_max_reply_mb=rl.reward_max_reply_mb)
     except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
         hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
                 "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")
-        raise ConfigError(f"rl.reward_fn={rl.reward_fn!r} cannot be loaded: {type(exc).__name__}: {exc}{hint}") \
-            from None
+        raise ConfigError(redact_urls(f"rl.reward_fn={rl.reward_fn!r} cannot be loaded: {type(exc).__name__}: "
+                                      f"{exc}{hint}")) from None
 
 
 def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:

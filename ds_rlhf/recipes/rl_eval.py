@@ -57,6 +57,7 @@ import torch
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.store import open_store
 from ds_rlhf.recipes.reward_stage import reward_items
+from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rewards.scoring import score_samples
@@ -355,10 +356,10 @@ def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[Rewar
     try:
         return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
                                    mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout,
-                                   http_batch=rl.reward_http_batch), True
+                                   http_batch=rl.reward_http_batch, http_max_reply_mb=rl.reward_max_reply_mb), True
     except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
-        raise ConfigError(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: {type(exc).__name__}: "
-                          f"{exc}") from None
+        raise ConfigError(redact_urls(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: "
+                                      f"{type(exc).__name__}: {exc}")) from None
 
 
 class RunEvaluation:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
-from ds_rlhf.rewards.remote import RemoteReward, check_remote, is_remote
+from ds_rlhf.rewards.remote import RemoteReward, check_remote, check_scheme, is_remote
 
 STYLES = ("sample", "batched", "trl", "verl", "openrlhf")
 
@@ -31,6 +31,7 @@ def load_reward_fn(spec: str):
     """`gsm8k` / `format` / `math_shaped` / `math_verify`, `path/to/file.py:function_name`, or a reward server's
     URL (a RemoteReward with the default batch size and timeout) (one function; `ds_rlhf.rewards.load_reward_fn`
     also takes several, `reward_set.load_rewards`)."""
+    check_scheme(spec)
     if is_remote(spec):
         return RemoteReward(spec)
     spec = split_style(spec)[0]
@@ -45,7 +46,9 @@ def load_reward_fn(spec: str):
 
 def check_spec(spec: str) -> tuple[str, str]:
     """(path, function name) of a `file.py:func` spec whose file exists; errors as load_reward_fn's, no import.
-    A URL: (url, "") when a server answers there (`remote.check_remote`: one GET, a few seconds at most)."""
+    A URL: (url, "") when a server answers there (`remote.check_remote`: one GET, a few seconds at most); a URL
+    of another scheme than http(s) is a ValueError naming the scheme."""
+    check_scheme(spec)
     if is_remote(spec):
         check_remote(spec)
         return spec.strip(), ""

@@ -10,7 +10,7 @@ from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
 from ds_rlhf.rewards.loading import STYLES, check_spec, load_reward_fn, split_style
 from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
-from ds_rlhf.rewards.remote import DEFAULT_BATCH, RemoteReward, is_remote
+from ds_rlhf.rewards.remote import DEFAULT_BATCH, DEFAULT_MAX_REPLY_MB, RemoteReward, is_remote
 
 
 @dataclass
@@ -65,12 +65,14 @@ class RewardSet:
     `workers>0`: a pool of that many spawn/forkserver processes, started now and kept for the whole run; each call
     is cut off after `timeout` seconds, and the user file is imported only by the workers. Call `close()` at the end.
     A reward server's URL is always asked from this process (its requests are I/O, with their own `timeout` each,
-    in requests of at most `http_batch` items; see remote.py); only the other functions go to the pool.
+    in requests of at most `http_batch` items, replies of at most `http_max_reply_mb` MiB; see remote.py); only
+    the other functions go to the pool.
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
                  mp_context: str = "spawn", import_timeout: float = START_TIMEOUT_S,
-                 announce: Callable[[str], object] | None = print, http_batch: int = DEFAULT_BATCH):
+                 announce: Callable[[str], object] | None = print, http_batch: int = DEFAULT_BATCH,
+                 http_max_reply_mb: float = DEFAULT_MAX_REPLY_MB):
         if not specs:
             raise ValueError("a RewardSet needs at least one reward function")
         seen: dict[str, int] = {}
@@ -96,7 +98,8 @@ class RewardSet:
             if m in self._pooled:
                 continue
             if is_remote(spec.source):
-                fn = RemoteReward(spec.source, batch_size=http_batch, timeout=timeout)
+                fn = RemoteReward(spec.source, batch_size=http_batch, timeout=timeout,
+                                  max_reply_bytes=int(http_max_reply_mb * (1 << 20)))
             else:
                 fn = load_reward_fn(spec.source) if isinstance(spec.source, str) else spec.source
             self.styles[m] = spec.style or detect_style(fn)

@@ -19,6 +19,7 @@ from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import DistInfo, init_distributed
 from ds_rlhf.engines.ds_config import OVERRIDES, find_ds_config, load_ds_config, pick_precision, resolve_ds_config
 from ds_rlhf.engines.model_source import resolve_model_path, resolve_model_source
+from ds_rlhf.redaction import redacted
 from ds_rlhf.run.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 from ds_rlhf.telemetry import MetricsLogger
 
@@ -79,8 +80,8 @@ class RunContext:
         run = self.cfg.run
         return MetricsLogger(self.run_dir, rank=self.dist.rank, total_steps=total_steps, start_step=start_step,
                              tensorboard=run.tensorboard, wandb=run.wandb, wandb_project=run.wandb_project,
-                             config=self.cfg.to_dict(), progress=run.progress, desc=desc, postfix_keys=postfix_keys,
-                             log_every=run.log_every)
+                             config=redacted(self.cfg.to_dict()), progress=run.progress, desc=desc,
+                             postfix_keys=postfix_keys, log_every=run.log_every)
 
     def ds_config(self, *, role: str, micro_batch_size: int, lr: float, total_steps: int,
                   frozen: bool = False) -> dict:
@@ -135,7 +136,7 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
         ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
                   f"precision {precision} | model {model_path}"
                   + (f" ({cfg.model.path})" if model_path != cfg.model.path else ""))
-        ctx.print(f"[{kind}] resolved config:\n{json.dumps(cfg.to_dict(), indent=1, sort_keys=True)}")
+        ctx.print(f"[{kind}] resolved config:\n{json.dumps(redacted(cfg.to_dict()), indent=1, sort_keys=True)}")
     return ctx
 
 

@@ -29,6 +29,7 @@ from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
 from ds_rlhf.memory.settings import sequence_tokens
 from ds_rlhf.memory.split import apply_split, choose_split
+from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.loading import check_spec, split_style
 from ds_rlhf.rewards.reward_set import parse_weights
@@ -133,7 +134,7 @@ def _check_reward_spec(key: str, spec: str, weights: str) -> None:
                 check_spec(part)
         parse_weights(weights or None, len(parts))
     except (ValueError, OSError) as exc:
-        raise ConfigError(f"{key}={spec!r}: {exc}") from None
+        raise ConfigError(redact_urls(f"{key}={spec!r}: {exc}")) from None
 
 
 def check_resume(cfg: Config) -> None:

@@ -5,6 +5,9 @@ A scheduler's SIGTERM (preemption, `scancel`, `kill`) or a Ctrl-C then loses no 
 came during it stops the run there instead of a step later; all ranks agree (one tiny collective), so they save the
 same step together.
 A second signal exits at once (`os._exit(128 + signal)`), for when the current step itself is what hangs.
+`on_signal` callbacks run at the first signal (inside the handler, so they must not block or take locks): the RL
+recipe passes the remote reward's `interrupt`, which leaves requests to a reward server a few seconds and then
+ends them, so a step waiting on a hung server stops instead of waiting out its deadline and retries.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Sequence
 
 from ds_rlhf.distributed import agree_max
 
@@ -22,8 +26,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class GracefulStop:
     """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
 
-    def __init__(self, device="cpu", announce=print):
-        self.device, self.announce = device, announce
+    def __init__(self, device="cpu", announce=print, on_signal: Sequence[Callable[[int], object]] = ()):
+        self.device, self.announce, self.on_signal = device, announce, tuple(on_signal)
         self.signum = 0
         self._previous: dict[int, object] = {}
 
@@ -33,6 +37,8 @@ class GracefulStop:
         self.signum = signum
         self.announce(f"[signal] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
                       "(send it again to exit at once)")
+        for callback in self.on_signal:
+            callback(signum)
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():

@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from ds_rlhf.redaction import redact_urls
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -66,8 +68,13 @@ class MetricsLogger:
             import wandb
 
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-            return wandb.init(project=project, dir=str(self.run_dir), config=config or {}, mode=mode,
-                              name=self.run_dir.name, resume="allow")
+            # wandb records the command line too: it sees it with the secrets of its URLs masked
+            argv, sys.argv = sys.argv, [*sys.argv[:1], *(redact_urls(a) for a in sys.argv[1:])]
+            try:
+                return wandb.init(project=project, dir=str(self.run_dir), config=config or {}, mode=mode,
+                                  name=self.run_dir.name, resume="allow")
+            finally:
+                sys.argv = argv
         except Exception as exc:
             print(f"[telemetry] wandb disabled: {exc}", file=sys.stderr)
             return None
