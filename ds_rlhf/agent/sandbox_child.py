@@ -77,7 +77,7 @@ def _tool_confinement(job: dict, prot: dict, missing: dict) -> None:
             missing["fs_write"] = f"{why}; the tool can write wherever the user can"
     if not prot["nproc_limit"]:
         how, why = confine.nproc_limit(int(job["max_processes"]), prot["user_ns"], job["uid"])
-        prot["nproc_limit"] = int(job["max_processes"]) if how else 0
+        prot["nproc_limit"], prot["nproc_by"] = (int(job["max_processes"]) if how else 0), how
         if how:
             missing.pop("nproc_limit", None)
         else:
@@ -130,21 +130,27 @@ def _tool(job: dict, prot: dict, missing: dict) -> None:
     os._exit(0)
 
 
+def _mounts(job: dict, prot: dict, missing: dict) -> None:
+    """In a mount namespace: everything read-only but the call's temporary directory."""
+    if not prot["mount_ns"]:
+        return
+    why = confine.read_only_but(job["work"])
+    if why:
+        prot["mount_ns"], missing["mount_ns"] = False, why
+        return
+    prot["fs_write"] = "tmpdir_only"
+    os.chdir(job["work"])  # onto the writable bind mount
+
+
 def _init(job: dict, prot: dict, missing: dict, alive: int, report: int) -> None:
     """PID 1 of the call's namespace: mounts, forks the tool, reaps, and ends when the tool's process ends (the
     kernel then kills the rest of the namespace). Writes the tool's wait status to `report`; never returns."""
     confine.die_with_parent()
     if select.select([alive], [], [], 0)[0]:  # the parent died before PR_SET_PDEATHSIG was set
         os._exit(1)
-    if prot["mount_ns"]:
-        why = confine.read_only_but(job["work"])
-        if why:
-            missing["mount_ns"] = why
-        else:
-            prot["fs_write"] = "tmpdir_only"
-            os.chdir(job["work"])  # onto the writable bind mount
-        if not confine.mount_proc():
-            missing["proc"] = "a /proc of the PID namespace could not be mounted: the host's processes are listed"
+    _mounts(job, prot, missing)
+    if prot["mount_ns"] and not confine.mount_proc():
+        missing["proc"] = "a /proc of the PID namespace could not be mounted: the host's processes are listed"
     tool = os.fork()
     if tool == 0:
         _tool(job, prot, missing)
@@ -188,18 +194,20 @@ def main() -> None:
     if os.getppid() != job["parent_pid"]:  # the host died before PR_SET_PDEATHSIG was set
         os._exit(1)
     job["uid"] = os.getuid()
-    prot = {"pid_ns": False, "net_ns": False, "mount_ns": False, "nproc_limit": 0, "fs_write": "anywhere",
-            "unix_sockets": "open", "network": "", "seccomp": False, "landlock": 0, "kill": "process_scan"}
+    prot = {"pid_ns": False, "net_ns": False, "mount_ns": False, "nproc_limit": 0, "nproc_by": "",
+            "fs_write": "anywhere", "unix_sockets": "open", "network": "", "seccomp": False, "landlock": 0,
+            "kill": "process_scan"}
     missing: dict[str, str] = {}
     if job["cgroup"]:
         try:
             with open(os.path.join(job["cgroup"], "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
-            prot["nproc_limit"], prot["kill"] = int(job["max_processes"]), "cgroup"
+            prot["nproc_limit"], prot["nproc_by"], prot["kill"] = int(job["max_processes"]), "cgroup", "cgroup"
         except OSError as exc:
             missing["nproc_limit"] = f"pids cgroup: {exc.strerror}"
     entered = _namespaces(job, prot, missing)
     if "pid_ns" not in entered:
+        _mounts(job, prot, missing)
         _tool(job, prot, missing)
     prot["kill"] = "pid_ns"
     alive_r, alive_w = os.pipe()

@@ -5,6 +5,7 @@ active. Where this kernel refuses a namespace, the fallbacks and their warnings.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,13 @@ from ds_rlhf.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_MODES = {"pid_ns": (), "cgroup": ("pid_ns",), "process_scan": ("pid_ns", "cgroup")}
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
 
 
 def token() -> str:
@@ -63,18 +72,6 @@ def test_processes_left_in_their_own_session_are_killed_when_the_call_returns(ki
         result = Sandbox(timeout_s=60, disable=KILL_MODES[kill]).call(t.fork_and_setsid, {"token": tok})
     assert result.ok and result.value == "returned", result  # returned at once: not a timeout
     assert result.protections["kill"] in (kill, "cgroup") and no_survivors(tok), (result, survivors(tok))
-
-
-class _no_warning:
-    def __enter__(self):
-        import warnings
-
-        self.catch = warnings.catch_warnings()
-        self.catch.__enter__()
-        warnings.simplefilter("error", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self.catch.__exit__(*exc)
 
 
 def detached_sleep(tok: str) -> str:
