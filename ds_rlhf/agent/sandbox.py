@@ -1,29 +1,55 @@
-"""Run one tool call in a separate, resource-limited process: a hang, a crash, a memory blow-up or megabytes of
-output end that call with an observation saying so, never the episode runner.
+"""Run one tool call in a separate, confined, resource-limited process: a hang, a crash, a memory blow-up,
+megabytes of output or processes left behind end with that call, as an observation saying so, never the episode
+runner; the result says which protections were active (`SandboxResult.protections`).
 
-What is enforced, per call (`Sandbox`):
-- its own process (`subprocess`, a new session, started as `python -I sandbox_child.py` in a fresh temporary
-  working directory that is removed afterwards);
-- CPU time (`RLIMIT_CPU`: the kernel stops the process at `cpu_seconds`), address space (`RLIMIT_AS`:
+Per call (`Sandbox`), on Linux, each where the kernel allows it (`sandbox_confine.py` has the mechanisms):
+- its own process in a new session (`python -I sandbox_child.py`, in a fresh temporary directory removed
+  afterwards), in its own user, PID, network and mount namespaces (`pid_ns`, `net_ns`, `mount_ns`);
+- killed whole (`kill`): at the wall timeout, as soon as the call's first process returns (what the tool left
+  running, in any session or process group), and when the run ends (`sandbox_reap.stop_all`: the RL run's
+  shut-down and interpreter exit); with a PID namespace the kernel kills the namespace when its init ends ("pid_ns"),
+  else the call's pids cgroup ("cgroup", where this process may make one) or every process carrying the call's
+  `DS_RLHF_SANDBOX_CALL` environment marker ("process_scan") is killed;
+- at most `max_processes` processes (`nproc_limit`; a pids cgroup, or `RLIMIT_NPROC` in the user namespace, where
+  the kernel counts the sandbox's processes only; without one it is set at the user's current count plus the cap,
+  and the kernel does not apply it to root); a fork past it fails, an uncaught one ends the call "process_limit";
+- writes only in the temporary directory (`fs_write: "tmpdir_only"`): every mount read-only in the mount namespace
+  but a writable bind of that directory, and a Landlock ruleset (writing, making, removing, renaming files
+  elsewhere refused, `/dev/null` and the like excepted);
+- no socket of any family reaches anything: the network namespace has only its own loopback, which is down (not
+  even the host's 127.0.0.1: `network: "namespace"`); a seccomp filter refuses `socket(AF_UNIX, ...)`, so Unix
+  sockets on the filesystem are out of reach (`unix_sockets: "blocked"`; abstract ones belong to the network
+  namespace), and refuses `io_uring_setup` and other ABIs' calls; without a network namespace it refuses
+  `socket()` of every family (`network: "seccomp"`), else Landlock refuses TCP connect / bind (ABI 4,
+  "landlock_tcp"), else only Python's socket functions refuse ("python"); `socketpair` stays. Python's socket
+  `connect`, `connect_ex`, `bind`, `sendto`, `create_connection` and `getaddrinfo` raise PermissionError in every
+  mode;
+- no signal reaches the trainer or any process outside the call: the PID namespace shows none of them; without
+  it, Landlock (ABI 6) refuses signals out of the sandbox;
+- no capabilities (`capabilities: "dropped"`; the bounding set too, so no program it starts regains one);
+- CPU time (`RLIMIT_CPU`: the kernel stops the process at `cpu_seconds`), address space per process (`RLIMIT_AS`:
   `memory_mb`; Python raises MemoryError, the call reports it) and written file size (`RLIMIT_FSIZE`);
-- wall time: past `timeout_s` the whole process group is killed (SIGKILL);
 - output: stdout and stderr (merged) and the returned value are kept up to `max_output_bytes` each; the rest is
   read and dropped, and the observation says how much was cut.
 
-Environment: the process gets a minimal environment, not the trainer's: `PATH`, `LANG`, `HOME` and `TMPDIR` (both
-the call's temporary directory), `PYTHONIOENCODING`, and `DS_RLHF_SANDBOX_NO_NETWORK` (below); no token, key or
-other variable of the parent reaches it. `python -I` ignores `PYTHONPATH` and the user site; the tool's imports
-come from the interpreter's own site-packages and the tool's file.
+A protection the kernel refuses is a `RuntimeWarning` naming it and why (`SandboxResult.unavailable`), and the
+fallback above takes its place; one named in `Sandbox.require` (or `rl.sandbox_require`, "strict" = all of
+`PROTECTIONS`) refuses the call instead (`SandboxUnprotected`, an error; the RL run checks at start).
+`Sandbox.disable` turns mechanisms off for a tool that cannot run under them.
 
-Network, with `no_network` (default): on Linux, where the kernel lets an unprivileged process create a user
-namespace, the process moves into its own user and network namespace before the tool runs, so neither the tool
-nor any program it starts can reach any address, the host's 127.0.0.1 included (`result.network ==
-"namespace"`); Python's socket `connect`, `connect_ex`, `bind`, `sendto`, `socket.create_connection` and
-`socket.getaddrinfo` also raise PermissionError. Where the kernel refuses (not Linux, user namespaces disabled,
-a container's seccomp policy) only those Python functions are blocked (`result.network == "python"`): code that
-starts another program, calls `_socket` or a C library directly gets through; run the trainer in a container
-without a route out where that matters. `DS_RLHF_SANDBOX_NO_NETWORK` holds the mode in the process. The sandbox is
-not a security boundary against hostile code in general: it is the same user on the same filesystem.
+Environment: the process gets a minimal environment, not the trainer's: `PATH`, `LANG`, `HOME` and `TMPDIR` (both
+the call's temporary directory), `PYTHONIOENCODING`, `DS_RLHF_SANDBOX_CALL` (the marker) and
+`DS_RLHF_SANDBOX_NO_NETWORK` (the network mode); no token, key or other variable of the parent reaches it.
+`python -I` ignores `PYTHONPATH` and the user site; the tool's imports come from the interpreter's own
+site-packages and the tool's file.
+
+What does not hold: the tool runs as the same user and reads whatever the user can read (its files; without a
+user namespace, when the user is not root, also the user's other processes' /proc entries, the trainer's
+environment included: the tool's capabilities are dropped, which only shields a root trainer); without a PID
+namespace or a cgroup, a process that drops the marker (exec with a fresh environment) survives the call; memory is
+capped per process, not per call (`max_processes` x `memory_mb`); the kernel itself is trusted (a kernel exploit
+gets out). It is a sandbox for model-written code on a machine you trust, not a boundary against code written to
+attack the kernel: run the trainer in a container or VM without credentials where that matters.
 """
 
 from __future__ import annotations

@@ -83,6 +83,10 @@ def _tool_confinement(job: dict, prot: dict, missing: dict) -> None:
         else:
             cgroup = missing.get("nproc_limit", "no pids cgroup")
             missing["nproc_limit"] = f"{cgroup}; {why}; no cap on the number of processes"
+    why = confine.drop_capabilities()
+    prot["capabilities"] = "kept" if why else "dropped"
+    if why:
+        missing["capabilities"] = why
     if no_network:
         prot["network"] = "namespace" if prot["net_ns"] else "seccomp" if prot["seccomp"] else \
             "landlock_tcp" if abi >= 4 else "python"

@@ -1,8 +1,8 @@
 """The kernel mechanisms a sandboxed call's process confines itself with (Linux; each one reports whether the kernel
 allowed it, none raises): user, PID, network and mount namespaces (`unshare`), a read-only view of every mount but
 the call's temporary directory (`mount_setattr`), a fresh `/proc`, a seccomp filter refusing sockets, a Landlock
-ruleset confining writes (and, from Landlock ABI 4 / 6, TCP and signals / abstract Unix sockets), and
-`RLIMIT_NPROC`.
+ruleset confining writes (and, from Landlock ABI 4 / 6, TCP and signals / abstract Unix sockets),
+`RLIMIT_NPROC`, and no capabilities.
 
 Standard library only, no ds_rlhf import: `sandbox_child.py` loads this file by path in the sandbox's process.
 """
@@ -24,6 +24,8 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 
 # per architecture: (AUDIT_ARCH, socket); mount_setattr, io_uring_setup and landlock's calls share their numbers
 ARCHES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
 SYS_MOUNT_SETATTR, SYS_IO_URING_SETUP = 442, 425
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 SYS_LANDLOCK_CREATE, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT = 444, 445, 446
 AF_UNIX = 1
 
@@ -167,6 +169,21 @@ def landlock(work: str, block_tcp: bool) -> tuple[int, str]:
     finally:
         os.close(ruleset)
     return abi, ""
+
+
+def drop_capabilities() -> str:
+    """Drop every capability of this process (effective, permitted, inheritable, ambient) and empty its bounding
+    set, so no program it starts gets one back (root's included). Returns "" or why not."""
+    nr = SYS_CAPSET.get(platform.machine())
+    if _libc is None or nr is None:
+        return f"capabilities: not handled on {sys.platform} {platform.machine()}"
+    for cap in range(64):
+        if _prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows (EPERM: none to drop without CAP_SETPCAP)
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if _syscall(nr, struct.pack("Ii", 0x20080522, 0), bytes(24)) != 0:  # capset, version 3: all zero
+        return f"capset: {_why()}"
+    return ""
 
 
 def user_processes(uid: int) -> int:

@@ -174,6 +174,14 @@ def test_a_write_outside_the_temporary_directory_is_refused(tmp_path, disable):
     assert inside.ok and inside.output.strip() == "1", inside
 
 
+@pytest.mark.parametrize("disable", [(), ("pid_ns",)], ids=["pid_ns", "landlock"])
+def test_the_tool_cannot_signal_the_trainer(disable):
+    code = f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('sent')\nexcept OSError as e:\n    print(e.errno)"
+    with pytest.warns(RuntimeWarning) if disable else _no_warning():
+        result = Sandbox(disable=disable).run_code(code)
+    assert result.output.strip() in ("1", "3"), result  # EPERM (Landlock) or ESRCH (not in the PID namespace)
+
+
 def test_the_result_lists_the_protections():
     result = Sandbox().run_code("pass")
     p = result.protections
