@@ -334,6 +334,9 @@ class RLConfig:
     # rl.environment: seconds per environment reset / step call (plain tool functions run inside the step); past it
     # the episode ends "timeout" and its thread is abandoned (a Python thread cannot be killed: a Sandbox tool can)
     env_step_timeout: float = opt(60.0, ge=0)  # rl.environment: seconds per reset / step call; 0 = no deadline
+    # rl.environment: protections each tool Sandbox call must have, else an error at start (docs/AGENTIC.md): a comma
+    # list of pid_ns, net_ns, mount_ns, nproc_limit, fs_write, unix_sockets; strict = all; "" = a warning if missing
+    sandbox_require: str = ""
     # rl.environment: an episode whose environment step raised, timed out or returned an oversized observation:
     # fail = stop the run with its report, zero = train on it with reward 0, drop = leave it out of the step
     on_bad_tool: str = opt("zero", choices=("fail", "zero", "drop"))  # failed environment step: fail | zero | drop

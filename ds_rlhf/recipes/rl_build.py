@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_rlhf.agent.adapters import load_environment
+from ds_rlhf.agent.sandbox import require_protections
+from ds_rlhf.agent.sandbox_reap import stop_all as stop_sandbox_calls
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.loader import StoreLoader
@@ -66,6 +68,7 @@ class RLParts:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def close(self) -> None:
+        stop_sandbox_calls()  # a tool call still in flight (an abandoned environment step's) and all it started
         self.loader.close()
         self.reward.close()
         self.sync.close()
@@ -84,6 +87,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
     functions = reward_functions(cfg, announce=ctx.print) if rl.reward_fn else None
     environment = load_environment(rl.environment) if rl.environment else None  # its file imports here, early
+    if environment is not None:  # every tool Sandbox's required protections, checked with one call before any model
+        require_protections(rl.sandbox_require)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
                                   gpus_on_node=physical_gpu_count())

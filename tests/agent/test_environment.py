@@ -72,8 +72,12 @@ def test_tool_environment_steps():
 
 
 def test_tool_environment_in_the_sandbox():
-    env = ToolEnvironment([h.add, h.hang], sandbox=Sandbox(timeout_s=1.0))
+    # no wall-clock bound a loaded machine could pass: a generous timeout for the call that returns, a short one
+    # only for the call that never does
+    env = ToolEnvironment([h.add], sandbox=Sandbox(timeout_s=120))
     env.reset("go")
     assert env.step("add(2, 3)").messages[0]["content"] == "5"
+    env = ToolEnvironment([h.hang], sandbox=Sandbox(timeout_s=1.0))
+    env.reset("go")
     hung = env.step("hang()")
     assert "wall timeout" in hung.messages[0]["content"] and hung.reports[0]["status"] == "timeout"

@@ -148,19 +148,19 @@ def test_failing_tools_are_reported_and_the_runner_goes_on(tiny_tokenizer):
               "loud": ["spam(2)", "That was loud."], "calm": ["add(2, 3)", "It is 5."],
               "typo": ["<tool_call>{add}</tool_call>", "Sorry."]}
     policy = ScriptedPolicy(tiny_tokenizer, script, eot)
-    sandbox = Sandbox(timeout_s=2.0, max_output_bytes=500)
+    sandbox = Sandbox(timeout_s=5.0, max_output_bytes=500)  # no bound under 5 s for the calls that return
 
     def make_env():
         return ToolEnvironment([h.add, h.hang, h.boom, h.spam], sandbox=sandbox)
 
     t0 = time.monotonic()
     eps = EpisodeRunner(policy, tiny_tokenizer, make_env, SPEC).run(list(script))
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60
     by = {ep.row: ep for ep in eps}
     assert all(ep.end == "done" and ep.turns == 2 for ep in eps)
     (slow,) = by["slow"].reports
-    assert slow["status"] == "timeout" and slow["turn"] == 1 and 2.0 <= slow["seconds"] < 6.0
-    assert "2 s wall timeout" in by["slow"].observations[0][0]["content"]
+    assert slow["status"] == "timeout" and slow["turn"] == 1 and 5.0 <= slow["seconds"] < 15.0
+    assert "5 s wall timeout" in by["slow"].observations[0][0]["content"]
     assert by["raise"].reports[0]["error"] == "RuntimeError: bad day"
     assert by["loud"].reports[0]["dropped_bytes"] == (2 << 20) + 1 - 500
     assert by["calm"].reports == [] and by["calm"].observations[0][0]["content"] == "5"
