@@ -10,8 +10,8 @@ Two formats:
 
 A malformed call is not an exception: `parse_tool_calls` returns it as `error`, one sentence the caller shows the
 model as its observation so it can correct itself; so is a call nested deeper than `MAX_DEPTH` levels (whatever a
-model writes, the parser never raises, RecursionError included). `format_tool_call` writes a call in either format, as a model
-would (demonstrations): `parse_tool_calls` reads it back to the same call.
+model writes, the parser never raises, RecursionError included). `format_tool_call` writes a call in either format,
+as a model would (demonstrations): `parse_tool_calls` reads it back to the same call.
 """
 
 from __future__ import annotations
