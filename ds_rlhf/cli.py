@@ -85,7 +85,7 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
     except KeyboardInterrupt as exc:  # Ctrl-C outside the training loop's handler (which saves and exits 130)
         if debug:
             raise
-        print(f"error: {exc or 'interrupted (Ctrl-C)'}", file=sys.stderr, flush=True)
+        print(f"error: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
     _shutdown_process_group()
     return result

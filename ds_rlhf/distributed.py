@@ -119,7 +119,13 @@ def loopback_store(port: int, world_size: int, is_master: bool, timeout: timedel
         return dist.TCPStore(host, port, world_size, False, timeout)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        if world_size != 1:  # the other ranks look for the store at this port
+            sock.close()
+            raise
+        sock.bind((host, 0))  # a world of one (a second run in this process): nobody else needs to find it
     sock.listen(max(128, world_size))
     return dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, master_listen_fd=sock.detach())
 
@@ -133,6 +139,7 @@ def init_loopback_group(backend: str, timeout: timedelta) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = loopback_store(int(os.environ["MASTER_PORT"]), world, rank == 0, timeout)
+    os.environ["MASTER_PORT"] = str(store.port)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 

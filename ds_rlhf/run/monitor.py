@@ -67,7 +67,7 @@ def interrupted_line(run_dir: Path, step: int) -> str:
     done = complete_checkpoints(checkpoints_dir(run_dir))
     where = (f"the newest checkpoint is {done[-1]} (--run.resume latest continues from it)" if done else
              "no checkpoint was saved")
-    return f"interrupted (Ctrl-C) at step {step}; {where}"
+    return f"interrupted (Ctrl-C) {f'at step {step}' if step else 'while the run was starting'}; {where}"
 
 
 def _write_json(path: Path, data: dict) -> None:
