@@ -185,6 +185,8 @@ def _ctrl_c_while_starting(ctx) -> int:
         run_entry("doc", {}, start, ["--run.output_dir", str(run)])
     except SystemExit as exc:
         return exc.code
+    except KeyboardInterrupt:  # escaping, it would stop pytest itself: a failed row instead
+        raise AssertionError("Ctrl-C left the command as an exception (a traceback)") from None
     return 0
 
 
