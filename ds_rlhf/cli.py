@@ -3,7 +3,8 @@
 An error the user can fix by changing an input (`USER_ERRORS`: `config.UserInputError` and its subclasses such as
 `ConfigError`, and the data, run-directory and reward errors) ends the command with one `error: ...` line and exit
 status 1; any other exception is a bug and shows its traceback. `--debug` (or DS_RLHF_DEBUG=1) shows the traceback of
-user errors too. A full disk, a read-only or unwritable path (an OSError naming its file) is one line as well.
+user errors too. A full disk, a read-only or unwritable path (an OSError naming its file) is one line as well, and so
+is a Ctrl-C that lands outside the training loop (exit status 130; a trainer names the step and its checkpoint).
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
         if debug or line is None:
             raise
         sys.exit(f"error: {line}")
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the training loop's handler (which saves and exits 130)
+        if debug:
+            raise
+        print(f"error: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     _shutdown_process_group()
     return result
 

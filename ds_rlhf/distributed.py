@@ -9,6 +9,12 @@ Launchers: the process group is set up the same way for the three ways users lau
   DeepSpeed plugin through ACCELERATE_DEEPSPEED_* variables; those fill in settings the user left at defaults.
 - plain `python` sets nothing: we run as a single process on a free local port.
 
+Rendezvous: torch's TCPStore (unauthenticated: whoever reaches it can join or disrupt the group) listens on every
+interface when torch creates it. A single-node run (no launcher, or every rank on this host: WORLD_SIZE equals
+LOCAL_WORLD_SIZE / LOCAL_SIZE) builds the store itself on a socket bound to 127.0.0.1 and points gloo's own
+listeners at the loopback interface (GLOO_SOCKET_IFNAME=lo unless set); a multi-node run keeps the launcher's
+MASTER_ADDR and torch's store, and so does a torchrun worker (its agent owns the store).
+
 CPU shared memory: on the CPU accelerator DeepSpeed's torch backend JIT-builds (C++, ~40 s on two cores) a
 shared-memory all-reduce, `deepspeed_shm_comm`, used only by `deepspeed.comm.inference_all_reduce` (DeepSpeed
 inference tensor parallelism, which ds_rlhf never calls; every collective here is torch.distributed over gloo).
@@ -83,12 +89,58 @@ def ensure_distributed(timeout: timedelta | None = None) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    backend = "gloo" if on_cpu else get_accelerator().communication_backend_name()
+    if single_node():  # our own store on 127.0.0.1; DeepSpeed then finds torch.distributed initialised
+        init_loopback_group(backend, timeout or timedelta(minutes=30))
     kwargs = {"timeout": timeout} if timeout is not None else {}
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name(),
-                               **kwargs)
+    deepspeed.init_distributed(dist_backend=backend, **kwargs)
     if on_cpu:
         dist.barrier()  # every rank has mapped every peer's buffer (none now: the shm op is not built)
         unlink_shm_buffer(dist.get_rank())
+
+
+def single_node(environ=os.environ) -> bool:
+    """Whether every rank of this run is on this host: no launcher (a world of one), or a launcher whose local world
+    is the whole world. A torchrun worker (its agent already serves the store) counts as not ours to bind."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return False
+    world = environ.get("WORLD_SIZE")
+    local = environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE")
+    if world is None:
+        return True
+    return world == "1" or (local is not None and local == world)
+
+
+def loopback_store(port: int, world_size: int, is_master: bool, timeout: timedelta, host: str = "127.0.0.1"):
+    """A TCPStore whose server (on the master) listens on `host` only, not on every interface."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        if world_size != 1:  # the other ranks look for the store at this port
+            sock.close()
+            raise
+        sock.bind((host, 0))  # a world of one (a second run in this process): nobody else needs to find it
+    sock.listen(max(128, world_size))
+    return dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, master_listen_fd=sock.detach())
+
+
+def init_loopback_group(backend: str, timeout: timedelta) -> None:
+    """torch.distributed's default group for a single-node run, its rendezvous on 127.0.0.1 (see the module doc)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = loopback_store(int(os.environ["MASTER_PORT"]), world, rank == 0, timeout)
+    os.environ["MASTER_PORT"] = str(store.port)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _no_shm_op():

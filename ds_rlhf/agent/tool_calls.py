@@ -9,8 +9,9 @@ Two formats:
   with `ast` (literals only, nothing is evaluated); positional arguments take the tool's parameters in order.
 
 A malformed call is not an exception: `parse_tool_calls` returns it as `error`, one sentence the caller shows the
-model as its observation so it can correct itself. `format_tool_call` writes a call in either format, as a model
-would (demonstrations): `parse_tool_calls` reads it back to the same call.
+model as its observation so it can correct itself; so is a call nested deeper than `MAX_DEPTH` levels (whatever a
+model writes, the parser never raises, RecursionError included). `format_tool_call` writes a call in either format,
+as a model would (demonstrations): `parse_tool_calls` reads it back to the same call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 _TAGGED = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+MAX_DEPTH = 32  # levels of lists/objects in one call's JSON or literal arguments
+_TOO_DEEP = f"the tool call nests lists/objects more than {MAX_DEPTH} levels deep: pass flat arguments"
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,27 @@ def parse_tool_calls(text: str, tools: Mapping[str, Sequence[str]] | None = None
     return ParsedCalls()
 
 
+def _depth(value) -> int:
+    """Levels of lists/dicts in `value` (iterative: a deep value cannot exhaust the stack)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            deepest = max(deepest, depth + 1)
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
 def _hermes_call(body: str, tools) -> tuple[ToolCall | None, str | None]:
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as exc:
         return None, f"the tool call is not valid JSON ({exc.msg} at character {exc.pos}): write " \
                      '<tool_call>{"name": "...", "arguments": {...}}</tool_call>'
+    except RecursionError:
+        return None, _TOO_DEEP
+    if _depth(obj) > MAX_DEPTH:
+        return None, _TOO_DEEP
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None, 'the tool call needs a "name" string: write {"name": "...", "arguments": {...}}'
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -83,6 +101,10 @@ def _hermes_call(body: str, tools) -> tuple[ToolCall | None, str | None]:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
             return None, f'the "arguments" of the call to {obj["name"]} are not a JSON object'
+        except RecursionError:
+            return None, _TOO_DEEP
+        if _depth(args) > MAX_DEPTH:
+            return None, _TOO_DEEP
     if not isinstance(args, dict):
         return None, f'the "arguments" of the call to {obj["name"]} must be a JSON object, got {type(args).__name__}'
     return _checked(obj["name"], args, tools)
@@ -105,6 +127,10 @@ def _plain_call(line: str, tools) -> tuple[ToolCall | None, str | None] | None:
     except (SyntaxError, ValueError, TypeError) as exc:
         return None, f"the call to {name} cannot be read ({type(exc).__name__}): give literal arguments, " \
                      f'e.g. {name}("...")'
+    except (RecursionError, MemoryError):  # the parser's own limits on nesting
+        return None, _TOO_DEEP
+    if _depth([*args, *kwargs.values()]) > MAX_DEPTH:
+        return None, _TOO_DEEP
     params = list(tools[name])
     if len(args) > len(params):
         return None, f"{name} takes {len(params)} argument(s) ({', '.join(params)}), got {len(args)}"

@@ -26,21 +26,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from .row_checks import RowError, loads_row  # RowError: why one row cannot be used (the converters raise it too)
+
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 MISSING = object()
 
 
 class DataPrepError(RuntimeError):
     """A bad input row under --on-error fail, or an input that cannot be read at all."""
-
-
-class RowError(Exception):
-    """Why one row cannot be used; `reason` is a short counter key (e.g. "missing_field")."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -137,6 +130,9 @@ def expand_inputs(inputs) -> list[Path]:
         p = Path(item)
         if not p.exists():
             raise DataPrepError(f"input {p} does not exist")
+        if not p.is_dir() and not p.is_file():
+            raise DataPrepError(f"input {p} is not a regular file (a FIFO, socket or device): pass a data file, "
+                                "a directory of them or a saved dataset")
         if p.is_dir() and not ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.lower().endswith(DATA_SUFFIXES))
             if not found:
@@ -249,7 +245,7 @@ def _iter_jsonl(path: Path, source_idx: int) -> Iterator[SourceRow]:
                     continue  # blank lines (often a trailing newline) are not rows
                 where = f"{name}:{lineno}"
                 try:
-                    obj = json.loads(_decode_line(raw))
+                    obj = loads_row(_decode_line(raw))
                 except RowError as err:
                     yield SourceRow(source_idx, lineno, where, None, err)
                     continue
@@ -272,7 +268,10 @@ def _iter_json_array(path: Path, source_idx: int) -> Iterator[SourceRow]:
     except READ_ERRORS as exc:
         raise unreadable(path, exc) from exc
     try:
-        items = json.loads(raw.decode("utf-8-sig"))
+        items = loads_row(raw.decode("utf-8-sig"))
+    except RowError as exc:  # parsed whole: a duplicate key or a deep nest anywhere refuses the file
+        raise DataPrepError(f"{path}: {exc.reason}: {exc.detail} (a JSON array is parsed whole; JSONL is read row "
+                            "by row, so one bad row is skipped there)") from None
     except UnicodeDecodeError as exc:
         raise DataPrepError(f"{path}: not UTF-8 (byte(s) {raw[exc.start:exc.end].hex(' ')} at offset {exc.start}); "
                             f"a JSON array is parsed whole, so re-encode the file as UTF-8") from exc

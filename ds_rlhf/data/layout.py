@@ -53,3 +53,16 @@ TOKEN_COLUMNS: dict[str, tuple[str, ...]] = {
     "sft": ("input_ids",),
     "preference": ("chosen_ids", "rejected_ids"),
 }
+
+
+def schema_problem(path, kind: str) -> str | None:
+    """Why the Arrow file at `path` cannot be a block file of a `kind` store (its columns are another kind's, or no
+    kind's), read from the file's footer; None when its schema is the kind's."""
+    with pa.memory_map(str(path)) as source:
+        found = pa.ipc.open_file(source).schema.remove_metadata()
+    if found == SCHEMAS[kind]:
+        return None
+    other = next((k for k, schema in SCHEMAS.items() if schema == found), None)
+    holds = f"a {other!r} store's columns" if other else "columns of no store kind"
+    return (f"the manifest says kind {kind!r} but {path} holds {holds} ({', '.join(found.names)}): the manifest was "
+            "edited or belongs to another store; re-run data prep")

@@ -26,7 +26,7 @@ import numpy as np
 from ds_rlhf.config import UserInputError
 
 from .packing import length_grouped_order
-from .store import Store, check_store, open_store
+from .store import Store, StoreMismatchError, check_store, open_store
 
 log = logging.getLogger("ds_rlhf.data")
 
@@ -254,9 +254,11 @@ class StoreLoader:
         """Continue from `state`; refuses a state from a differently configured loader (order would differ)."""
         mine = self._config()
         diff = {k: (state.get(k), v) for k, v in mine.items() if k in state and state[k] != v}
-        if diff:
+        if diff:  # a user error (StoreMismatchError): one line, no traceback
             detail = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"cannot resume this loader exactly from the saved state ({detail})")
+            raise StoreMismatchError(f"cannot resume the data loader exactly from the checkpoint ({detail}): resume "
+                                     "with the settings it was saved with (e.g. the same batch size and number of "
+                                     "ranks), or start a new run")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self._order_cache = None
         self._generation += 1

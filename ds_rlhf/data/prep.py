@@ -274,5 +274,8 @@ def cli(name: str, argv=None) -> int:
     except DataPrepError as exc:
         print(f"{name}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the temp store is already removed; an existing store at --output is untouched
+        print(f"{name}: error: interrupted (Ctrl-C); nothing was written at {output}", file=sys.stderr)
+        return 130
     print(result.summary())
     return 0

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from .convert import Encoder
 from .formats import DataPrepError, RowError, count_rows, detect_format, expand_inputs, iter_rows, source_info
 from .layout import DROPPED, MANIFEST
+from .row_checks import check_values
 from .store import load_tokenizer, tokenizer_fingerprint
 from .writer import StoreWriter, write_manifest
 
@@ -308,7 +309,7 @@ def _write_rows(paths: list[Path], fmts: list, split: str | None, convert, write
                 try:
                     if src.error is not None:
                         raise src.error
-                    _check_text(src.data)
+                    check_values(src.data)
                     row = convert(src.data, report.note)
                 except RowError as err:
                     report.drop(src, err, str(path))
@@ -319,23 +320,6 @@ def _write_rows(paths: list[Path], fmts: list, split: str | None, convert, write
                 if report.written % 256 == 0:
                     bar.set_postfix(written=report.written, dropped=sum(report.dropped.values()))
     return report
-
-
-def _check_text(value, field: str = "") -> None:
-    """RowError("bad_encoding") naming the field when a string in the row is not valid Unicode text: JSON's
-    `\\ud800` escapes decode to lone surrogates, which no tokenizer or UTF-8 writer accepts."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RowError("bad_encoding", f"field '{field}': lone surrogate {value[exc.start]!r} at character "
-                                           f"{exc.start + 1} (not valid Unicode text)") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(item, f"{field}.{key}" if field else str(key))
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_text(item, f"{field}[{i}]")
 
 
 def _manifest(kind: str, created_by: str, paths: list[Path], fmts: list, tok, tok_name: str, options: dict,

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .layout import FORMAT_VERSION, MANIFEST, SCHEMAS
+from .layout import FORMAT_VERSION, MANIFEST, SCHEMAS, schema_problem
 from .readers import open_reader
 from .writer import file_checksum
 
@@ -211,6 +211,10 @@ class Store:
                 size = fpath.stat().st_size if fpath.is_file() else "missing"
                 raise StoreFormatError(f"{fpath}: expected {info['bytes']} bytes, found {size} (truncated or "
                                        f"modified store; re-run data_prep)")
+            if problem := schema_problem(fpath, self.kind):  # now, not as a pyarrow error deep in a run
+                for opened in self._readers:
+                    opened.close()
+                raise StoreFormatError(f"store {self.path}: {problem}")
             r, note = open_reader(fpath, reader)
             self._readers.append(r)
             if note:

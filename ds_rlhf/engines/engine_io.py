@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import importlib
 import json
 import logging
 import os
 import pickle
 import re
-import shutil
 import threading
-from collections.abc import Callable, Iterator
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +48,7 @@ import torch.distributed as dist
 from ds_rlhf.engines.ds_config import save_resolved_config
 from ds_rlhf.engines.models import CriticModel, RewardModel, merge_lora_state_dict, unwrap
 from ds_rlhf.engines.onebit_adam import find_onebit
+from ds_rlhf.engines.publish import publish_dir
 from ds_rlhf.engines.rm_scoring import REWARD_INFO, export_pad_token, reward_info, score_rule
 from ds_rlhf.engines.roles import role_info
 
@@ -153,10 +152,30 @@ def refusal(path, exc: Exception) -> CheckpointRefused:
     else:
         detail = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
         what = f"pickled data a weights-only load refuses ({detail[0] if detail else type(exc).__name__})"
+    return _refused(path, what)
+
+
+def _refused(path, what: str) -> CheckpointRefused:
     name = os.fspath(path) if isinstance(path, str | os.PathLike) else getattr(path, "name", repr(path))
     return CheckpointRefused(f"{name} holds {what}, which is not a tensor, a plain value or one of the DeepSpeed "
                              "types checkpoints hold: refused without running it (was the checkpoint written by "
                              "another program, or altered?)")
+
+
+def scan_torch_file(path: Path, allowed: Iterable[str] = ()) -> None:
+    """Raise ``CheckpointRefused`` when the torch zip archive at ``path`` pickles a global outside DEEPSPEED_TYPES and
+    ``allowed`` (names as ``module.qualname``). Only the pickle's opcodes are read (nothing is loaded or run), so a
+    checkpoint is refused before any model loads. Other files, and archives too damaged to read, are left to the
+    load, which reports them."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - a damaged archive: the load names the file and the problem
+        return
+    bad = [name for name in found if name not in DEEPSPEED_TYPES and name not in set(allowed)]
+    if bad:
+        raise _refused(path, f"the pickled global {bad[0]}")
 
 
 def load_torch_file(path, map_location="cpu", extra_types=(), **kwargs):
@@ -261,82 +280,6 @@ def gather_state_dict(module: torch.nn.Module, keep: Callable[[str], bool] | Non
         seen[id(tensor)] = value
         if rank0:
             out[name] = value
-    return out
-
-
-_RENAME_EXCHANGE = 2
-_libc = None
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2); False where the kernel, libc or filesystem lacks it."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.renameat2  # noqa: B018 (glibc >= 2.28)
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
-        return False
-    at_fdcwd = -100
-    return _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str | os.PathLike) -> None:
-    """Flush every file and directory under ``root`` to disk (before publishing it by a rename)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
-
-
-def replace_dir(new: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Put the finished directory ``new`` at ``target``, replacing what is there; at no moment is ``target`` a
-    half-written directory. ``new`` and ``target`` must be on one filesystem (siblings)."""
-    new, target = Path(new), Path(target)
-    if not target.exists():
-        os.rename(new, target)
-    elif _exchange(new, target):  # target now new; new holds the old contents
-        shutil.rmtree(new)
-    else:  # two renames: between them `target` is absent, never partial
-        old = target.with_name(f".old_{target.name}_{os.getpid()}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(target, old)
-        os.rename(new, target)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(target.parent)
-
-
-def publish_dir(out_dir: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)`` into a temp directory beside ``out_dir``, flush it to disk, then swap it in at ``out_dir``
-    (``replace_dir``): a crash or a full disk midway leaves the previous ``out_dir`` whole. This process only."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".tmp_{out.name}_*"):  # left by an export that crashed
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".tmp_{out.name}_{os.getpid()}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        fsync_tree(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

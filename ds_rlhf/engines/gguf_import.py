@@ -32,8 +32,8 @@ import torch
 
 from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.chat_tokens import end_of_turn_token, template_tokens
-from ds_rlhf.engines.engine_io import publish_dir
 from ds_rlhf.engines.models import as_dtype
+from ds_rlhf.engines.publish import publish_dir
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("bf16", "fp16", "fp32")
@@ -55,6 +55,30 @@ def check_gguf_file(src: Path) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFImportError(f"{src} is not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# GGUF architecture names transformers reads under another name (its load_gguf_checkpoint does the same)
+_ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+                 "t5encoder": "t5"}
+
+
+def check_architecture(src: Path, architecture, tf_version: str) -> None:
+    """The file's `general.architecture` is one transformers converts, else a one-line GGUFImportError naming it and
+    the supported ones (before the tokenizer and the weights are read)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    supported = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+    name = str(architecture) if architecture is not None else None
+    if name is not None and (name in supported or _ARCH_ALIASES.get(name, name.replace("-", "_")) in supported):
+        return
+    said = f"architecture {name!r}" if name is not None else "no general.architecture"
+    raise GGUFImportError(f"{src}: GGUF {said} is not one transformers {tf_version} converts (supported: "
+                          f"{', '.join(sorted(supported))})")
 
 
 def require_gguf_package():
@@ -182,14 +206,18 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str = "bf16", overwrite: bool 
 
     start = _phase(f"reading {src.name} ({src.stat().st_size / 2**20:.0f} MiB)", log)
     meta = gguf_metadata(src)
+    check_architecture(src, meta["architecture"], tf_version)
     sha = file_sha256(src)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    except (ValueError, KeyError, NotImplementedError) as exc:  # a tokenizer type transformers cannot read
+        raise GGUFImportError(f"{src}: transformers cannot read its tokenizer ({_first_line(exc)})") from None
     t = _phase(f"dequantizing {meta['tensors']} tensors ({meta['quantization']}) to float32 (tens of seconds on a "
                "CPU)", log)
     try:
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except (ValueError, KeyError, NotImplementedError) as exc:  # an architecture / quant type transformers lacks
-        raise GGUFImportError(f"{src}: transformers cannot load it ({str(exc).strip().splitlines()[0]})") from None
+        raise GGUFImportError(f"{src}: transformers cannot load it ({_first_line(exc)})") from None
     load_s = time.perf_counter() - t
     # Dequantized, the model is an ordinary one: drop the quantizer so save_pretrained writes plain weights.
     if hasattr(model.config, "quantization_config"):

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         convert_gguf(Path(args.gguf_file), Path(args.out_dir), args.dtype, overwrite=args.overwrite)
     except GGUFImportError as exc:
-        print(f"ds-rlhf convert-gguf: {exc}", file=sys.stderr)
+        print(f"ds-rlhf convert-gguf: error: {exc}", file=sys.stderr)
         return 2
     return 0
 

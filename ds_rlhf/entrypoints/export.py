@@ -33,12 +33,12 @@ from ds_rlhf.engines.engine_io import (
     CheckpointRefused,
     excluded_frozen,
     load_torch_file,
-    publish_dir,
     weights_only_loads,
     write_export,
 )
 from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, as_dtype, load_causal_lm, lora_settings
+from ds_rlhf.engines.publish import publish_dir
 from ds_rlhf.run.checkpoints import MARKER, CheckpointManager
 from ds_rlhf.run.run_dir import STEP_DIR, complete_checkpoints, step_of
 

@@ -108,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: unknown command {name!r}{_command_hint(name, rest)}; run `{PROG} --help` for the list",
               file=sys.stderr)
         return 2
-    return resolve(name)(rest) or 0
+    try:
+        return resolve(name)(rest) or 0
+    except KeyboardInterrupt as exc:  # Ctrl-C while a command imports or starts: one line, exit 130
+        if "--debug" in rest:
+            raise
+        print(f"error: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from ds_rlhf.ops.report_plots import render_plots, value
 from ds_rlhf.run.environment import doctor_json, run_checks
 from ds_rlhf.run.health import replay
 from ds_rlhf.run.monitor import read_status
-from ds_rlhf.run.run_dir import LOCK_NAME, checkpoints_dir, complete_checkpoints, step_of
+from ds_rlhf.run.run_dir import LOCK_NAME, RUN_FILES, checkpoints_dir, complete_checkpoints, step_of
 from ds_rlhf.telemetry.logger import read_metrics
 
 ENV_FILES = ("environment.json", "doctor.json")
@@ -102,6 +102,9 @@ def load_run(run_dir: str | Path) -> RunInfo:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    if not any((run_dir / name).exists() for name in RUN_FILES - {"report"}):
+        raise ValueError(f"{run_dir} is not a run directory (no config.json, metrics.jsonl, status.json or "
+                         "checkpoints in it): pass a run's --run.output_dir; nothing was written")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         records = read_metrics(run_dir)
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = write_report(args.run_dir, args.out, run_doctor=not args.no_doctor)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"ds-rlhf report: {exc}", file=sys.stderr)
+        print(f"ds-rlhf report: error: {exc}", file=sys.stderr)
         return 2
     print(page)
     return 0

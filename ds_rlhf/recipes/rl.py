@@ -95,6 +95,7 @@ class RLTrainer:
         # the checkpoint to resume is verified (every file's sha256) before any model or vLLM engine loads
         resume_from = self.ckpt.resolve(cfg.run.resume)
         self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
+        self.ckpt.check_room(self.parts.engines_to_checkpoint())  # the first save fits, or stop now
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0
                        else FixedKLController(rl.kl_coef))

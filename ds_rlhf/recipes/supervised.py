@@ -118,6 +118,7 @@ class SupervisedTrainer:
         ds_config = ctx.ds_config(role=task.name, micro_batch_size=max(1, cfg.optim.micro_batch_size),
                                   lr=cfg.optim.lr, total_steps=self.total_steps)
         self.engine = task.build(ctx, ds_config)
+        self.ckpt.check_room({task.name: self.engine})  # the first save fits, or stop before training
         self.step = 0
         self.timer = PhaseTimer(sync_cuda=ctx.dist.device.type == "cuda")
         if resume_from is not None:

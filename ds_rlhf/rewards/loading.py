@@ -1,10 +1,15 @@
 """Finding a reward function from its spec: a built-in name, `path/to/file.py:function_name`, or the URL of a
-reward server (`http://host:port/path`, see remote.py)."""
+reward server (`http://host:port/path`, see remote.py).
+
+A user file imported in this process (`rl.reward_workers 0`) may change the working directory as it is imported:
+the spec's path is made absolute before the import (`absolute_spec`), and the working directory is put back after
+it, with a warning, so the run's relative paths (its output directory, data, the next reward file) still hold."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -61,17 +66,41 @@ def check_spec(spec: str) -> tuple[str, str]:
     return path, name
 
 
+def absolute_spec(spec: str) -> str:
+    """`file.py:func[@style]` with the file's absolute path (a spec naming an existing file); others unchanged."""
+    base, style = split_style(spec)
+    if is_remote(base) or base in BUILTIN_REWARDS or ":" not in base:
+        return spec
+    path, name = base.rsplit(":", 1)
+    if not Path(path).is_file():
+        return spec  # check_spec reports it
+    return f"{Path(path).resolve()}:{name}" + (f"@{style}" if style else "")
+
+
 def _load_module(path: str):
-    """Import a file by path (registered in sys.modules so dataclasses and pickle inside it work)."""
+    """Import a file by path (registered in sys.modules so dataclasses and pickle inside it work); the working
+    directory is the same after the import as before it."""
     resolved = str(Path(path).resolve())
     digest = hashlib.sha1(resolved.encode()).hexdigest()[:10]
     mod_name = f"ds_rlhf_user_reward_{Path(path).stem}_{digest}"
     module_spec = importlib.util.spec_from_file_location(mod_name, resolved)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[mod_name] = module
+    cwd = os.getcwd()
     try:
         module_spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(mod_name, None)
         raise
+    finally:
+        _restore_cwd(cwd, resolved)
     return module
+
+
+def _restore_cwd(cwd: str, path: str) -> None:
+    now = os.getcwd()
+    if now != cwd:
+        os.chdir(cwd)
+        print(f"[reward] warning: importing {path} changed the working directory to {now}; changed back to {cwd} "
+              "(the run's relative paths are relative to it; open the module's own files by absolute path, e.g. "
+              "Path(__file__).parent / name)", file=sys.stderr, flush=True)

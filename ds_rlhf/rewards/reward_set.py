@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
-from ds_rlhf.rewards.loading import STYLES, check_spec, load_reward_fn, split_style
+from ds_rlhf.rewards.loading import STYLES, absolute_spec, check_spec, load_reward_fn, split_style
 from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
 from ds_rlhf.rewards.remote import DEFAULT_BATCH, DEFAULT_MAX_REPLY_MB, RemoteReward, is_remote
 
@@ -27,8 +27,8 @@ class RewardSpec:
     def __post_init__(self):
         if is_remote(self.source):
             self.source, self.style = self.source.strip(), "batched"
-        elif isinstance(self.source, str):
-            self.source, forced = split_style(self.source.strip())
+        elif isinstance(self.source, str):  # a file's path made absolute now, before any user code is imported
+            self.source, forced = split_style(absolute_spec(self.source.strip()))
             self.style = self.style or forced
         if self.style is not None and self.style not in STYLES:
             raise ValueError(f"reward style must be one of {STYLES}, got {self.style!r}")

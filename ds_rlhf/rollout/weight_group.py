@@ -3,7 +3,8 @@
 Why a standalone group: the trainer's default group (DeepSpeed's) does not contain the vLLM processes, and vLLM's
 workers have their own default group, so neither can be reused. Each side builds a `ProcessGroupGloo` (CPU) or
 `ProcessGroupNCCL` (GPU) object directly on a shared TCPStore; rank 0 is the sender (trainer rank 0), ranks 1..N are
-the rollout workers. Nothing is registered globally, so it never interferes with either side's collectives.
+the rollout workers. Nothing is registered globally, so it never interferes with either side's collectives. With a
+loopback host (the rollout server on the trainer's machine) the store listens on that address only.
 
 Wire format: a bucket is a list of tensors of one dtype, flattened into one contiguous buffer and broadcast as raw
 bytes (a uint8 view: the same code path for every dtype and backend). Receivers already know each tensor's
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from ds_rlhf.distributed import loopback_store
 from ds_rlhf.rollout.base import TensorMeta
 
 GROUP_PREFIX = "ds_rlhf_weights"
@@ -32,7 +35,10 @@ class WeightGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        if _is_loopback(host):  # the trainer and the rollout server on one host: the store listens there only
+            self._store = loopback_store(port, world_size, rank == 0, timeout, host=host)
+        else:
+            self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         store = dist.PrefixStore(GROUP_PREFIX, self._store)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -58,6 +64,13 @@ class WeightGroup:
             with contextlib.suppress(Exception):  # a half-open group must not mask the real error
                 pg.shutdown()
         self._store = None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: torch's store, as the launcher would
+        return False
 
 
 def bucket_nbytes(metas: Sequence[TensorMeta]) -> int:

@@ -11,7 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ds_rlhf.engines.engine_io import publish_dir
+from ds_rlhf.engines.publish import publish_dir
 
 BEST_DIR = "best"
 BEST_INFO = "BEST.json"

@@ -1,18 +1,26 @@
 """The files of a run checkpoint: listing them, their sizes, sha256 digests for the `COMPLETE` manifest, cheap
-structural checks (empty files, cut-short torch zip archives) and the disk-space estimate of an engine's checkpoint.
+structural checks (empty files, cut-short torch zip archives), the pickled globals they hold (read without loading
+anything), the disk-space estimate of an engine's checkpoint and the file-size limit a save can run into.
 Used by `run/checkpoints.py:CheckpointManager`, which writes and verifies the manifest.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import resource
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ds_rlhf.engines.engine_io import CheckpointRefused, scan_torch_file
+
 MARKER = "COMPLETE"
 _CHUNK = 8 << 20
+# what the RNG files of older checkpoints pickled (numpy's state tuple); `checkpoint_rng.load_rng_file` allows them
+_RNG_GLOBALS = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray",
+                "numpy.dtype", "numpy.dtypes.UInt32DType")
 
 
 def fmt_bytes(n: float) -> str:
@@ -67,6 +75,39 @@ def structural_problem(path: Path) -> str | None:
     return None
 
 
+def refused_global(root: Path) -> str | None:
+    """The refusal (one line naming the file and the global) for the first file under ``root`` that pickles a global
+    its load would refuse; None when none does. Reads the pickles' opcodes only: nothing is loaded or run."""
+    for path in list_files(root):
+        allowed = _RNG_GLOBALS if path.name.startswith("rng_rank") else ()
+        try:
+            scan_torch_file(path, allowed)
+        except CheckpointRefused as exc:
+            return str(exc)
+    return None
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (`ulimit -f`), None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def hit_size_limit(root: Path, errors) -> int | None:
+    """The file-size limit when a failed write under ``root`` ran into it (an EFBIG among ``errors``, or a file
+    written up to the limit: torch's writer reports the cut-off in its own words), else None."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    if any(isinstance(e, OSError) and e.errno == errno.EFBIG for e in errors):
+        return limit
+    try:
+        largest = max((p.stat().st_size for p in root.rglob("*") if p.is_file()), default=0)
+    except OSError:
+        return None
+    return limit if largest >= limit else None
+
+
 def engine_bytes(engine) -> int:
     """What a checkpoint of ``engine`` takes on disk, roughly: 12 bytes of fp32 master weights + Adam moments per
     trainable parameter, plus the module's own weights below ZeRO-3 (ZeRO-3 keeps them in the optimizer files)."""
@@ -81,5 +122,5 @@ def engine_bytes(engine) -> int:
     return trainable * 12 + (weights if stage < 3 else 0)
 
 
-__all__ = ["MARKER", "engine_bytes", "fmt_bytes", "hash_file", "hash_tree", "list_files", "structural_problem",
-           "tree_size"]
+__all__ = ["MARKER", "engine_bytes", "file_size_limit", "fmt_bytes", "hash_file", "hash_tree", "hit_size_limit",
+           "list_files", "refused_global", "structural_problem", "tree_size"]

@@ -15,7 +15,9 @@ Nothing lost, nothing silent:
 - A save first checks the free space (the previous checkpoint's size, else an estimate from the engines'
   parameters); when it is short, or the disk fills during the save, it raises `CheckpointSpaceError` (an OSError
   with errno ENOSPC) naming the path and the bytes needed, with the partial directory removed and the previous
-  checkpoint untouched.
+  checkpoint untouched. `check_room` asks the same at start, once the engines are built, so a run that could not
+  save its first checkpoint stops before it trains. A save cut off by the file-size limit (`ulimit -f`) is
+  `CheckpointSaveError`, one line naming the limit.
 - `keep_last`: that many newest checkpoints are kept, 0 keeps all; the checkpoint just saved is never pruned.
 - Every file loads with `torch.load(weights_only=True)` (`engines/engine_io.py:weights_only_loads`, DeepSpeed's
   engine files included, with the few DeepSpeed types they hold allowed): a file that pickles anything else is
@@ -37,20 +39,16 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import barrier
-from ds_rlhf.engines.engine_io import (
-    CheckpointRefused,
-    fsync_dir,
-    load_checkpoint,
-    load_torch_file,
-    replace_dir,
-    save_checkpoint,
-)
+from ds_rlhf.engines.engine_io import CheckpointRefused, load_checkpoint, load_torch_file, save_checkpoint
+from ds_rlhf.engines.publish import fsync_dir, replace_dir
 from ds_rlhf.run.checkpoint_files import (
     MARKER,
     engine_bytes,
     fmt_bytes,
     hash_tree,
+    hit_size_limit,
     list_files,
+    refused_global,
     structural_problem,
     tree_size,
 )
@@ -75,6 +73,10 @@ class CheckpointCorrupt(RunDirError):
 
 class CheckpointLoadError(RunDirError):
     pass
+
+
+class CheckpointSaveError(RunDirError):
+    """A save failed for a reason of the machine the user can change (the file-size limit)."""
 
 
 class CheckpointSpaceError(RunDirError, OSError):
@@ -141,12 +143,15 @@ class CheckpointManager:
             for path in candidates if self.resume_fallback else candidates[:1]:
                 problem = self.verify(path)
                 if problem is None:
-                    outcome = ("ok", str(path), skipped)
+                    refused = refused_global(path)  # before any model loads, not when DeepSpeed reads the file
+                    outcome = ("ok", str(path), skipped) if refused is None else ("refused", refused, skipped)
                     break
                 skipped.append((str(path), problem))
             else:
                 outcome = ("bad", None, skipped)
         status, chosen, skipped = broadcast_from_main(outcome)
+        if status == "refused":
+            raise CheckpointLoadError(f"cannot load {chosen}")
         for path, problem in skipped:
             self.log(f"[checkpoint] skipping {path}: {problem}")
         if status == "ok":
@@ -295,9 +300,15 @@ class CheckpointManager:
     def _save_failed(self, step: int, tmp: Path, needed: int, exc: Exception):
         written = tree_size(tmp)
         free = _free_bytes(self.root)
+        limit = hit_size_limit(tmp, _chain(exc))
         shutil.rmtree(tmp, ignore_errors=True)
         latest = self.latest()
         previous = f"the previous checkpoint {latest} is intact" if latest else "there is no earlier checkpoint"
+        if limit is not None:
+            raise CheckpointSaveError(
+                f"cannot save checkpoint step {step} to {tmp}: a file reached this process's file-size limit "
+                f"(ulimit -f: {fmt_bytes(limit)}); raise it (ulimit -f unlimited) and resume; the partial checkpoint "
+                f"was removed and {previous}") from exc
         full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(exc))
         if full or free < max(needed - written, 16 << 20):
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -313,6 +324,23 @@ class CheckpointManager:
         if latest is not None:
             return int(tree_size(latest) * _MARGIN)
         return int(sum(engine_bytes(e) for e in engines.values()) * _MARGIN)
+
+    def check_room(self, engines: dict) -> None:
+        """At start, once the engines are built: the first save will find room (the space it asks for, counting what
+        its pruning frees), else CheckpointSpaceError now, before a step is trained (collective: every rank)."""
+        refusal = None
+        if self.rank == 0:
+            needed, free = self._needed_bytes(engines), _free_bytes(self.root)
+            done = self.complete_checkpoints()  # what the save's pruning removes first (never the newest)
+            doomed = done[: max(0, len(done) + 1 - self.keep_last)][: len(done) - 1] if self.keep_last else []
+            freed = sum(tree_size(p) for p in doomed)
+            if free + freed < needed:
+                refusal = (f"not enough space for this run's first checkpoint in {self.root}: about "
+                           f"{fmt_bytes(needed)} needed, {fmt_bytes(free)} free; nothing was trained. Free space "
+                           "or point --run.output_dir at a larger disk")
+        refusal = broadcast_from_main(refusal)
+        if refusal is not None:
+            raise CheckpointSpaceError(refusal)
 
     def _make_room(self, step: int, needed: int, keep: Path) -> str | None:
         """None if ``needed`` bytes fit; else first prune what this save's pruning would delete anyway (never the
@@ -366,5 +394,5 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-__all__ = ["CheckpointCorrupt", "CheckpointLoadError", "CheckpointManager", "CheckpointSpaceError",
-           "ResumeNotFound", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointCorrupt", "CheckpointLoadError", "CheckpointManager", "CheckpointSaveError",
+           "CheckpointSpaceError", "ResumeNotFound", "rng_state", "set_rng_state"]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ds_rlhf.run.environment import apply_config, doctor_json, run_checks
 from ds_rlhf.run.health import ONCE, health_warnings
+from ds_rlhf.run.run_dir import checkpoints_dir, complete_checkpoints
 from ds_rlhf.telemetry.prometheus import PrometheusExporter
 
 STATUS_FILE = "status.json"
@@ -60,6 +61,15 @@ def exit_status(exc: BaseException | None) -> dict:
     return {"status": "failed", "exit_code": code,
             "error": {"type": type(exc).__name__, "message": message[:4000],
                       "oom": is_oom(f"{type(exc).__name__} {message}"), "traceback": tail}}
+
+
+def interrupted_line(run_dir: Path, step: int) -> str:
+    """What a Ctrl-C outside the training loop's handler (while a run starts, say) leaves: the step and the newest
+    checkpoint to resume from."""
+    done = complete_checkpoints(checkpoints_dir(run_dir))
+    where = (f"the newest checkpoint is {done[-1]} (--run.resume latest continues from it)" if done else
+             "no checkpoint was saved")
+    return f"interrupted (Ctrl-C) {f'at step {step}' if step else 'while the run was starting'}; {where}"
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -191,6 +201,8 @@ class RunMonitor:
         if self._finished:
             return
         self._finished = True
+        if isinstance(exc, KeyboardInterrupt) and not exc.args:  # the one line `cli.run_entry` prints
+            exc.args = (interrupted_line(self.run_dir, step),)
         if self.exporter is not None:
             self._guard("metrics endpoint close", self.exporter.close)
         if not self.active:

@@ -1,14 +1,14 @@
 """The tests mirror the package: each folder under tests/ is named after a package or module of ds_rlhf (it tests
 that code), or is one of the project-wide folders: `foundation` (the project's own checks: layers, docs language,
-requirements, the wheel), `real_model` (runs on SmolLM2-135M-Instruct) and `gpu` (what needs CUDA). A folder named
-after a package that does not exist fails here."""
+requirements, the wheel), `faults` (the table of bad inputs and faults across the commands), `real_model` (runs on
+SmolLM2-135M-Instruct) and `gpu` (what needs CUDA). A folder named after a package that does not exist fails here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT_WIDE = {"foundation", "real_model", "gpu"}
+PROJECT_WIDE = {"foundation", "faults", "real_model", "gpu"}
 
 
 def unmatched_test_folders(tests: Path, package: Path) -> list[str]:

@@ -98,6 +98,7 @@ def test_crashed_run_and_a_run_with_nothing_yet(tmp_path):
     assert "stopped at step 7 of 20" in status and "last checkpoint at step 5" in status
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / ".lock").write_text("pid=999999999\nhost=somewhere-else\n")  # a run that had just claimed its directory
     page = write_report(empty, run_doctor=False)
     text = page.read_text()
     assert "no metrics recorded yet" in text and "nothing to plot yet" in text and "no config.json" in text
