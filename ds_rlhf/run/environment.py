@@ -98,7 +98,8 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if backend == "vllm" or (backend == "auto" and gpus):
         what = f"rollout.backend={backend}" + (" on a GPU machine" if backend == "auto" else "")
         if not vllm.get("installed"):
-            results = _need(results, "vLLM", what, "install vLLM (requirements/cuda.lock), or --rollout.backend hf")
+            results = _need(results, "vLLM", what, f"{sw.install_fix('cuda' if gpus else 'cpu')}, or "
+                            "--rollout.backend hf")
         elif c["vLLM"].verdict != OK:
             results = _need(results, "vLLM", what)
     dtype = cfg.model.dtype

