@@ -56,7 +56,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     (`server/calls.py:update_through_vllm_ipc`), NCCL into a server on other GPUs (`update_through_vllm_nccl`).
     `kv_cache_bytes` (vLLM only; 0 = vLLM's own sizing): the KV cache `memory/kv_cache.py` sized for the run.
     `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` (and of
-    `kv_cache_bytes`) and its own seed, behind one `ShardedRolloutEngine` that splits every batch between them (`server/sharded.py`)."""
+    `kv_cache_bytes`) and its own seed, behind one `ShardedRolloutEngine` that splits every batch between them
+    (`server/sharded.py`)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     n_engines = kw.pop("sidecar_engines", 1)

@@ -184,6 +184,7 @@ def test_driver_against_the_torch_build(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     line = checks.check_torch({"driver": "570.124.06", "gpus": 1})
     assert line.verdict == FAIL and "needs an NVIDIA driver 580.65.06" in line.found
-    assert "R580 or newer" in line.fix and "whl/cu128" in line.fix and f"torch=={torch.__version__.split('+')[0]}" in line.fix
+    assert "R580 or newer" in line.fix and "whl/cu128" in line.fix
+    assert f"torch=={torch.__version__.split('+')[0]} " in line.fix
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert checks.check_torch({"driver": "580.95.05", "driver_cuda": "13.0", "gpus": 1}).verdict == OK
