@@ -142,6 +142,9 @@ class RolloutConfig:
     seeding: str = opt("batch", choices=("batch", "request"))  # batch: one seed per call; request: one per request
     max_model_len: int = opt(0, ge=0)  # 0 = max_prompt_len + max_new_tokens
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1)
+    # vLLM's KV cache in GiB; 0 = auto: on GPUs what gpu_memory_utilization leaves after the weights, on CPU the
+    # step's sequences at full context, at most gpu_memory_utilization of the host memory (memory/kv_cache.py)
+    kv_cache_gb: float = opt(0.0, ge=0)
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
     sleep_level: int = opt(2, choices=(1, 2))  # 1: keep a CPU copy of the weights; 2: drop them (then a full sync)
     devices: str = ""  # disaggregated: GPU ids for the vLLM server, e.g. "4,5,6,7" (must not hold a training rank)

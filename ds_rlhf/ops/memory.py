@@ -9,7 +9,9 @@
 Any trainer setting can follow as `--section.key value` (as for the trainer). With `--run.max_gpu_memory_gb` the
 plan is for the cap (min(cap, device)), and an RL plan first shows the split of the cap the trainer would pick for
 what the command line and the config leave unset (`memory/split.py`: vLLM's share, micro-batch tokens, sidecar
-engines) and plans with it. The plan is per rank: parameters,
+engines) and plans with it. On CPU the plan is for the host RAM and fits only when its peak also fits the memory
+available now (other processes hold the rest); vLLM-CPU's KV cache is the one the run will ask for
+(`memory/kv_cache.py`). The plan is per rank: parameters,
 gradients, optimizer states (by ZeRO stage, offload and world size), activations of one micro-batch, the rollout
 engine's weights and KV cache, and the device peak of the rollout and train phases against the device's memory.
 Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is computed: `memory/plan.py`.
@@ -18,12 +20,14 @@ Exit status: 0 when it fits, 1 when it does not, 2 for a bad config. How it is c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.memory.cap import capped_total
+from ds_rlhf.memory.kv_cache import available_host_bytes
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
 from ds_rlhf.memory.split import apply_split, choose_split
 
@@ -101,6 +105,15 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def check_available(plan: MemoryPlan, free: int) -> MemoryPlan:
+    """A CPU plan that fits the host RAM but not the `free` bytes per rank available now does not fit."""
+    if plan.peak + plan.settings.reserve <= free:
+        return plan
+    note = (f"this machine has {fmt_bytes(free)} per rank available now (other processes hold the rest of the RAM): "
+            f"the peak plus reserve ({fmt_bytes(plan.peak + plan.settings.reserve)}) does not fit it")
+    return dataclasses.replace(plan, fits=False, notes=(*plan.notes, note))
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
 
@@ -131,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"ds-rlhf memory: {exc}", file=sys.stderr)
         return 2
+    if device == "cpu" and not args.gpu_memory_gb:
+        plan = check_available(plan, available_host_bytes() // world)
     if args.json:
         print(json.dumps({**plan.to_dict(), "split": split.to_dict() if split else None}, indent=1))
     else:

@@ -28,6 +28,8 @@ from ds_rlhf.engines.models import as_dtype, lora_settings
 from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_critic_stage
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
+from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
+from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.redaction import redact_urls
@@ -110,14 +112,18 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
     if rollout is None:
+        kv = _vllm_kv_cache(ctx, local_world)
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
+                                      kv_cache_bytes=kv.bytes if kv and kv.source != "env" else 0,
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
                                       **cfg.rollout.vllm_options())
+        if kv is not None and getattr(rollout, "backend", "") == "vllm":
+            ctx.print(f"[rl] vLLM KV cache {kv.line()}")
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory/cap.py)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
@@ -162,6 +168,17 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
             if warning := outside_warning(outside):
                 ctx.print(warning)
     return vllm_fraction, fraction
+
+
+def _vllm_kv_cache(ctx: RunContext, local_world: int) -> KVCacheSize | None:
+    """The KV cache of the run's vLLM engine (`memory/kv_cache.py`, the number `ds-rlhf memory` and `ds-rlhf doctor
+    --config` report): on CPU always, on GPUs when `rollout.kv_cache_gb` is set; None: vLLM sizes it."""
+    cfg, device = ctx.cfg, ctx.dist.device.type
+    if cfg.rollout.backend == "hf" or (device != "cpu" and cfg.rollout.kv_cache_gb <= 0):
+        return None
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
+                         world_size=ctx.dist.world_size)
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:

@@ -45,7 +45,7 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, model_path: str,
                         dtype: str = "auto", max_model_len: int = 1024, gpu_memory_utilization: float = 0.5,
-                        seed: int = 0, enable_sleep: bool = False, **kw) -> RolloutEngine:
+                        seed: int = 0, enable_sleep: bool = False, kv_cache_bytes: int = 0, **kw) -> RolloutEngine:
     """Build a RolloutEngine. Extra keywords go to the engine (e.g. tensor_parallel_size, sleep_level, devices,
     weight_backend, load_format, skip_tokenizer_init, batch_size for HF), among them the vLLM engine options of
     `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
@@ -54,8 +54,10 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     `weight_transport="vllm"` (sidecar and disaggregated): the servers' engines are built with vLLM's weight-transfer
     config and syncs go through vLLM's weight-transfer engine: CUDA IPC on the sidecar
     (`server/calls.py:update_through_vllm_ipc`), NCCL into a server on other GPUs (`update_through_vllm_nccl`).
-    `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` and its own
-    seed, behind one `ShardedRolloutEngine` that splits every batch between them (`server/sharded.py`)."""
+    `kv_cache_bytes` (vLLM only; 0 = vLLM's own sizing): the KV cache `memory/kv_cache.py` sized for the run.
+    `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` (and of
+    `kv_cache_bytes`) and its own seed, behind one `ShardedRolloutEngine` that splits every batch between them
+    (`server/sharded.py`)."""
     if placement not in ("colocated", "sidecar", "disaggregated"):
         raise ValueError(f"unknown placement {placement!r}: expected 'colocated', 'sidecar' or 'disaggregated'")
     n_engines = kw.pop("sidecar_engines", 1)
@@ -81,7 +83,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
                         ", ".join(f"rollout.{k}={v}" for k, v in unused.items()))
 
         return HFRolloutEngine(str(model_path), **common, **kw)
-    vllm_kw = dict(common, gpu_memory_utilization=gpu_memory_utilization, enable_sleep=enable_sleep)
+    vllm_kw = dict(common, gpu_memory_utilization=gpu_memory_utilization, enable_sleep=enable_sleep,
+                   kv_cache_bytes=kv_cache_bytes)
     if placement == "colocated":
         return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
 
@@ -102,7 +105,8 @@ def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> 
     engines: list = []
     try:
         for i in range(n):
-            own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i)
+            own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i,
+                       kv_cache_bytes=vllm_kw["kv_cache_bytes"] // n)
             engines.append(server_client.RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]),
                                                    process=processes[i], **own, **kw))
         return sharded.ShardedRolloutEngine(engines)

@@ -67,6 +67,7 @@ import typing
 from collections.abc import Collection, Iterable, Sequence
 from contextlib import contextmanager
 
+import psutil
 import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec, batch_seed
@@ -79,6 +80,7 @@ from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPR
     SUPPORTED_RANGE,
     check_version,
     chosen_logprobs,
+    kv_cache_kwargs,
     nccl_update_info,
     nccl_wire,
     nccl_worker_init_info,
@@ -196,7 +198,8 @@ class VLLMHandle:
                  executor: str = "uni", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
-                 weight_transport: str = "own", weight_transfer_backend: str = "ipc", **llm_kwargs) -> None:
+                 weight_transport: str = "own", weight_transfer_backend: str = "ipc", kv_cache_bytes: int = 0,
+                 **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in IN_PROCESS_EXECUTORS:
@@ -228,6 +231,9 @@ class VLLMHandle:
         self._last_lora_id = 0  # ids only count up, so no id vLLM may have cached is reused
         if not self.cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
+        if kv_cache_bytes:
+            kwargs.update(kv_cache_kwargs(kv_cache_bytes, cpu=self.cpu, version=self.version,
+                                          arg_names=engine_arg_names(), free=psutil.virtual_memory().available))
         kwargs.update(llm_kwargs)
         self._start(LLM, kwargs)
         self.sleep_enabled = enable_sleep

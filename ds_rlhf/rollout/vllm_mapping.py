@@ -235,3 +235,22 @@ def named_tensors_from_buckets(buckets: Iterable[Sequence[tuple[str, torch.Tenso
         sent += 1
     if sent != len(plan):
         raise RolloutError(f"sent {sent} buckets but announced {len(plan)}")
+
+
+def kv_cache_kwargs(kv_cache_bytes: int, *, cpu: bool, version: str | None, arg_names: Collection[str], free: int,
+                    env: dict | None = None) -> dict:
+    """`LLM(...)` keywords for a KV cache of `kv_cache_bytes` (`memory/kv_cache.py` sizes it; 0: vLLM's own sizing):
+    `kv_cache_memory_bytes`, which vLLM allocates as it is (its CPU worker then skips its RAM-share check). On CPU a
+    `VLLM_CPU_KVCACHE_SPACE` set in the environment wins (vLLM's CPU platform reads it over any argument), so nothing
+    is passed then. Refuses, before vLLM starts, a CPU KV cache above `free` (the memory available now)."""
+    env = os.environ if env is None else env
+    if not kv_cache_bytes or (cpu and env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()):
+        return {}
+    if cpu and free < kv_cache_bytes:
+        raise RolloutError(f"vLLM-CPU's KV cache of {kv_cache_bytes / 2**30:.2f} GiB is more than the "
+                           f"{free / 2**30:.2f} GiB of memory available now: lower rollout.kv_cache_gb (or "
+                           "rollout.max_num_seqs, rollout.max_model_len), or free memory")
+    if "kv_cache_memory_bytes" not in arg_names:
+        raise RolloutError(f"vLLM {version} has no kv_cache_memory_bytes engine argument: leave rollout.kv_cache_gb "
+                           "at 0" + (" and set VLLM_CPU_KVCACHE_SPACE (GiB)" if cpu else ""))
+    return {"kv_cache_memory_bytes": int(kv_cache_bytes)}

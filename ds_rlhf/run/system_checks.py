@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from ds_rlhf.data.readers import ReaderUnavailable, open_reader
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
@@ -273,14 +275,29 @@ def check_nccl_env(gpus: int, nvlink: bool) -> Check:
 
 def check_accelerator_env(gpus: int) -> Check:
     ds = os.environ.get("DS_ACCELERATOR", "")
-    facts = {"DS_ACCELERATOR": ds, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")}
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    facts = {"DS_ACCELERATOR": ds, "VLLM_CPU_KVCACHE_SPACE": space}
     if gpus and ds == "cpu":
         return Check("DeepSpeed accelerator", WARN, "DS_ACCELERATOR=cpu on a GPU machine: DeepSpeed trains on CPU",
                      "unset DS_ACCELERATOR", facts)
     if not gpus and ds != "cpu":
         return Check("DeepSpeed accelerator", WARN, f"DS_ACCELERATOR={ds or 'unset'} without a GPU: DeepSpeed "
-                     "probes for accelerators", "source scripts/env.sh (sets DS_ACCELERATOR=cpu)", facts)
+                     "probes for accelerators", "export DS_ACCELERATOR=cpu (each ds-rlhf command sets it itself "
+                     "without a GPU)", facts)
     found = f"DS_ACCELERATOR={ds or 'unset (auto: cuda)'}"
-    if not gpus:
-        found += f", VLLM_CPU_KVCACHE_SPACE={facts['VLLM_CPU_KVCACHE_SPACE'] or 'unset'}"
+    if gpus:
+        return Check("DeepSpeed accelerator", OK, found, facts=facts)
+    if not space:
+        return Check("DeepSpeed accelerator", OK, found + "; VLLM_CPU_KVCACHE_SPACE unset: each run sizes vLLM-CPU's "
+                     "KV cache from its settings (rollout.kv_cache_gb, else the step's sequences); `ds-rlhf doctor "
+                     "--config RUN` and `ds-rlhf memory` print the size", facts=facts)
+    found += (f"; VLLM_CPU_KVCACHE_SPACE={space}: every run's vLLM-CPU KV cache is {space} GiB (vLLM reads the "
+              "variable over rollout.kv_cache_gb)")
+    free = psutil.virtual_memory().available / GiB
+    if not space.isdigit():
+        return Check("DeepSpeed accelerator", FAIL, found + ": vLLM reads it as a whole number of GiB",
+                     "export VLLM_CPU_KVCACHE_SPACE=<whole GiB>, or unset it to let each run size its cache", facts)
+    if free and int(space) > free:
+        return Check("DeepSpeed accelerator", WARN, found + f", more than the {free:.1f} GiB available now",
+                     "unset VLLM_CPU_KVCACHE_SPACE (each run then sizes its cache) or lower it", facts)
     return Check("DeepSpeed accelerator", OK, found, facts=facts)

