@@ -3,7 +3,8 @@
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
 bare key when it is unique across sections (`--kl_coef 0.05`). Unknown or misspelled keys are errors with a
-suggestion, never silently ignored. The resolved config is printed and saved in the run directory.
+suggestion, never silently ignored. The resolved config is saved as `config.json` in the run directory; the log
+names the file.
 """
 
 from __future__ import annotations
