@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -26,6 +27,8 @@ from pathlib import Path
 FILTER_NAME = "ds_rlhf_quiet"
 FILTER_CLASS = "ds_rlhf.telemetry.log_filters.QuietLogs"
 FILE_PREFIX = "ds_rlhf_vllm_logging_"
+
+log = logging.getLogger(__name__)
 
 
 def with_quiet_filter(config: dict) -> dict:
@@ -62,7 +65,11 @@ def quiet_vllm_logging() -> Path | None:
     configure = getattr(vllm.logger, "_configure_vllm_root_logger", None)
     if not isinstance(default, dict) or configure is None:
         return None
-    path = _write_config(with_quiet_filter(default))
+    try:
+        path = _write_config(with_quiet_filter(default))
+    except (OSError, TypeError, ValueError) as exc:  # a quieter log is never worth a failed run
+        log.warning("vLLM's log lines are not filtered (its logging config could not be written: %s)", exc)
+        return None
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
     configure()
     return path
