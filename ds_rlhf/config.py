@@ -5,8 +5,8 @@ A run's settings come from, in order: the schema's defaults, the entry point's d
 bare key when it is unique among the command's sections (`--kl_coef 0.05`). A training command reads only its
 trainer's sections (`config_keys.RECIPES`); another trainer's setting, a peer trainer's name without our meaning
 (`config_peers`) and unknown or misspelled keys are errors naming what to use, never silently ignored. A given setting
-that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved in the run
-directory.
+that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved as
+`config.json` in the run directory; the log names the file.
 """
 
 from __future__ import annotations

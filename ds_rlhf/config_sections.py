@@ -506,8 +506,8 @@ class RunConfig:
     wandb_project: str = "ds_rlhf"
     export_hf: bool = True
     export_every: int = opt(0, ge=0)  # RL: also export the actor (HF) every N steps to export/step_XXXXXXXX; 0 = off
-    progress: bool = True
-    log_every: int = opt(0, ge=0)  # also print a one-line summary every N steps (for logs that are not a terminal)
+    progress: bool = True  # a progress bar when stderr is a terminal
+    log_every: int = opt(0, ge=0)  # a one-line summary every N steps; 0: every step when no progress bar is drawn
     metrics_port: int = opt(0, ge=0, le=65535)  # serve live Prometheus metrics on this port (0 = off)
     # "" = $DS_RLHF_METRICS_ADDR, else 127.0.0.1 (this host only); 0.0.0.0 = every interface (other hosts scrape)
     metrics_host: str = ""  # bind address of the metrics endpoint ("": 127.0.0.1 unless $DS_RLHF_METRICS_ADDR)

@@ -45,7 +45,7 @@ def _run(step: str, cmd: list[str], log_dir: Path) -> float:
 
 def _worth_showing(line: str) -> bool:
     """Our own progress and summary lines, not the libraries' start-up chatter."""
-    return line.startswith(("[sft]", "[rm]", "[dpo]", "[rl", "[data]", "[reward]")) and "resolved config" not in line
+    return line.startswith(("[sft]", "[rm]", "[dpo]", "[rl", "[data]", "[reward]"))
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -4,10 +4,12 @@
     ds-rlhf report runs/grpo --out /tmp/rep   # elsewhere (e.g. a read-only run directory)
 
 It reads only what the run wrote: `metrics.jsonl` (through `telemetry.logger.read_metrics`, so a torn last line of a
-run that is still writing, or died mid-write, is skipped), `config.json`, the checkpoints' COMPLETE markers and the
-run lock, and `status.json` (how the trainer says the run ended). The environment section is `environment.json` /
-`doctor.json` from the run directory when the trainer wrote one, else the doctor run now on this machine
-(`--no-doctor` skips it). The health section replays `run.health` over the whole history.
+run that is still writing, or died mid-write, is skipped), `samples.jsonl` (RL's sample rollouts), `config.json`,
+the checkpoints' COMPLETE markers and the run lock, and `status.json` (how the trainer says the run ended). The
+plots are those the run's metrics allow (`report_plots`: RL reward, held-out evaluation, KL, lengths; SFT loss; RM
+and DPO loss, accuracy and margin). The environment section is `environment.json` / `doctor.json` from the run
+directory when the trainer wrote one, else the doctor run now on this machine (`--no-doctor` skips it). The health
+section replays `run.health` over the whole history, each kind of warning once with its count and steps.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_rlhf.ops.report_plots import render_plots, value
+from ds_rlhf.ops.report_sections import health_html, samples_html
 from ds_rlhf.run.environment import doctor_json, run_checks
 from ds_rlhf.run.health import replay
 from ds_rlhf.run.monitor import read_status
@@ -31,8 +34,10 @@ from ds_rlhf.run.run_dir import LOCK_NAME, RUN_FILES, checkpoints_dir, complete_
 from ds_rlhf.telemetry.logger import read_metrics
 
 ENV_FILES = ("environment.json", "doctor.json")
-SUMMARY_KEYS = ("reward/mean", "reward/exact_match", "kl/mean", "actor/entropy", "response/len_mean",
-                "throughput/tokens_per_s", "time/wall", "mismatch/kl_rollout_trainer")
+SUMMARY_KEYS = ("reward/mean", "reward/exact_match", "eval/pass@1", "eval/reward_mean", "kl/mean", "actor/entropy",
+                "response/len_mean", "train/loss", "dpo/loss", "eval/loss", "train/accuracy", "eval/accuracy",
+                "train/margin", "rewards/accuracy", "rewards/margin", "eval/rewards/accuracy",
+                "eval/rewards/margin", "throughput/tokens_per_s", "time/wall", "mismatch/kl_rollout_trainer")
 
 
 @dataclass
@@ -140,6 +145,7 @@ CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:1.5em aut
 h1{font-size:1.4em}h2{font-size:1.1em;border-bottom:1px solid #ccc;margin-top:1.6em}
 table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
 .plots{display:flex;flex-wrap:wrap;gap:8px}.plots figure{margin:0}.plots img{width:540px}
+.samples td.text{white-space:pre-wrap;max-width:420px;font-family:monospace}
 .ok{color:#1a7f37}.warn{color:#9a6700}.FAIL{color:#cf222e;font-weight:bold}.status{font-size:1.05em}
 details{margin:.5em 0}pre{font-size:.8em;background:#f6f8fa;padding:.6em;overflow:auto}"""
 
@@ -197,10 +203,7 @@ def render_html(info: RunInfo, plots: list[tuple[str, Path]], env: dict | None, 
                 out_dir: Path) -> str:
     figures = "".join(f"<figure><img src='{_esc(p.relative_to(out_dir).as_posix())}' alt='{_esc(t)}'></figure>"
                       for t, p in plots)
-    warnings_ = replay(info.records)
-    health = ("<ul>" + "".join(f"<li>{_esc(w.message)}</li>" for w in warnings_[-20:]) + "</ul>"
-              + (f"<p>({len(warnings_) - 20} earlier warnings not shown)</p>" if len(warnings_) > 20 else "")
-              if warnings_ else "<p>no health warnings</p>")
+    samples = samples_html(info.run_dir)
     notes = "".join(f"<p class='warn'>{_esc(s)}</p>" for s in info.skipped_lines)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>ds_rlhf run {_esc(info.run_dir.name)}</title>"
             f"<style>{CSS}</style></head><body><h1>ds_rlhf run report: {_esc(info.run_dir)}</h1>"
@@ -208,7 +211,8 @@ def render_html(info: RunInfo, plots: list[tuple[str, Path]], env: dict | None, 
             f"<p>{len(info.records)} records; generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>"
             f"<h2>Metrics</h2>{metrics_table(info.records)}"
             f"<h2>Plots</h2><div class='plots'>{figures or '<p>nothing to plot yet</p>'}</div>"
-            f"<h2>Health</h2>{health}<h2>Config</h2>{config_html(info.config)}"
+            + (f"<h2>Samples</h2>{samples}" if samples else "")
+            + f"<h2>Health</h2>{health_html(replay(info.records))}<h2>Config</h2>{config_html(info.config)}"
             f"<h2>Environment</h2>{environment_html(env, env_source)}</body></html>\n")
 
 

@@ -1,11 +1,21 @@
 """The run report's plots: PNGs drawn with matplotlib's Agg backend (no display) from `metrics.jsonl` records.
 
 A plot is drawn only when at least one of its metrics is in the records; values logged as strings ("nan", "inf":
-the logger writes non-finite floats that way) become gaps.
+the logger writes non-finite floats that way) become gaps. A plot's keys may be patterns (`eval/pass@*`, matched
+with `fnmatch`). Which plots a run gets follows from what it logged:
+
+    RL    reward, held-out evaluation (eval/pass@k, eval/mean@k, eval/reward_mean), KL, entropy, response length
+    SFT   loss (train/loss, eval/loss), perplexity
+    RM    loss, accuracy (train/ and eval/), margin (chosen - rejected score)
+    DPO   loss (dpo/loss, eval/loss), accuracy and margin of the implicit rewards, the chosen and rejected rewards
+    all   throughput, time per phase, GPU (or process) memory
+
+A `final/` key (SFT, RM and DPO log their last evaluation under it) is drawn as one more point of its curve.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +36,20 @@ class PlotSpec:
 
 LINE_PLOTS = (
     PlotSpec("reward", "Reward", ("reward/mean", "reward/exact_match"), "reward", band=("reward/mean", "reward/std")),
+    PlotSpec("eval", "Held-out evaluation", ("eval/pass@*", "eval/mean@*", "eval/reward_mean"), "score"),
+    PlotSpec("loss", "Loss", ("train/loss", "dpo/loss", "eval/loss", "final/eval/loss"), "loss"),
+    PlotSpec("perplexity", "Eval perplexity", ("eval/perplexity", "final/eval/perplexity"), "perplexity"),
+    PlotSpec("accuracy", "Accuracy (chosen scored above rejected)",
+             ("train/accuracy", "eval/accuracy", "final/eval/accuracy", "rewards/accuracy", "eval/rewards/accuracy",
+              "final/eval/rewards/accuracy"), "fraction of pairs"),
+    PlotSpec("margin", "Margin (chosen - rejected)",
+             ("train/margin", "rewards/margin", "eval/rewards/margin", "final/eval/rewards/margin"), "margin"),
+    PlotSpec("dpo_rewards", "DPO implicit rewards", ("rewards/chosen", "rewards/rejected", "eval/rewards/chosen",
+                                                     "eval/rewards/rejected"), "beta * log-ratio"),
     PlotSpec("kl", "KL", ("kl/mean", "mismatch/kl_rollout_trainer", "actor/approx_kl"), "nats", right=("kl/coef",)),
     PlotSpec("entropy", "Policy entropy", ("actor/entropy",), "nats per token"),
-    PlotSpec("response_length", "Response length", ("response/len_mean", "response/len_max"), "tokens"),
+    PlotSpec("response_length", "Response length", ("response/len_mean", "response/len_max",
+                                                    "eval/response_len_mean"), "tokens"),
     PlotSpec("throughput", "Throughput", ("throughput/tokens_per_s",), "tokens / s"),
 )
 
@@ -86,14 +107,24 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def present_keys(records: list[dict], patterns: tuple[str, ...]) -> list[str]:
+    """The keys of the records that match `patterns` (names or `fnmatch` patterns), in the patterns' order."""
+    logged = list(dict.fromkeys(k for r in records for k in r))
+    out: list[str] = []
+    for pattern in patterns:
+        out += sorted(k for k in logged if fnmatch.fnmatchcase(k, pattern) and k not in out)
+    return out
+
+
 def line_plot(records: list[dict], spec: PlotSpec, out_dir: Path) -> Path | None:
-    present = [k for k in spec.keys if any(k in r for r in records)]
+    present = present_keys(records, spec.keys)
     if not present:
         return None
     fig, ax = _figure(spec.title, spec.ylabel)
-    marker = {"marker": "o", "markersize": 3} if len(records) < 30 else {}
     for key in present:
-        ax.plot(*series(records, key), label=key, **marker)
+        xs, ys = series(records, key)
+        marker = {"marker": "o", "markersize": 3} if len(xs) < 30 else {}  # sparse curves (evaluations) stay visible
+        ax.plot(xs, ys, label=key, **marker)
     if spec.band and any(spec.band[1] in r for r in records):
         xs, mean = series(records, spec.band[0])
         std = [value(r, spec.band[1]) for r in records if spec.band[0] in r]

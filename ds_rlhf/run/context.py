@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import DistInfo, init_distributed
@@ -61,8 +63,10 @@ class RunContext:
     lock: RunLock | None = field(default=None, repr=False)
 
     def print(self, text: str) -> None:
+        """A line on stdout (rank 0), above the progress bar when one is drawn (`tqdm.write`)."""
         if self.dist.is_main:
-            print(text, flush=True)
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
 
     def close(self) -> None:
         """Release the run directory (idempotent); call when the run is over."""
@@ -136,7 +140,7 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
         ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
                   f"precision {precision} | model {model_path}"
                   + (f" ({cfg.model.path})" if model_path != cfg.model.path else ""))
-        ctx.print(f"[{kind}] resolved config:\n{json.dumps(redacted(cfg.to_dict()), indent=1, sort_keys=True)}")
+        ctx.print(f"[{kind}] resolved config: {run_dir / 'config.json'}")
     return ctx
 
 

@@ -3,6 +3,11 @@
 wandb never crashes a run: without an API key or network it runs in offline mode, and if it cannot start at all
 the run continues with a warning.
 
+On the console: a progress bar when stderr is a terminal (its postfix shows the step's `postfix_keys` by their full
+names, e.g. `reward/mean=0.42`), else one summary line per step (`run.log_every` N: every N steps). While the bar
+is drawn, every logging handler writing to the terminal (vLLM's, the root logger's) writes through `tqdm.write`,
+so other output appears above the bar instead of tearing it.
+
 `metrics.jsonl` survives crashes: a torn last line (the process died, or the disk filled, mid-write) is skipped
 with a warning by `read_metrics`, cut off before the logger appends to the file again, and dropped by
 `truncate_metrics`, which rewrites the log for a resume atomically (temp file, fsync, rename).
@@ -11,11 +16,13 @@ with a warning by `read_metrics`, cut off before the logger appends to the file 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
 import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 from ds_rlhf.redaction import redact_urls
@@ -33,6 +40,14 @@ def _scalar(value):
     return None
 
 
+def console_loggers() -> list[logging.Logger]:
+    """The root logger and every named logger with a handler writing to stdout or stderr."""
+    named = [lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    return [lg for lg in [logging.root, *named]
+            if any(isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stdout, sys.stderr)
+                   for h in lg.handlers)]
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, rank: int = 0, total_steps: int = 0, start_step: int = 0,
                  tensorboard: bool = True, wandb: bool = False, wandb_project: str = "ds_rlhf",
@@ -43,6 +58,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self._tb = self._wandb = self._bar = None
         self._postfix_keys = postfix_keys
+        self._redirect = ExitStack()
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,10 +74,17 @@ class MetricsLogger:
                 print(f"[telemetry] tensorboard disabled: {exc}", file=sys.stderr)
         if wandb:
             self._wandb = self._start_wandb(wandb_project, config)
-        if progress and total_steps:
-            from tqdm.auto import tqdm
+        if progress and total_steps and sys.stderr.isatty():
+            self._start_bar(total_steps, start_step)
+        elif not self.log_every:
+            self.log_every = 1  # no bar: a summary line per step
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
+    def _start_bar(self, total_steps: int, start_step: int) -> None:
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc=self.desc, dynamic_ncols=True)
+        self._redirect.enter_context(logging_redirect_tqdm(loggers=console_loggers(), tqdm_class=type(self._bar)))
 
     def _start_wandb(self, project: str, config: dict | None):
         try:
@@ -105,7 +128,7 @@ class MetricsLogger:
             self._wandb.log(clean, step=step)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in self._postfix_keys if k in clean})
+            self._bar.set_postfix({k: f"{clean[k]:.3g}" for k in self._postfix_keys if k in clean})
         shown = "  ".join(f"{k} {clean[k]:.4g}" for k in self._postfix_keys if k in clean)
         if self.log_every and shown and (step % self.log_every == 0 or step == self.total_steps):
             self.print(f"[{self.desc}] step {step}/{self.total_steps}  {shown}")
@@ -121,6 +144,7 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.active:
             return
+        self._redirect.close()
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:
