@@ -48,7 +48,8 @@ match, tool-call rate and turns of GRPO's step-0 evaluation, the SFT'd model's:
 Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wrong number in the format: one
 `#### N` ending the response); `--reward lenient` trains on `lenient_train_reward` (the last number after any
 `####`), which a policy can game. The held-out evaluation reports both exact-match rules.
-Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL; the placement is two
+Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL, GRPO advantages
+(score - group mean) / the batch's std (the trainer's `rl.scale_rewards batch`; TRL's `scale_rewards="batch"`); the placement is two
 sidecar vLLM engines and micro-batches of up to 49152 tokens on a GPU, the in-process engine on a CPU. Per step the
 JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations
 spent after half of the samples had finished (waiting for the longest ones), and per mode the GPU's mean

@@ -265,9 +265,10 @@ class RolloutConfig:
 @dataclass
 class RLConfig:
     algo: str = opt("grpo", choices="advantage")  # advantage estimator (dr_grpo: pair with loss_agg const-norm)
-    # rl.algo grpo: the std dividing (score - group mean): `group` (each prompt's, DeepSeekMath), `batch` (all the
-    # step's scores on this rank: a format-only group keeps its small advantages), `none` (Dr.GRPO's numerator)
-    scale_rewards: str = opt("group", choices=("group", "batch", "none"))
+    # rl.algo grpo: the std dividing (score - group mean): `batch` (all the step's scores on this rank: a group that
+    # differs only by a small partial credit keeps small advantages; docs/PERFORMANCE.md, learning benchmark),
+    # `group` (each prompt's own, DeepSeekMath's), `none` (Dr.GRPO's numerator)
+    scale_rewards: str = opt("batch", choices=("group", "batch", "none"))
     prompts_per_step: int = opt(8, ge=1)  # prompts per step per rank
     ppo_epochs: int = opt(1, ge=1)
     mini_batch_size: int = opt(0, ge=0)  # rollouts per optimizer step; 0 = all of a step's rollouts

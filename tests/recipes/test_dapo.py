@@ -109,7 +109,7 @@ def test_overlong_mask_zeroes_truncated_rows_but_keeps_their_scores_in_the_basel
         assert plain.action_mask[row].sum() == len(samples[row].response_ids)
     traj = with_advantages(masked, rl, kl_coef=0.0)
     # the group baseline still sees the truncated samples' scores (as without the mask) ...
-    seq = group_advantages(torch.tensor(scores), group_ids=torch.tensor([0, 0, 0, 1, 1]))
+    seq = group_advantages(torch.tensor(scores), mode="grpo_batch_std", group_ids=torch.tensor([0, 0, 0, 1, 1]))
     for row, cut in enumerate(truncated):
         if not cut:
             assert traj.advantages[row][traj.action_mask[row].bool()].unique().tolist() == \
