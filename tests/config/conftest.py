@@ -20,7 +20,3 @@ def train_command(monkeypatch):
 
     return run
 
-
-def error_line(excinfo) -> str:
-    """The message a SystemExit from cli.run_entry carries (the whole stderr line)."""
-    return str(excinfo.value.code)
