@@ -7,7 +7,8 @@ Three checks, each agreed over the ranks so every rank takes the same path throu
 - **loss**: each micro-batch's actor and critic loss before its backward (`finite_or_zero`); a non-finite one is
   never back-propagated (a zero loss on the same graph runs instead, so no NaN reaches the gradients), and before
   the optimizer step the ranks agree whether any was found;
-- **grad norm**: the optimizer step's gradient norm (DeepSpeed's, before clipping) after the step.
+- **grad norm**: the optimizer step's gradient norm (DeepSpeed's, before clipping) after the step (an fp16 loss
+  scaler's skipped step, an overflow it answers by lowering the scale, is not one).
 
 `rl.on_nonfinite fail` (the default): `NonFiniteError`, one `error:` line naming the step, the source and what to
 try, before the optimizer step for rewards and losses (the weights stay as they were); status.json says failed.
@@ -100,11 +101,14 @@ def check_losses(found: list[str], policy: str, device) -> int:
 
 def check_grad_norm(engine, norm: float | None, name: str) -> None:
     """After an optimizer step: `NonFinite` when its gradient norm `norm` (the same on every rank) is not finite;
-    `applied` unless the engine says it skipped the step."""
+    `applied` unless the engine says it skipped the step. An fp16 engine's skipped step is its loss scaler at work
+    (an overflow lowers the scale and the step is skipped): not an error."""
     if norm is None or torch.isfinite(torch.tensor(float(norm))):
         return
-    applied = engine.was_step_applied() if hasattr(engine, "was_step_applied") else True
-    raise NonFinite("grad norm", f"{name} gradient norm {norm}", applied=bool(applied))
+    applied = bool(engine.was_step_applied()) if hasattr(engine, "was_step_applied") else True
+    if not applied and hasattr(engine, "fp16_enabled") and engine.fp16_enabled():
+        return
+    raise NonFinite("grad norm", f"{name} gradient norm {norm}", applied=applied)
 
 
 def message(step: int, found: NonFinite, policy: str) -> str:

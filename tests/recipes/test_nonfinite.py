@@ -143,6 +143,13 @@ def test_a_non_finite_gradient_norm_says_whether_the_engine_applied_it(actor, ap
     assert info.value.applied == applied
 
 
+def test_an_fp16_loss_scalers_skipped_step_is_no_error(actor, monkeypatch):
+    monkeypatch.setattr(Engine, "fp16_enabled", lambda self: True, raising=False)
+    cfg = _cfg("fail")
+    engine, result = _update(actor, cfg, _traj(cfg), norm=float("inf"), applied=False)
+    assert result.metrics["actor/optimizer_steps"] == 1 and len(engine.grads) == 1
+
+
 def test_guard_step_stops_or_skips_naming_the_step_and_the_source(capsys):
     def raising(found):
         def run():
