@@ -276,8 +276,8 @@ class RLConfig:
     clip_low: float = opt(0.2, ge=0, lt=1)  # ratio >= 1 - clip_low; gspo: sequence ratio (paper 3e-4); gmpo: log (0.4)
     clip_high: float = opt(0.2, ge=0)  # > clip_low: DAPO clip-higher; gspo paper 4e-4; gmpo 0.4; cispo cap 1 + it
     dual_clip: float = opt(0.0, ge=0)  # 0 = off; else the dual-clip constant c > 1 (policy_loss ppo only)
-    sapo_tau_pos: float = opt(1.0, gt=0)  # policy_loss sapo: soft-gate temperature where the advantage is > 0
-    sapo_tau_neg: float = opt(1.05, gt=0)  # policy_loss sapo: soft-gate temperature elsewhere (faster decay)
+    sapo_tau_pos: float = opt(1.0, ge=1e-6)  # policy_loss sapo: soft-gate temperature where the advantage is > 0
+    sapo_tau_neg: float = opt(1.05, ge=1e-6)  # policy_loss sapo: soft-gate temperature elsewhere (faster decay)
     value_clip: float = opt(0.2, ge=0)  # 0 = off
     gamma: float = opt(1.0, ge=0, le=1)
     lam: float = opt(0.95, ge=0, le=1)
@@ -312,6 +312,8 @@ class RLConfig:
     # its weight when rl.reward_fn is set too: reward = reward_model_weight * RM score + the functions' weighted sum
     reward_model_weight: float = 1.0
     on_bad_reward: str = opt("fail", choices=("fail", "zero", "drop"))  # fail | zero | drop
+    # a reward, loss or grad norm that is not finite: fail = stop, naming the step and source; skip = skip, warning
+    on_nonfinite: str = opt("fail", choices=("fail", "skip"))  # fail | skip
     critic_path: str = ""  # default: reward_model if set, else the actor
     critic_init: str = opt("auto", choices=("auto", "reward", "actor"))  # auto | reward | actor
     eval_max_prompts: int = opt(0, ge=0)  # held-out eval (data.eval): its first N prompts; 0 = all

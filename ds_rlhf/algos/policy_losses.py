@@ -20,6 +20,8 @@ import torch
 from ds_rlhf.algos.losses import _masked_extreme, aggregate, masked_token_mean
 from ds_rlhf.algos.registry import POLICY_LOSSES
 
+SAPO_TAU_MIN = 1e-6  # the smallest SAPO temperature (rl.sapo_tau_pos / rl.sapo_tau_neg)
+
 
 def _refuse_dual_clip(name: str, dual_clip: float | None) -> None:
     if dual_clip is not None:
@@ -157,8 +159,8 @@ def sapo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     ``clip_low`` / ``clip_high`` are not used; ``clip_frac`` is 0.
     """
     _refuse_dual_clip("sapo", dual_clip)
-    if tau_pos <= 0 or tau_neg <= 0:
-        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    if tau_pos < SAPO_TAU_MIN or tau_neg < SAPO_TAU_MIN:  # the gate is 4 / tau: 1e-45 makes it inf in float32
+        raise ValueError(f"SAPO temperatures must be >= {SAPO_TAU_MIN:g}, got tau_pos={tau_pos}, tau_neg={tau_neg}")
     valid = mask.bool()
     adv = advantages.detach()
     log_ratio = logp - old_logp.detach()

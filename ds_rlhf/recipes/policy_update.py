@@ -25,6 +25,7 @@ from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.policy_forward import response_logits, sequence_logprobs
 from ds_rlhf.recipes.batching import split_micro
+from ds_rlhf.recipes.nonfinite import check_grad_norm, check_inputs, check_losses, finite_or_zero
 from ds_rlhf.recipes.packed_batch import pack_rows
 from ds_rlhf.recipes.trajectory import Trajectory
 
@@ -128,6 +129,7 @@ def micro_values(critic, mb: Trajectory, cfg: Config) -> torch.Tensor:
     return packed.unpack(critic(input_ids=packed.input_ids, position_ids=packed.position_ids)[:, :-1])
 
 
+NONFINITE_KEY = "guard/nonfinite"  # in a micro-step's metrics: its loss was not finite (not back-propagated)
 DR_GRPO_AGG = "seq-mean-token-sum-norm"  # the canonical name the config stores for it and its aliases
 
 
@@ -194,6 +196,9 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
     if jsd is not None:
         loss = loss + rl.distill_coef * jsd * (share if token_share is None else token_share)
         metrics["distill/jsd"] = jsd.detach()
+    loss, finite = finite_or_zero(loss, logp)  # a non-finite loss is never back-propagated
+    if not finite:
+        metrics[NONFINITE_KEY] = 1.0
     actor.backward(loss, scale_wrt_gas=False)
     return metrics, logp.detach()
 
@@ -210,8 +215,56 @@ def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict
     values = micro_values(critic, mb, cfg)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
                                clip=cfg.rl.value_clip or None, agg=critic_agg(cfg))
-    critic.backward(loss * share, scale_wrt_gas=False)
-    return {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
+    out = {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
+    scaled, finite = finite_or_zero(loss * share, values)
+    if not finite:
+        out[NONFINITE_KEY] = 1.0
+    critic.backward(scaled, scale_wrt_gas=False)
+    return out
+
+
+def _mini_batch(actor, critic, exp: Trajectory, rows: list[int], cfg: Config, *, kl_coef: float, teacher,
+                stats: _Mean, record: torch.Tensor | None) -> None:
+    """One optimizer step over trajectory rows `rows`: their micro-batches' backward passes, each weighted by its
+    share (`_share`), then the steps. A micro-batch with a non-finite loss adds no gradient (`rl.on_nonfinite`:
+    under fail the ranks stop before the step, under skip it is left out and counted)."""
+    mode, _ = _agg_mode(cfg)
+    total_tokens = float(exp.action_mask[rows].sum())
+    total_seqs = scored_rows(exp.action_mask[rows])
+    found = []  # this rank's micro-batches with a non-finite loss, described
+    for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
+        real = bool(micro)  # an empty micro-batch: run a row with zero weight
+        micro = micro or [0]
+        mb = exp.select(micro)
+        share = _share(mb, mode, total_tokens, total_seqs) if real else 0.0
+        token_share = _share(mb, "token-mean", total_tokens, total_seqs) if real else 0.0
+        metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share, teacher=teacher, token_share=token_share)
+        _keep(stats, metrics, share, "actor", micro, found)
+        if record is not None and share > 0:
+            record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
+        if critic is not None:
+            value_share = _share(mb, critic_agg(cfg), total_tokens, total_seqs) if real else 0.0
+            _keep(stats, critic_micro_step(critic, mb, cfg, value_share), value_share, "critic", micro, found)
+    left_out = check_losses(found, cfg.rl.on_nonfinite, exp.input_ids.device)
+    stats.add({"guard/nonfinite_micro_batches": float(left_out)}, 1.0)
+    actor.step()
+    if critic is not None:
+        critic.step()
+    for name, engine in (("actor", actor), ("critic", critic)):
+        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        check_grad_norm(engine, norm, name)
+        if norm is not None and name == "actor":  # DeepSpeed's norm of the step's gradient, before clipping
+            stats.add({"actor/grad_norm": float(norm)}, 1.0)
+
+
+def _keep(stats: _Mean, metrics: dict, weight: float, role: str, micro: list[int], found: list[str]) -> None:
+    """A micro-step's metrics into the step's means; for a loss that was not finite (`NONFINITE_KEY`), a line
+    naming it in `found` instead (its metrics left out)."""
+    if metrics.pop(NONFINITE_KEY, None):
+        found.append(f"{role} loss {float(metrics[f'{role}/loss'])} in the micro-batch of rows {micro}")
+    else:
+        stats.add(metrics, weight)
 
 
 def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float,
@@ -219,16 +272,16 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
     """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
     pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single
     update's own forward pass (`single_update`). `teacher` (frozen): the distillation loss's teacher
-    (`rl.distill_loss`), or None."""
+    (`rl.distill_loss`), or None. Non-finite rewards, advantages, losses or gradient norms raise `NonFinite`
+    (`recipes/nonfinite.py`)."""
     if (teacher is not None) != (cfg.rl.distill_loss != "none"):
         raise ValueError(f"rl.distill_loss={cfg.rl.distill_loss} needs a teacher engine exactly when it is not none")
+    check_inputs(exp, exp.input_ids.device)
     if teacher is not None:
         teacher.eval()
     n = len(exp)
     record = torch.zeros_like(exp.action_mask) if exp.old_logp is None else None
     mini = cfg.rl.mini_batch_size or n
-    mode, _ = _agg_mode(cfg)
-    packed = rl_packing(cfg)
     stats, steps = _Mean(), 0
     actor.train()
     if critic is not None:
@@ -240,32 +293,11 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
         n_mini = agree_max(-(-n // mini), exp.input_ids.device)
         per = -(-n // n_mini)
         for k in range(n_mini):
-            rows = order[k * per : (k + 1) * per]
-            total_tokens = float(exp.action_mask[rows].sum())
-            total_seqs = scored_rows(exp.action_mask[rows])
-            for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
-                                       max_rows=cfg.optim.micro_batch_size, packed=packed):
-                real = bool(micro)  # an empty micro-batch: run a row with zero weight
-                micro = micro or [0]
-                mb = exp.select(micro)
-                share = _share(mb, mode, total_tokens, total_seqs) if real else 0.0
-                token_share = _share(mb, "token-mean", total_tokens, total_seqs) if real else 0.0
-                metrics, logp = actor_micro_step(actor, mb, cfg, kl_coef, share, teacher=teacher,
-                                                 token_share=token_share)
-                stats.add(metrics, share)
-                if record is not None and share > 0:
-                    record[torch.as_tensor(micro, device=record.device), : logp.shape[1]] = logp * mb.action_mask
-                if critic is not None:
-                    value_share = _share(mb, critic_agg(cfg), total_tokens, total_seqs) if real else 0.0
-                    stats.add(critic_micro_step(critic, mb, cfg, value_share), value_share)
-            actor.step()
-            norm = actor.get_global_grad_norm() if hasattr(actor, "get_global_grad_norm") else None
-            if norm is not None:  # DeepSpeed's norm of the step's gradient, before clipping
-                stats.add({"actor/grad_norm": float(norm)}, 1.0)
-            if critic is not None:
-                critic.step()
+            _mini_batch(actor, critic, exp, order[k * per : (k + 1) * per], cfg, kl_coef=kl_coef, teacher=teacher,
+                        stats=stats, record=record)
             steps += 1
     out = stats.result()
+    out["guard/nonfinite_micro_batches"] = stats.sums["guard/nonfinite_micro_batches"]  # a count, not a mean
     out["actor/optimizer_steps"] = steps
     out["actor/lr"] = actor.get_lr()[0] if hasattr(actor, "get_lr") else cfg.optim.lr
     return UpdateResult(metrics=out, trainer_logp=record if record is not None else exp.old_logp)

@@ -29,6 +29,7 @@ from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes.nonfinite import guard_step
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
@@ -235,7 +236,8 @@ class RLTrainer:
     def _loop_step(self, logger, stop) -> dict:
         """One step of the loop: train, evaluate when due, log, then save on a signal, when due or on a new best."""
         cfg = self.cfg
-        metrics = self.train_step()
+        metrics = guard_step(self.train_step, step=self.step + 1, policy=cfg.rl.on_nonfinite, print_fn=self.ctx.print,
+                             on_skip=self.timer.pop)  # a non-finite reward, loss or grad norm: stop, or skip the step
         self.step += 1
         if self._eval_due():
             metrics.update(self.evaluate())

@@ -64,7 +64,7 @@ def drop_long(indices, longest: np.ndarray, max_len: int) -> list[int]:
 class SupervisedTrainer:
     def __init__(self, cfg: Config, task: SupervisedTask):
         self.cfg, self.task = cfg, task
-        check_supervised_run(cfg, task.store_kind)  # inputs on disk, before any process group or model
+        check_supervised_run(cfg, task.store_kind, task.name)  # inputs on disk, before any process group or model
         self.ctx = setup_run(cfg, task.name)
         self.monitor = RunMonitor.for_run(self.ctx, task.name, cfg.run.steps)  # status.json says how a run ended
         try:

@@ -24,7 +24,7 @@ from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
 from ds_rlhf.engines import kernels
 from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
-from ds_rlhf.engines.rm_head import check_reward_model_dir
+from ds_rlhf.engines.rm_head import check_causal_lm_dir, check_reward_model_dir
 from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
 from ds_rlhf.memory.settings import sequence_tokens
@@ -171,18 +171,26 @@ def model_dir(cfg: Config) -> str | None:
     return None if _is_tiny(cfg.model.path) else resolve_model_source(cfg.model.path, "model.path")
 
 
+POLICY_ROLES = {"rl": "RL policy (and its reference)", "sft": "SFT model", "dpo": "DPO policy (and its reference)"}
+
+
 def check_model_sources(cfg: Config, kind: str = "rl") -> None:
     """`model.path`, `model.tokenizer` and, in RL runs, `rl.reward_model` and `rl.critic_path` resolve to local
     directories now (a Hub id not in the cache while offline, a path that is not a model directory: one line), so
     set-up and every role later get the same directories without surprises. A reward model must hold its trained
-    score head (`engines/rm_head.py` reads the weight files' headers only)."""
-    model_dir(cfg)
+    score head (`engines/rm_head.py` reads the weight files' headers only); a policy, teacher or reference a causal
+    LM, never a reward model export (`kind`: the trainer, rl | sft | dpo | rm, or the store kind)."""
+    local = model_dir(cfg)
+    if local is not None and kind in POLICY_ROLES:
+        check_causal_lm_dir(local, "model.path", POLICY_ROLES[kind])
     if cfg.model.tokenizer:
         resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer")
     if kind != "rl":
         return
     if cfg.rl.teacher and not _is_tiny(cfg.rl.teacher):
-        check_teacher(cfg, resolve_model_source(cfg.rl.teacher, "rl.teacher"))
+        teacher = resolve_model_source(cfg.rl.teacher, "rl.teacher")
+        check_causal_lm_dir(teacher, "rl.teacher", "teacher (the reference of the KL term)")
+        check_teacher(cfg, teacher)
     for key, spec in (("rl.reward_model", cfg.rl.reward_model), ("rl.critic_path", cfg.rl.critic_path)):
         if spec and not _is_tiny(spec):
             local = resolve_model_source(spec, key)
@@ -365,9 +373,10 @@ def check_rl_run(cfg: Config) -> None:
     check_jsd_memory(cfg)
 
 
-def check_supervised_run(cfg: Config, kind: str) -> None:
-    """Everything an SFT (`kind` "sft") or reward-model ("preference") run needs, checked before set-up."""
-    check_model_sources(cfg, kind)
+def check_supervised_run(cfg: Config, kind: str, trainer: str = "") -> None:
+    """Everything an SFT (`kind` "sft"), reward-model or DPO ("preference") run needs, checked before set-up;
+    `trainer`: sft | rm | dpo (what `model.path` must be)."""
+    check_model_sources(cfg, trainer or kind)
     check_store(cfg.data.train, "data.train", kind)
     if cfg.data.eval:
         check_store(cfg.data.eval, "data.eval", kind)
