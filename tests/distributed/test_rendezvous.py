@@ -174,3 +174,17 @@ def test_the_weight_group_store_of_a_local_rollout_server_listens_on_loopback():
 ])
 def test_single_node_is_told_from_the_launcher_env(env, expected):
     assert single_node(env) is expected
+
+
+def test_unpinned_lifts_only_the_loopback_pin_this_process_set(monkeypatch):
+    """A weight-sync group with a remote host is built without our GLOO_SOCKET_IFNAME=lo; a user's value stays."""
+    import ds_rlhf.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_PINNED", {"GLOO_SOCKET_IFNAME": "lo"})
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    with distributed.unpinned():
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # the user's choice, not our pin
+    with distributed.unpinned():
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1"
