@@ -12,8 +12,9 @@ Launchers: the process group is set up the same way for the three ways users lau
 Rendezvous: torch's TCPStore (unauthenticated: whoever reaches it can join or disrupt the group) listens on every
 interface when torch creates it. A single-node run (no launcher, or every rank on this host: WORLD_SIZE equals
 LOCAL_WORLD_SIZE / LOCAL_SIZE) builds the store itself on a socket bound to 127.0.0.1 and points gloo's own
-listeners at the loopback interface (GLOO_SOCKET_IFNAME=lo unless set); a multi-node run keeps the launcher's
-MASTER_ADDR and torch's store, and so does a torchrun worker (its agent owns the store).
+listeners at the loopback interface (GLOO_SOCKET_IFNAME=lo unless set; `unpinned` lifts it for a group with another
+host); a multi-node run keeps the launcher's MASTER_ADDR and torch's store, and so does a torchrun worker (its agent
+owns the store). NCCL's bootstrap socket is NCCL's own (NCCL_SOCKET_IFNAME), left as the user set it.
 
 CPU shared memory: on the CPU accelerator DeepSpeed's torch backend JIT-builds (C++, ~40 s on two cores) a
 shared-memory all-reduce, `deepspeed_shm_comm`, used only by `deepspeed.comm.inference_all_reduce` (DeepSpeed
@@ -45,6 +46,10 @@ from ds_rlhf.cpu_fused_adam import install as install_cpu_fused_adam
 # subprocess, the disaggregated vLLM server) starts without them, or it would join (or collide with) ours.
 DIST_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "GROUP_RANK", "ROLE_RANK", "CROSS_RANK", "CROSS_SIZE")
+
+
+# environment variables this process set to keep its listeners on loopback (`init_loopback_group`), and their values
+_PINNED: dict[str, str] = {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,13 +139,23 @@ def init_loopback_group(backend: str, timeout: timedelta) -> None:
     """torch.distributed's default group for a single-node run, its rendezvous on 127.0.0.1 (see the module doc)."""
     import torch.distributed as dist
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if backend == "nccl":
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo reads it for every group it creates, subgroups included
+        os.environ["GLOO_SOCKET_IFNAME"] = _PINNED["GLOO_SOCKET_IFNAME"] = "lo"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = loopback_store(int(os.environ["MASTER_PORT"]), world, rank == 0, timeout)
     os.environ["MASTER_PORT"] = str(store.port)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+@contextlib.contextmanager
+def unpinned():
+    """Within the block, the variables `init_loopback_group` set to keep gloo on the loopback interface are unset:
+    for a group with a member on another host (the weight-sync group of a remote rollout server)."""
+    saved = {k: os.environ.pop(k) for k, v in _PINNED.items() if os.environ.get(k) == v}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _no_shm_op():

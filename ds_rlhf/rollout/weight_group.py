@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ds_rlhf.distributed import loopback_store
+from ds_rlhf.distributed import loopback_store, unpinned
 from ds_rlhf.rollout.base import TensorMeta
 
 GROUP_PREFIX = "ds_rlhf_weights"
@@ -41,7 +41,8 @@ class WeightGroup:
             self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         store = dist.PrefixStore(GROUP_PREFIX, self._store)
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            with contextlib.nullcontext() if _is_loopback(host) else unpinned():  # gloo reachable from that host
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         elif backend == "nccl":
             if not hasattr(dist, "ProcessGroupNCCL"):
                 raise RuntimeError("weight group backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")

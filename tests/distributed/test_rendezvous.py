@@ -49,12 +49,17 @@ def listeners():
 """
 
 _WORLD_OF_ONE = _LISTENERS + r"""
+import shutil, subprocess
 from ds_rlhf.distributed import ensure_distributed
 import torch, torch.distributed as dist
 ensure_distributed()
 t = torch.ones(1)
 dist.all_reduce(t)
 print("LISTENERS " + json.dumps(listeners()), flush=True)
+if shutil.which("ss"):  # the same, as `ss -ltnp` shows it: this process's listening sockets
+    mine = [line.split()[3] for line in subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+            .splitlines() if f"pid={os.getpid()}," in line]
+    print("SS " + json.dumps(mine), flush=True)
 os._exit(0)
 """
 
@@ -96,6 +101,10 @@ def test_a_plain_python_run_listens_on_loopback_only():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_loopback_only(_listeners(proc.stdout))
+    ss = [line for line in proc.stdout.splitlines() if line.startswith("SS ")]
+    if ss:  # `ss -ltnp` agrees: every local address is 127.0.0.1:<port>
+        shown = json.loads(ss[0].split(" ", 1)[1])
+        assert shown and all(addr.startswith("127.0.0.1:") for addr in shown), shown
 
 
 def test_two_ranks_on_one_node_rendezvous_on_loopback():
@@ -122,6 +131,38 @@ def test_two_ranks_on_one_node_rendezvous_on_loopback():
         _assert_loopback_only(_listeners(out))
 
 
+def test_the_weight_group_store_of_a_local_rollout_server_listens_on_loopback():
+    """The trainer's weight-sync store (rank 0 of WeightGroup) with the rollout server on this host."""
+    import threading
+
+    import torch
+
+    from ds_rlhf.rollout.weight_group import WeightGroup
+
+    port, seen, done = free_port(), {}, threading.Event()
+    namespace: dict = {}
+    exec(_LISTENERS, namespace)
+
+    def member(rank: int) -> None:
+        group = WeightGroup("127.0.0.1", port, 2, rank, timeout_s=60)
+        buf = torch.full((4,), 7 if rank == 0 else 0, dtype=torch.uint8)
+        group.broadcast(buf).wait()
+        seen[rank] = buf.tolist()
+        if rank == 0:
+            seen["listeners"] = [addr for addr, p in namespace["listeners"]() if p == port]
+            done.set()
+        done.wait(60)
+        group.close()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert seen[1] == [7, 7, 7, 7]
+    assert seen["listeners"] == ["127.0.0.1"], seen["listeners"]
+
+
 @pytest.mark.parametrize(("env", "expected"), [
     ({}, True),                                                            # plain python
     ({"WORLD_SIZE": "1"}, True),
@@ -133,3 +174,17 @@ def test_two_ranks_on_one_node_rendezvous_on_loopback():
 ])
 def test_single_node_is_told_from_the_launcher_env(env, expected):
     assert single_node(env) is expected
+
+
+def test_unpinned_lifts_only_the_loopback_pin_this_process_set(monkeypatch):
+    """A weight-sync group with a remote host is built without our GLOO_SOCKET_IFNAME=lo; a user's value stays."""
+    import ds_rlhf.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_PINNED", {"GLOO_SOCKET_IFNAME": "lo"})
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    with distributed.unpinned():
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # the user's choice, not our pin
+    with distributed.unpinned():
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth1"
