@@ -45,7 +45,7 @@ class NonFiniteError(UserInputError):
 
 class NonFinite(Exception):
     """What `policy_update` raises on a non-finite number (`source`: reward | advantage | loss | grad norm);
-    `applied`: the optimizer step took it (the weights are no longer finite: no skip can undo it). The trainer turns
+    `applied`: the optimizer step took it (the weights it left are not finite: no skip can undo it). The trainer turns
     it into `NonFiniteError` or a skipped step (`guard_step`)."""
 
     def __init__(self, source: str, detail: str, applied: bool = False):
@@ -114,7 +114,7 @@ def check_grad_norm(engine, norm: float | None, name: str) -> None:
 def message(step: int, found: NonFinite, policy: str) -> str:
     what = f"step {step}: the {found.source} is not finite ({found.detail})"
     if found.applied:
-        return (f"{what} and the optimizer applied it: the weights are no longer finite; {HINTS[found.source]}; "
+        return (f"{what} and the optimizer applied it, so the weights are not finite; {HINTS[found.source]}; "
                 "resume from the last checkpoint")
     return f"{what}; {HINTS[found.source]}" + ("; or --rl.on_nonfinite skip to skip such steps"
                                                if policy == "fail" else "")

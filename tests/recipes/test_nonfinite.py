@@ -164,7 +164,7 @@ def test_guard_step_stops_or_skips_naming_the_step_and_the_source(capsys):
                          on_skip=lambda: popped.append(1))
     assert metrics == {"guard/skipped_steps": 1.0} and popped == [1]
     assert "warning: step 8: the reward is not finite (sample 3: inf)" in capsys.readouterr().out
-    with pytest.raises(NonFiniteError, match="step 9: .*the optimizer applied it: the weights are no longer finite"):
+    with pytest.raises(NonFiniteError, match="step 9: .*the optimizer applied it, so the weights are not finite"):
         guard_step(raising(NonFinite("grad norm", "actor gradient norm nan", applied=True)), step=9, policy="skip")
     assert guard_step(lambda: {"guard/nonfinite_micro_batches": 2.0}, step=10, policy="skip")
     assert "step 10: the loss of 2 micro-batch(es) was not finite" in capsys.readouterr().out
