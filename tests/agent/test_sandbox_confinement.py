@@ -76,8 +76,19 @@ def test_processes_left_in_their_own_session_are_killed_when_the_call_returns(ki
 
 def detached_sleep(tok: str) -> str:
     """Tool code that leaves a `sleep tok` in a session of its own, then hangs."""
-    return (f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '{tok}'])\n"
-            "time.sleep(600)\n")
+    return textwrap.dedent(f"""
+        import os, time
+        ready_r, ready_w = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execvp("sleep", ["sleep", "{tok}"])
+            os.write(ready_w, b"x")
+            time.sleep(600)
+        os.read(ready_r, 1)
+        print("detached", flush=True)
+        time.sleep(600)
+    """)
 
 
 def wait_for(tok: str) -> bool:
@@ -90,7 +101,7 @@ def wait_for(tok: str) -> bool:
 
 def test_a_hanging_call_is_killed_whole_at_its_deadline_and_when_the_run_stops():
     tok = token()
-    late = Sandbox(timeout_s=1).run_code(detached_sleep(tok))
+    late = Sandbox(timeout_s=2).run_code(detached_sleep(tok))
     assert late.status == "timeout" and no_survivors(tok), late
     tok = token()
     done = []
