@@ -199,7 +199,11 @@ def test_the_result_lists_the_protections():
     assert set(p) >= {"pid_ns", "net_ns", "mount_ns", "nproc_limit", "fs_write", "unix_sockets", "network", "kill"}
     assert p["pid_ns"] == (p["kill"] == "pid_ns") and p["network"] == result.network
     assert set(result.unavailable) <= set(p) | {"proc"}
-    assert not Sandbox(disable=("landlock", "seccomp", "mount_ns")).run_code("pass").protections["seccomp"]
+    with pytest.warns(RuntimeWarning) as caught:
+        bare = Sandbox(disable=("landlock", "seccomp", "mount_ns")).run_code("pass")
+    assert not bare.protections["seccomp"] and bare.protections["fs_write"] == "anywhere"
+    assert sorted(str(w.message).split(" (")[0] for w in caught) == [
+        "tool sandbox: no fs_write", "tool sandbox: no mount_ns", "tool sandbox: no unix_sockets"]
 
 
 REFUSED = textwrap.dedent("""
