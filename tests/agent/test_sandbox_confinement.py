@@ -23,7 +23,9 @@ import sandbox_tools as t
 
 from ds_rlhf.agent import sandbox_reap
 from ds_rlhf.agent.sandbox import Sandbox, SandboxUnprotected, require_protections
-from ds_rlhf.config import ConfigError
+from ds_rlhf.config import Config, ConfigError, help_text, parse_config
+from ds_rlhf.recipes.rl import RLTrainer
+from tests.agent.test_rl_episodes import episode_args
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_MODES = {"pid_ns": (), "cgroup": ("pid_ns",), "process_scan": ("pid_ns", "cgroup")}
@@ -275,3 +277,12 @@ def test_required_protections_are_checked_at_once():
         require_protections("")
     with pytest.raises(ConfigError, match="sandbox protection 'network' is not one of"):
         require_protections("network")
+
+
+def test_rl_sandbox_require_is_checked_before_any_model_loads(tiny_model_path, arithmetic_store, dist_single,
+                                                               tmp_path):
+    assert "--rl.sandbox_require ''" in help_text(Config())
+    args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
+    with pytest.raises(ConfigError, match="sandbox protection 'everything' is not one of pid_ns"):
+        RLTrainer(parse_config([*args, "--rl.sandbox_require", "everything"]))
+    require_protections("")
