@@ -189,7 +189,8 @@ def test_a_write_outside_the_temporary_directory_is_refused(tmp_path, disable):
 
 @pytest.mark.parametrize("disable", [(), ("pid_ns",)], ids=["pid_ns", "landlock"])
 def test_the_tool_cannot_signal_the_trainer(disable):
-    code = f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('sent')\nexcept OSError as e:\n    print(e.errno)"
+    code = f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('sent')\nexcept OSError as e:\n" \
+           "    print(e.errno)"
     with pytest.warns(RuntimeWarning) if disable else _no_warning():
         result = Sandbox(disable=disable).run_code(code)
     assert result.output.strip() in ("1", "3"), result  # EPERM (Landlock) or ESRCH (not in the PID namespace)
@@ -277,6 +278,8 @@ def test_required_protections_are_checked_at_once():
         require_protections("")
     with pytest.raises(ConfigError, match="sandbox protection 'network' is not one of"):
         require_protections("network")
+    with pytest.raises(ConfigError, match="Sandbox.disable: 'pid_namespace' is not one of"):
+        Sandbox(disable=("pid_namespace",)).run_code("pass")
 
 
 def test_rl_sandbox_require_is_checked_before_any_model_loads(tiny_model_path, arithmetic_store, dist_single,
