@@ -173,7 +173,7 @@ class Sandbox:
                 blob = json.dumps(job).encode()
             except TypeError as exc:
                 return SandboxResult("error", None, "", f"arguments are not JSON: {exc}", 0.0)
-            call = LiveCall(self.max_processes, "cgroup" not in self.disable)
+            call = LiveCall(self.max_processes, not {"cgroup", "nproc_limit"} & set(self.disable))
             outcome = None
             try:
                 blob = json.dumps(self._job(job, work, call)).encode()
