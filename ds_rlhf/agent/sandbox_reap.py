@@ -5,6 +5,10 @@ when the run ends (`stop_all`: the RL recipe's shut-down, and `atexit`).
 
 With a PID namespace (`sandbox_child.py`) the kernel kills the call's processes when the namespace's init ends;
 what is here is for the processes of a call without one, and for the call's first process.
+
+A call's cgroup is `ds_rlhf_sandbox_<trainer pid>-<n>-<random>` under this process's own pids cgroup, with
+`pids.max` = the call's `max_processes`; it is removed when the call ends, and the first call of a later trainer
+removes the empty ones of trainers that are gone (a SIGKILLed trainer leaves its own).
 """
 
 from __future__ import annotations
