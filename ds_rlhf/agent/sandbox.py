@@ -156,6 +156,10 @@ class Sandbox:
 
     def _job(self, job: dict, work: str, call: LiveCall) -> dict:
         required = _DEFAULT_REQUIRE[0] if self.require is None else parse_require(self.require)
+        unknown = sorted(set(self.disable) - {*PROTECTIONS, "seccomp", "landlock", "cgroup"})
+        if unknown:
+            raise ConfigError(f"Sandbox.disable: {unknown[0]!r} is not one of {', '.join(PROTECTIONS)}, seccomp, "
+                              "landlock, cgroup")
         return {**job, "result_path": os.path.join(work, RESULT), "work": work, "cpu_seconds": self.cpu_seconds,
                 "memory_bytes": self.memory_mb << 20, "file_bytes": max(self.file_mb << 20, 4 * self.max_output_bytes),
                 "max_output_bytes": self.max_output_bytes, "no_network": self.no_network,
@@ -169,7 +173,7 @@ class Sandbox:
                 blob = json.dumps(job).encode()
             except TypeError as exc:
                 return SandboxResult("error", None, "", f"arguments are not JSON: {exc}", 0.0)
-            call = LiveCall(self.max_processes, "cgroup" not in self.disable)
+            call = LiveCall(self.max_processes, not {"cgroup", "nproc_limit"} & set(self.disable))
             outcome = None
             try:
                 blob = json.dumps(self._job(job, work, call)).encode()

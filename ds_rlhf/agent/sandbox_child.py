@@ -68,7 +68,7 @@ def _tool_confinement(job: dict, prot: dict, missing: dict) -> None:
     prot["unix_sockets"] = "blocked" if not why else "open"
     if why:
         missing["unix_sockets"] = f"{why}; Unix sockets on the filesystem are reachable"
-    abi, why = (0, "turned off (Sandbox.disable)") if "landlock" in off else \
+    abi, why = (0, "turned off (Sandbox.disable)") if off & {"landlock", "fs_write"} else \
         confine.landlock(job["work"], every_family)
     prot["landlock"] = abi
     if prot["fs_write"] != "tmpdir_only":
@@ -76,13 +76,14 @@ def _tool_confinement(job: dict, prot: dict, missing: dict) -> None:
         if not abi:
             missing["fs_write"] = f"{why}; the tool can write wherever the user can"
     if not prot["nproc_limit"]:
-        how, why = confine.nproc_limit(int(job["max_processes"]), prot["user_ns"], job["uid"])
+        how, why = ("", "turned off (Sandbox.disable)") if "nproc_limit" in off else \
+            confine.nproc_limit(int(job["max_processes"]), prot["user_ns"], job["uid"])
         prot["nproc_limit"], prot["nproc_by"] = (int(job["max_processes"]) if how else 0), how
         if how:
             missing.pop("nproc_limit", None)
         else:
-            cgroup = missing.get("nproc_limit", "no pids cgroup")
-            missing["nproc_limit"] = f"{cgroup}; {why}; no cap on the number of processes"
+            cgroup = "" if "nproc_limit" in off else missing.get("nproc_limit", "no pids cgroup") + "; "
+            missing["nproc_limit"] = f"{cgroup}{why}; no cap on the number of processes"
     why = confine.drop_capabilities()
     prot["capabilities"] = "kept" if why else "dropped"
     if why:
@@ -157,6 +158,8 @@ def _init(job: dict, prot: dict, missing: dict, alive: int, report: int) -> None
         missing["proc"] = "a /proc of the PID namespace could not be mounted: the host's processes are listed"
     tool = os.fork()
     if tool == 0:
+        os.close(alive)
+        os.close(report)
         _tool(job, prot, missing)
     status = 0
     while True:
@@ -182,6 +185,8 @@ def _mirror(status: int) -> None:
 
 def _namespaces(job: dict, prot: dict, missing: dict) -> list[str]:
     off = set(job["disable"])
+    if "fs_write" in off:
+        off.add("mount_ns")
     wanted = [n for n in ("pid_ns", "net_ns", "mount_ns") if n not in off and (n != "net_ns" or job["no_network"])]
     entered, why = confine.unshare(wanted)
     prot["user_ns"] = bool(entered)

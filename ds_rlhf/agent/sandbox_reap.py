@@ -5,6 +5,10 @@ when the run ends (`stop_all`: the RL recipe's shut-down, and `atexit`).
 
 With a PID namespace (`sandbox_child.py`) the kernel kills the call's processes when the namespace's init ends;
 what is here is for the processes of a call without one, and for the call's first process.
+
+A call's cgroup is `ds_rlhf_sandbox_<trainer pid>-<n>-<random>` under this process's own pids cgroup, with
+`pids.max` = the call's `max_processes`; it is removed when the call ends, and the first call of a later trainer
+removes the empty ones of trainers that are gone (a SIGKILLed trainer leaves its own).
 """
 
 from __future__ import annotations
@@ -51,7 +55,19 @@ def _pids_cgroup_base() -> str | None:
     except (OSError, ValueError):
         base = None
     _cgroup_base.append(base)
+    if base is not None:
+        _remove_stale_cgroups(base)
     return base
+
+
+def _remove_stale_cgroups(base: str) -> None:
+    """Remove the empty cgroups of sandboxed calls whose trainer is gone (a killed process leaves its own)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            pid = name.removeprefix("ds_rlhf_sandbox_").split("-")[0]
+            if name.startswith("ds_rlhf_sandbox_") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(base, name))
 
 
 def _make_cgroup(name: str, max_processes: int) -> str:
@@ -133,27 +149,34 @@ class LiveCall:
         self.kill(scan)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.wait()
-        if self.cgroup:
-            for _ in range(100):
-                try:
-                    os.rmdir(self.cgroup)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    _kill_all(_cgroup_members(self.cgroup))
-                    time.sleep(0.01)
+        self.remove_cgroup()
         with _lock:
             _live.pop(self.marker, None)
 
+    def remove_cgroup(self) -> None:
+        for _ in range(100 if self.cgroup else 0):
+            try:
+                os.rmdir(self.cgroup)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                _kill_all(_cgroup_members(self.cgroup))
+                time.sleep(0.01)
+
 
 def stop_all() -> int:
-    """Kill every sandboxed call of this process still in flight (their calls then end "killed"); how many."""
+    """Kill every sandboxed call of this process still in flight (their calls then end "killed") and remove their
+    cgroups; how many."""
     with _lock:
         calls = list(_live.values())
     for call in calls:
         call.stopped = True
         call.kill()
+        if call.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                call.proc.wait(5)
+        call.remove_cgroup()
     return len(calls)
 
 

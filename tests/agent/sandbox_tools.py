@@ -14,12 +14,15 @@ def fork_and_setsid(token: str) -> str:
     Args:
         token: a number of seconds to sleep, unique to the call
     """
+    ready_r, ready_w = os.pipe()
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
             os.execvp("sleep", ["sleep", token])
+        os.write(ready_w, b"x")  # both are out of the tool's session now
         time.sleep(300)
         os._exit(0)
+    os.read(ready_r, 1)
     return "returned"
 
 
@@ -57,7 +60,7 @@ def fork_bomb(catch: bool = True) -> str:
     """
     children = 0
     try:
-        while children < 10_000:
+        while children < 200:  # past any cap the sandbox sets; harmless on a shared machine if the cap fails
             if os.fork() == 0:
                 time.sleep(300)
                 os._exit(0)
