@@ -252,14 +252,16 @@ def _split_overrides(argv: list[str]) -> list[tuple[str, str | None]]:
     return pairs
 
 
-def parse_config(argv: list[str], defaults: dict | None = None, recipe: str | None = None) -> Config:
-    """Build a Config from entry-point defaults, optional --config files and --key value overrides; `given` holds
-    the keys the files and the overrides set. `recipe` (a `config_keys.RECIPES` name) accepts only the sections
-    its trainer reads; a peer trainer's name for a setting prints one `note:` line on stderr (rank 0)."""
+def parse_config(argv: list[str], defaults: dict | None = None, recipe: str | None = None,
+                 settings: dict | None = None) -> Config:
+    """Build a Config from entry-point defaults, `settings` (a mapping read as a --config file's, given in Python),
+    optional --config files and --key value overrides; `given` holds the keys the mapping, the files and the
+    overrides set. `recipe` (a `config_keys.RECIPES` name) accepts only the sections its trainer reads; a peer
+    trainer's name for a setting prints one `note:` line on stderr (rank 0)."""
     cfg, notes = Config(), []
     apply_mapping(cfg, defaults or {})
     pairs = _split_overrides(argv)
-    given: list[str] = []
+    given: list[str] = apply_mapping(cfg, settings, recipe=recipe, notes=notes) if settings else []
     for key, value in pairs:
         if key == "config":
             if value is None:

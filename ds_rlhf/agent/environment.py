@@ -36,7 +36,7 @@ from ds_rlhf.agent.sandbox import Sandbox, tool_location
 from ds_rlhf.agent.tool_calls import ParsedCalls, parse_tool_calls
 from ds_rlhf.config import ConfigError
 from ds_rlhf.rewards.calling import reward_number
-from ds_rlhf.rewards.loading import _load_module
+from ds_rlhf.rewards.loading import _load_module, registered
 
 
 @runtime_checkable
@@ -190,7 +190,10 @@ class ToolEnvironment:
 
 
 def load_object(spec: str):
-    """The object `Name` of `path/to/file.py:Name` (the file imported through the reward functions' loader)."""
+    """The object `Name` of `path/to/file.py:Name` (the file imported through the reward functions' loader), or the
+    one given in Python under `python:Name` (`rewards.loading.register`)."""
+    if (given := registered(spec)) is not None:
+        return given
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ConfigError(f"environment {spec!r}: give path/to/file.py:Name (an environment class or a list of "

@@ -3,7 +3,10 @@ reward server (`http://host:port/path`, see remote.py).
 
 A user file imported in this process (`rl.reward_workers 0`) may change the working directory as it is imported:
 the spec's path is made absolute before the import (`absolute_spec`), and the working directory is put back after
-it, with a warning, so the run's relative paths (its output directory, data, the next reward file) still hold."""
+it, with a warning, so the run's relative paths (its output directory, data, the next reward file) still hold.
+
+`python:NAME` names an object given in Python (`ds_rlhf.api`: a reward callable, an environment class) that
+`register` put in this process's table; it is loaded from there, never imported, and no worker process has it."""
 
 from __future__ import annotations
 
@@ -17,13 +20,31 @@ from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.remote import RemoteReward, check_remote, check_scheme, is_remote
 
 STYLES = ("sample", "batched", "trl", "verl", "openrlhf")
+IN_PROCESS = "python:"
+_REGISTERED: dict[str, object] = {}  # `python:NAME` -> an object given in Python
+
+
+def register(name: str, obj) -> str:
+    """The spec `python:NAME` that loads `obj` in this process (`NAME_2`, ... when another object holds NAME)."""
+    spec, n = f"{IN_PROCESS}{name}", 1
+    while _REGISTERED.get(spec, obj) is not obj:
+        n += 1
+        spec = f"{IN_PROCESS}{name}_{n}"
+    _REGISTERED[spec] = obj
+    return spec
+
+
+def registered(spec: str):
+    """The object `register` gave `spec`, else None."""
+    return _REGISTERED.get(spec.strip())
 
 
 def user_code_specs(spec: str) -> list[str]:
     """The entries of a (comma-separated) reward spec that run the user's code: not built-in rules, not reward
     servers (a URL is called from the trainer process). These are what reward workers are for."""
     parts = [p.strip() for p in spec.split(",") if p.strip()]
-    return [p for p in parts if split_style(p)[0] not in BUILTIN_REWARDS and not is_remote(split_style(p)[0])]
+    return [p for p in parts if split_style(p)[0] not in BUILTIN_REWARDS and not is_remote(split_style(p)[0])
+            and registered(split_style(p)[0]) is None]
 
 
 def split_style(spec: str) -> tuple[str, str | None]:
@@ -42,6 +63,8 @@ def load_reward_fn(spec: str):
     spec = split_style(spec)[0]
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if (given := registered(spec)) is not None:
+        return given
     path, name = check_spec(spec)
     fn = getattr(_load_module(path), name, None)
     if not callable(fn):
@@ -57,6 +80,8 @@ def check_spec(spec: str) -> tuple[str, str]:
     if is_remote(spec):
         check_remote(spec)
         return spec.strip(), ""
+    if registered(spec) is not None:
+        return spec.strip(), spec.strip()[len(IN_PROCESS):]
     if ":" not in spec:
         raise ValueError(f"unknown reward function '{spec}': use one of {sorted(BUILTIN_REWARDS)} "
                          "or path/to/file.py:function_name")
@@ -69,7 +94,7 @@ def check_spec(spec: str) -> tuple[str, str]:
 def absolute_spec(spec: str) -> str:
     """`file.py:func[@style]` with the file's absolute path (a spec naming an existing file); others unchanged."""
     base, style = split_style(spec)
-    if is_remote(base) or base in BUILTIN_REWARDS or ":" not in base:
+    if is_remote(base) or base in BUILTIN_REWARDS or ":" not in base or registered(base) is not None:
         return spec
     path, name = base.rsplit(":", 1)
     if not Path(path).is_file():
