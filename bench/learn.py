@@ -395,13 +395,7 @@ def plot(result: dict, png: Path) -> None:
                 ax.plot(x, fmt, "--", color=line.get_color(), alpha=0.6, label=f"{mode}: format")
             if len(tools) == len(pts):  # episodes: the share of turns that called a tool
                 ax.plot(x, tools, ":", color=line.get_color(), label=f"{mode}: tool-call rate")
-    by_time.set_xlabel("training seconds (evaluation excluded)")
-    by_step.set_xlabel("step")
-    for ax in (by_time, by_step):
-        ax.set_ylabel("held-out, greedy (%)")
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    learn_seeds.style_axes(by_time, by_step, "held-out, greedy (%)")
     settings = result["settings"]
     reward = (f"{Path(settings['environment'].rpartition(':')[0]).stem} episodes" if settings.get("environment")
               else f"{settings.get('reward', 'strict')} reward")

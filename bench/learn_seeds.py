@@ -173,13 +173,7 @@ def plot(result: dict, png) -> bool:
                             alpha=0.15)
             ax.plot(x, [100 * r["median"] for r in rows], "-", color=colour, lw=2,
                     label=f"{mode}: median of {len(agg['per_seed'])} seeds (band: min-max)")
-    by_time.set_xlabel("training seconds (evaluation excluded)")
-    by_step_ax.set_xlabel("step")
-    for ax in (by_time, by_step_ax):
-        ax.set_ylabel("held-out exact match, greedy (%)")
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    style_axes(by_time, by_step_ax, "held-out exact match, greedy (%)")
     fig.suptitle(f"GRPO on {result['model_name']}: {result['task']}, seeds ({result['device']})")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -210,3 +204,14 @@ def run_seeds(args, result: dict, run_one: Callable[[str, int], dict]) -> int:
     plot(result, out_json.with_suffix(".png"))
     print(f"learn: wrote {out_json} and {out_json.with_suffix('.png')}")
     return 1 if any(agg["failed"] for agg in result["seeds"].values()) else 0
+
+
+def style_axes(by_time, by_step, ylabel: str) -> None:
+    """The learning plots' two panels: held-out percentages against training seconds and against steps."""
+    by_time.set_xlabel("training seconds (evaluation excluded)")
+    by_step.set_xlabel("step")
+    for ax in (by_time, by_step):
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_rlhf.telemetry.samples import read_samples
+from ds_rlhf.telemetry.samples import cell_text, read_samples
 
 MAX_CELL_CHARS = 600  # a prompt or response longer than this is cut in the table (samples.jsonl keeps it whole)
 MAX_ROWS_PER_STEP = 8
@@ -61,14 +61,7 @@ def health_html(found: list) -> str:
 
 
 def _cell(value) -> str:
-    if isinstance(value, dict):
-        value = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
-    elif isinstance(value, float):
-        value = f"{value:.4g}"
-    text = "" if value is None else str(value)
-    if len(text) > MAX_CELL_CHARS:
-        text = text[:MAX_CELL_CHARS] + f" ... ({len(text) - MAX_CELL_CHARS} more characters)"
-    return html.escape(text)
+    return html.escape(cell_text(value, MAX_CELL_CHARS))
 
 
 def shown_samples(records: list[dict]) -> list[dict]:

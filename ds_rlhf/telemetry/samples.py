@@ -60,7 +60,9 @@ def _plain(value):
     return value
 
 
-def _cell(value, max_chars: int) -> str:
+def cell_text(value, max_chars: int) -> str:
+    """A sample field as one table cell's plain text: dicts as `k=v` pairs, floats to 4 digits, at most
+    `max_chars` characters (then how many more there were)."""
     if isinstance(value, dict):
         value = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
     elif isinstance(value, float):
@@ -68,6 +70,11 @@ def _cell(value, max_chars: int) -> str:
     text = "" if value is None else str(value)
     if len(text) > max_chars:
         text = text[:max_chars] + f"... ({len(text) - max_chars} more chars)"
+    return text
+
+
+def _cell(value, max_chars: int) -> str:
+    text = cell_text(value, max_chars)
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
 
 
