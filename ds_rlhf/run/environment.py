@@ -15,12 +15,13 @@ from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.run import checks as sw
 from ds_rlhf.run import system_checks as hw
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
+from ds_rlhf.run.package_checks import check_torch_companions
 
 
 def run_checks(data_dir: str | os.PathLike = ".") -> list[Check]:
     """Every check, in display order (each bounded; together a few seconds)."""
     driver = hw.driver_info()
-    out = [sw.check_core_packages(), sw.check_pins(), sw.check_torch(driver)]
+    out = [sw.check_core_packages(), sw.check_pins(), sw.check_torch(driver), check_torch_companions()]
     gpu = _safe(hw.check_gpus, "GPUs")
     out.append(gpu)
     gpus = int(gpu.facts.get("count", 0))

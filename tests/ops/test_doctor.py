@@ -10,7 +10,7 @@ import pytest
 
 from ds_rlhf.entrypoints.main import main as umbrella
 from ds_rlhf.ops import doctor
-from ds_rlhf.run import checks, system_checks
+from ds_rlhf.run import checks, package_checks, system_checks
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
 
 
@@ -188,3 +188,17 @@ def test_driver_against_the_torch_build(monkeypatch):
     assert f"torch=={torch.__version__.split('+')[0]} " in line.fix
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert checks.check_torch({"driver": "580.95.05", "driver_cuda": "13.0", "gpus": 1}).verdict == OK
+
+
+def test_torch_companions_must_be_builds_of_this_torch():
+    """PyPI's torchvision & co. (what `pip install 'ds_rlhf[cpu]'` gets without PyTorch's CPU index) beside torch
+    2.13.0+cpu are FAIL with the uninstall as the fix; +cpu builds of the same torch are fine."""
+    torch_cpu = "2.13.0+cpu"
+    problems = package_checks.companion_problems
+    assert problems(torch_cpu, {"torchvision": "0.28.0+cpu"}, {"torchvision": "==2.13.0"}) == []
+    assert package_checks.companion_problems(torch_cpu, {"torchvision": "0.28.0", "torchaudio": "2.11.1"},
+                                             {"torchvision": "==2.13.0", "torchaudio": ">=2.11"}) == [
+        "torchvision 0.28.0 (not a +cpu build)", "torchaudio 2.11.1 (not a +cpu build)"]
+    assert package_checks.companion_problems("2.11.0", {"torchvision": "0.26.0"}, {"torchvision": "==2.10.0"}) == [
+        "torchvision 0.26.0 (built for torch==2.10.0)"]
+    assert package_checks.companion_problems("2.11.0", {"torchvision": "0.26.0"}, {"torchvision": "==2.11.0"}) == []
