@@ -6,9 +6,9 @@ An environment is any class with
     step(self, action_text) -> (observation, reward, done)    # observation: str, reward: float, done: bool
 
 (either may be `async def`; the reward is a real number finite in float32: a bool or a string stops the run, a
-non-finite one ends the episode as failed). One instance serves one episode (the runner builds it with no arguments), so it may
-keep the episode's state on `self`. `action_text` is the decoded assistant turn; the observation becomes the next
-user turn.
+non-finite one ends the episode as failed). One instance serves one episode (the runner builds it with no
+arguments), so it may keep the episode's state on `self`. `action_text` is the decoded assistant turn; the
+observation becomes the next user turn.
 
 Tools are plain Python functions with type hints and a Google-style docstring (`Args:` per parameter).
 `tool_specs` turns them into the JSON-schema specs chat templates take (`apply_chat_template(tools=...)`) with

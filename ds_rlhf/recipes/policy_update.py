@@ -3,8 +3,9 @@
 Each micro-batch's loss is aggregated within the micro-batch and then weighted by its share of the mini-batch
 (response tokens for token-mean; for the seq-mean modes, rows with at least one response token, the rows
 `aggregate` averages over), so accumulating any number of micro-batches gives exactly the mini-batch's loss and
-gradient, also where a row has no response token (`rl.overlong_mask`). DeepSpeed runs in unmanaged gradient-accumulation mode: `backward(scale_wrt_gas=False)` per
-micro-batch, `step()` once per mini-batch.
+gradient, also where a row has no response token (`rl.overlong_mask`). DeepSpeed runs in unmanaged
+gradient-accumulation mode: `backward(scale_wrt_gas=False)` per micro-batch, `step()` once per mini-batch.
+Non-finite rewards, losses and gradient norms are checked on the way (`recipes/nonfinite.py`).
 
 With `data.rl_packing` each micro-batch runs as one padding-free packed row (`recipes/packed_batch.py`): the token
 budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so

@@ -6,10 +6,10 @@ random LM head: refused in one line by preflight, before any model loads."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import shutil
+
+import pytest
 
 from ds_rlhf.cli import run_entry
 from ds_rlhf.config import ConfigError, parse_config
