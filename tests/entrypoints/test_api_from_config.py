@@ -122,7 +122,8 @@ class Counter:
 
 def test_an_environment_is_given_as_the_object():
     cfg = api.RLTrainer.from_config(SETTINGS, environment=CalculatorEnv).cfg
-    assert cfg.rl.environment.startswith("python:CalculatorEnv") and load_environment(cfg.rl.environment) is CalculatorEnv
+    assert cfg.rl.environment.startswith("python:CalculatorEnv")
+    assert load_environment(cfg.rl.environment) is CalculatorEnv
     cfg = api.RLTrainer.from_config(SETTINGS, environment=Counter).cfg
     assert isinstance(load_environment(cfg.rl.environment)(), TRLEnvironment)
     check_reward(cfg)  # the environment's reward is the run's reward
