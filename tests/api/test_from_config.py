@@ -1,6 +1,6 @@
 """The Python API's settings and inputs (`ds_rlhf/api.py`), without a model: the forms `cfg` takes, the reward
 callables (registered, added to `rl.reward_fn`, loaded and called by the reward machinery), the environment object,
-and its one-line refusals. The README's notebook cell runs end to end in tests/foundation/test_python_api.py."""
+and its one-line refusals. The README's notebook cell runs end to end in tests/api/test_notebook_cell.py."""
 
 from __future__ import annotations
 
