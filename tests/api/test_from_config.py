@@ -81,6 +81,8 @@ def test_lambdas_are_registered_weighed_and_called_by_the_reward_set():
         assert rewards.styles == ["sample", "sample", "trl"]
         outcomes = rewards.evaluate([{"prompt": "1+1?", "response": "#### 2", "ground_truth": "2", "metadata": {}}])
     assert [o[0][0] for o in outcomes] == [1.0, 1.0, 0.5] and calls == ["#### 2"]
+    with RewardSet.from_spec(",".join(parts[1:]), workers=2, announce=None) as rewards:
+        assert rewards.pool is None  # beside a file's functions in workers, the callables stay in this process
     named = api.RLTrainer.from_config(SETTINGS, reward_fns={"exact": trl_len, "exact ": trl_len},
                                       reward_weights=[1, 0.25]).cfg.rl
     assert named.reward_fn.split(",")[0].startswith("python:exact") and named.reward_weights == "1.0,0.25"
