@@ -14,8 +14,10 @@ reward stage and evaluation load it like a reward from a file. Its calling conve
 signature (`rewards.calling.detect_style`: TRL's `(prompts, completions, **kwargs)`, ours `(prompt, response,
 ground_truth, metadata)` or batched `(prompts, responses, ...)`, verl's, OpenRLHF's) or declared, `(fn, "trl")`.
 Reward worker processes (`rl.reward_workers` > 0) cannot take them (a lambda cannot be pickled): refused in one
-line. `environment` is an environment class, a list of tool functions, or a TRL / OpenRLHF environment (what
-`rl.environment` loads from a file, `agent/adapters.py`), given as the object and registered the same way.
+line; beside the functions of a file in `rl.reward_fn`, which `rl.reward_workers -1` runs in workers, they run in
+the trainer's process. `environment` is an environment class, a list of tool functions, or a TRL / OpenRLHF
+environment (what `rl.environment` loads from a file, `agent/adapters.py`), given as the object and registered the
+same way.
 
 `train()` raises a user's error as the exception it is, with its one-line message (`ConfigError`, a data, run
 directory or reward error), never `SystemExit`; a SIGINT (a notebook's interrupt) or SIGTERM finishes the step,

@@ -41,7 +41,8 @@ def registered(spec: str):
 
 def user_code_specs(spec: str) -> list[str]:
     """The entries of a (comma-separated) reward spec that run the user's code: not built-in rules, not reward
-    servers (a URL is called from the trainer process). These are what reward workers are for."""
+    servers (a URL is called from the trainer process), not callables given in Python (`python:NAME`, run in this
+    process). These are what reward workers are for."""
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     return [p for p in parts if split_style(p)[0] not in BUILTIN_REWARDS and not is_remote(split_style(p)[0])
             and registered(split_style(p)[0]) is None]

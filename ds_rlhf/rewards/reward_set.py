@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.calling import BATCHED_STYLES, Outcome, detect_style, invoke, make_call
-from ds_rlhf.rewards.loading import STYLES, absolute_spec, check_spec, load_reward_fn, split_style
+from ds_rlhf.rewards.loading import STYLES, absolute_spec, check_spec, load_reward_fn, registered, split_style
 from ds_rlhf.rewards.pool import START_TIMEOUT_S, RewardPool
 from ds_rlhf.rewards.remote import DEFAULT_BATCH, DEFAULT_MAX_REPLY_MB, RemoteReward, is_remote
 
@@ -65,8 +65,9 @@ class RewardSet:
     `workers>0`: a pool of that many spawn/forkserver processes, started now and kept for the whole run; each call
     is cut off after `timeout` seconds, and the user file is imported only by the workers. Call `close()` at the end.
     A reward server's URL is always asked from this process (its requests are I/O, with their own `timeout` each,
-    in requests of at most `http_batch` items, replies of at most `http_max_reply_mb` MiB; see remote.py); only
-    the other functions go to the pool.
+    in requests of at most `http_batch` items, replies of at most `http_max_reply_mb` MiB; see remote.py), and a
+    callable given in Python (`python:NAME`, `loading.register`) runs in this process; only the other functions go
+    to the pool.
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
@@ -80,8 +81,10 @@ class RewardSet:
         for spec in specs:  # unique logging names: gsm8k, gsm8k_2, ...
             seen[spec.name] = seen.get(spec.name, 0) + 1
             self.specs.append(spec if seen[spec.name] == 1 else replace(spec, name=f"{spec.name}_{seen[spec.name]}"))
-        # the members the pool runs, in pool order (a URL never: this process asks the server)
-        self._pooled = [m for m, s in enumerate(self.specs) if not is_remote(s.source)] if workers > 0 else []
+        # the members the pool runs, in pool order (a URL never: this process asks the server; nor a callable given
+        # in Python as `python:NAME`, which no worker process has)
+        self._pooled = [m for m, s in enumerate(self.specs) if not is_remote(s.source)
+                        and not (isinstance(s.source, str) and registered(s.source) is not None)] if workers > 0 else []
         self.pool = None
         self.styles: list[str | None] = [None] * len(self.specs)
         if self._pooled:

@@ -1,6 +1,6 @@
 """The Python API's settings and inputs (`ds_rlhf/api.py`), without a model: the forms `cfg` takes, the reward
 callables (registered, added to `rl.reward_fn`, loaded and called by the reward machinery), the environment object,
-and its one-line refusals. The README's notebook cell runs end to end in tests/foundation/test_python_api.py."""
+and its one-line refusals. The README's notebook cell runs end to end in tests/api/test_notebook_cell.py."""
 
 from __future__ import annotations
 
@@ -81,6 +81,8 @@ def test_lambdas_are_registered_weighed_and_called_by_the_reward_set():
         assert rewards.styles == ["sample", "sample", "trl"]
         outcomes = rewards.evaluate([{"prompt": "1+1?", "response": "#### 2", "ground_truth": "2", "metadata": {}}])
     assert [o[0][0] for o in outcomes] == [1.0, 1.0, 0.5] and calls == ["#### 2"]
+    with RewardSet.from_spec(",".join(parts[1:]), workers=2, announce=None) as rewards:
+        assert rewards.pool is None  # beside a file's functions in workers, the callables stay in this process
     named = api.RLTrainer.from_config(SETTINGS, reward_fns={"exact": trl_len, "exact ": trl_len},
                                       reward_weights=[1, 0.25]).cfg.rl
     assert named.reward_fn.split(",")[0].startswith("python:exact") and named.reward_weights == "1.0,0.25"
@@ -122,7 +124,8 @@ class Counter:
 
 def test_an_environment_is_given_as_the_object():
     cfg = api.RLTrainer.from_config(SETTINGS, environment=CalculatorEnv).cfg
-    assert cfg.rl.environment.startswith("python:CalculatorEnv") and load_environment(cfg.rl.environment) is CalculatorEnv
+    assert cfg.rl.environment.startswith("python:CalculatorEnv")
+    assert load_environment(cfg.rl.environment) is CalculatorEnv
     cfg = api.RLTrainer.from_config(SETTINGS, environment=Counter).cfg
     assert isinstance(load_environment(cfg.rl.environment)(), TRLEnvironment)
     check_reward(cfg)  # the environment's reward is the run's reward
