@@ -17,8 +17,11 @@ keeps it in `status.json`'s `health`; `replay` keeps its first step):
 - `policy_collapse`: over the last `collapse_window` (10) steps the mean response length (`response/len_mean`) and
   the policy entropy (`actor/entropy`) both fell to at most `collapse_drop` (half) of their highest value while the
   reward (`reward/mean`) sat still (its last half-window within a tenth of the best sample reward seen,
-  `reward/max`) at a low value (at most 0.3 of that best): the policy shortens its answers to collect a fixed
-  partial credit (e.g. the format's) instead of the right answers;
+  `reward/max`) at a low value (at most 0.3 of that best) and most groups' samples all scored the same (on average
+  `COLLAPSE_EQUAL_GROUPS` of them over that half-window, `reward/frac_zero_std`): the policy shortens its answers to
+  collect a fixed partial credit (e.g. the format's) instead of the right answers. Length and entropy also fall
+  together in a healthy run as answers get short; there the groups keep telling answers apart (measured on the
+  learning benchmark's runs, `docs/perf/raw/learn_arithmetic_scale_rewards_h100.json`);
 - `flat_rewards`: in each of the last `collapse_steps` (5; `run.health_collapse_steps`) RL steps every prompt's
   samples got the same reward although an earlier step had a spread: zero advantages, the policy has settled on one
   answer per prompt and learns nothing from its samples.
@@ -53,6 +56,8 @@ CAUSES = {
 }
 GPU_UTIL_KEYS = ("sys/gpu_util_pct", "gpu/util", "gpu/util_pct")
 ZERO_STD_KEY = "reward/frac_zero_std"  # share of prompt groups whose samples' rewards are all equal (RL)
+# policy_collapse: the share of groups whose samples all scored the same, on average over the reward's last half-window
+COLLAPSE_EQUAL_GROUPS = 0.75
 NO_SIGNAL_CAUSE = ("no learning signal: the weights do not change; likely the reward function never fires (check "
                    "rl.reward_fn), the responses miss the answer format it parses (see samples.jsonl: "
                    "--run.sample_log_every), or it reads the wrong key (ground_truth in the prompt store)")
@@ -180,6 +185,9 @@ def _policy_collapse(history: list[dict], step: int, window: int, drop: float) -
     level = statistics.fmean(tail)
     if best <= 0 or max(tail) - min(tail) > 0.1 * best or level > 0.3 * best:
         return []
+    equal = [v for r in recs[-len(tail):] if (v := _num(r, ZERO_STD_KEY)) is not None]
+    if not equal or statistics.fmean(equal) < COLLAPSE_EQUAL_GROUPS:
+        return []  # the groups still tell answers apart: a policy learning short answers, not one stuck on a credit
     text = (f"policy collapse suspected at step {step}: response length {max(lens):.0f}->{lens[-1]:.0f} tokens "
             f"and entropy {max(ents):.2g}->{ents[-1]:.2g} within the last {window} steps while the reward stays at "
             f"{level:.2f} (the best sample reward seen is {best:.2g}: a partial credit such as the format's, not "
