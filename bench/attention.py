@@ -72,9 +72,7 @@ def time_one(model, inputs, labels, repeats: int, device: str) -> tuple[float, f
     return (time.perf_counter() - start) / repeats, loss.item()
 
 
-def main(argv=None) -> dict:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
@@ -86,7 +84,13 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--save-choice", action="store_true", help="record the fastest correct impl for this device")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    args = build_parser().parse_args(argv)
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
     on_gpu = device.startswith("cuda")
@@ -131,14 +135,19 @@ def main(argv=None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     if args.save_choice and best:
-        path = attn.choice_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        saved[f"{out['device']}|{out['dtype']}"] = {"impl": best["impl"], "layout": best["layout"],
-                                                    "ms": best["ms"], "date": out["date"]}
-        path.write_text(json.dumps(saved, indent=2) + "\n")
-        print(f"saved choice to {path}")
+        save_choice(out, best)
     return out
+
+
+def save_choice(out: dict, best: dict) -> None:
+    """Record the fastest correct implementation for this device and dtype in `attn.choice_path()`."""
+    path = attn.choice_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved[f"{out['device']}|{out['dtype']}"] = {"impl": best["impl"], "layout": best["layout"],
+                                                "ms": best["ms"], "date": out["date"]}
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+    print(f"saved choice to {path}")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def datasets_shuffled(path: Path, batches: int, batch_size: int) -> dict:
             "reader": "datasets shuffle()"}
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--dir", default="/tmp/ds_rlhf_data_bench", help="where the store and its datasets copy go")
@@ -227,8 +227,11 @@ def main(argv=None) -> None:
     ap.add_argument("--skip_datasets", action="store_true", help="skip the datasets.load_from_disk runs")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--keep", action="store_true", help="keep the files for another run (default: delete)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
@@ -236,10 +239,30 @@ def main(argv=None) -> None:
     store = build_store(root / "store", int(args.size_gib * (1 << 30)), int(args.block_mib * (1 << 20)), seed=0)
     store_bytes = sum(p.stat().st_size for p in files_of(store))
     hf = None if args.skip_datasets else build_hf_copy(store, root / "hf")
-    hf_files = [] if hf is None else sorted(hf.glob("*.arrow"))
     dropped, how = drop_caches()
     print(f"store: {store_bytes / 2**30:.2f} GiB in {len(files_of(store))} file(s), "
           f"{open_store(store).num_blocks} blocks; page cache: {how}")
+    results = run_rounds(args, store, hf, store_bytes, dropped)
+    summary = summarize(results, args.repeats)
+    info = {"date": datetime.date.today().isoformat(), "cpu": _cpu(), "cores": os.cpu_count(),
+            "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+            "kernel": platform.release(), "store_bytes": store_bytes, "page_cache": how,
+            "wall_s": time.time() - t_start, "summary": summary, "results": results,
+            "args": vars(args)}
+    scans = {r["checksum"] for r in results if "checksum" in r}
+    assert len(scans) <= 1, f"the store scans read different data: {scans}"
+    assert len({r["tokens"] for r in results if r["method"].startswith("scan")}) <= 1, "token counts differ"
+    print(f"done in {info['wall_s']:.0f} s on {info['cores']} x {info['cpu']}, kernel {info['kernel']}; "
+          f"load average {load_start[0]:.1f} at start, {info['loadavg_end'][0]:.1f} at end")
+    if args.json:
+        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_rounds(args, store: Path, hf: Path | None, store_bytes: int, dropped: bool) -> list[dict]:
+    """Every method `--repeats` times, the rounds interleaving the methods; each result printed as it comes."""
+    hf_files = [] if hf is None else sorted(hf.glob("*.arrow"))
     results: list[dict] = []
 
     def record(method, temp, res, nbytes, resident, rnd):
@@ -276,8 +299,12 @@ def main(argv=None) -> None:
             resident = cold(hf_files)
             res = datasets_shuffled(hf, args.loader_batches, args.batch_size)
             record("loader datasets shuffle().iter", "cold", res, res["bytes"], resident, rnd)
+    return results
 
-    print(f"\nmedian of {args.repeats} round(s) (min-max GB/s):")
+
+def summarize(results: list[dict], repeats: int) -> list[dict]:
+    """Per method and temperature the median, min and max GB/s and the median samples/s over the rounds, printed."""
+    print(f"\nmedian of {repeats} round(s) (min-max GB/s):")
     summary = []
     for key in dict.fromkeys((r["method"], r["temp"]) for r in results):
         runs = [r for r in results if (r["method"], r["temp"]) == key]
@@ -288,21 +315,7 @@ def main(argv=None) -> None:
         summary.append(row)
         print(f"  {key[0]:<32} {key[1]:<5} {row['gbps_median']:6.2f} GB/s ({g[0]:.2f}-{g[-1]:.2f}) "
               f"{row['samples_s_median']:>9,.0f} samples/s")
-
-    info = {"date": datetime.date.today().isoformat(), "cpu": _cpu(), "cores": os.cpu_count(),
-            "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "kernel": platform.release(), "store_bytes": store_bytes, "page_cache": how,
-            "wall_s": time.time() - t_start, "summary": summary, "results": results,
-            "args": vars(args)}
-    scans = {r["checksum"] for r in results if "checksum" in r}
-    assert len(scans) <= 1, f"the store scans read different data: {scans}"
-    assert len({r["tokens"] for r in results if r["method"].startswith("scan")}) <= 1, "token counts differ"
-    print(f"done in {info['wall_s']:.0f} s on {info['cores']} x {info['cpu']}, kernel {info['kernel']}; "
-          f"load average {load_start[0]:.1f} at start, {info['loadavg_end'][0]:.1f} at end")
-    if args.json:
-        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
+    return summary
 
 
 def _cpu() -> str:

@@ -106,17 +106,7 @@ def worker(args) -> dict:
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    losses, start = [], None
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            sync()
-            start = time.perf_counter()
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    sync()
-    elapsed = time.perf_counter() - start
+    losses, elapsed = _train_steps(engine, batch, args.warmup, args.steps, sync)
     tokens = args.batch * args.seq * args.steps
     tps = tokens / elapsed
     attn_flops = 12 * shape["num_hidden_layers"] * shape["hidden_size"] * args.seq
@@ -134,6 +124,21 @@ def worker(args) -> dict:
         "estimated_device_bytes": estimate["device_total"], "estimated_host_bytes": estimate["host_total"],
         "losses": losses, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _train_steps(engine, batch, warmup: int, steps: int, sync) -> tuple[list[float], float]:
+    """`warmup` + `steps` training steps on `batch`; every step's loss, and the seconds of the timed `steps`."""
+    losses, start = [], None
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    sync()
+    return losses, time.perf_counter() - start
 
 
 def _device_name(on_gpu: bool) -> str:

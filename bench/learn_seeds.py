@@ -122,7 +122,7 @@ def by_seconds(curves: dict[int, list[dict]]) -> list[dict]:
 
 
 def aggregate(runs: dict[int, dict | str]) -> dict:
-    """One mode's seeds: {seed: learn.curve() result, or the failure message}."""
+    """One mode's seeds: {seed: learn_results.curve() result, or the failure message}."""
     curves = {s: r["points"] for s, r in runs.items() if isinstance(r, dict)}
     per_seed = {s: {"end": pts[-1]["exact_match"] if pts else None,
                     "best": max((p["exact_match"] for p in pts), default=None),

@@ -16,7 +16,7 @@ The model is a random-init Llama-3 8B shape (hidden 4096, 32 layers, 32 heads, 8
 built once on the GPU (meta device, `to_empty`, normal init, bf16) and saved as safetensors in --workdir (reused
 when there). Its tokenizer is the offline tiny one (ids < 512; the model's vocabulary stays 128256, so the head
 costs what it costs on the real model). Data: random token rows of --seq-len (SFT / preference pairs) and prompts
-of --prompt-len (`rl_step_gpu.build_prompts`). Rewards: `bench/bench_rewards.py:distinct_ratio` by default (cheap,
+of --prompt-len (`bench_inputs.build_prompts`). Rewards: `bench/bench_rewards.py:distinct_ratio` by default (cheap,
 varies between samples), any `rl.reward_fn`, or `--reward rm` (the rm phase's export as `rl.reward_model`).
 
 Results accumulate in WORKDIR/low_memory.json across invocations (one device command is limited to 10 minutes, so

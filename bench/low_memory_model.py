@@ -112,10 +112,10 @@ def ensure_model(args, shape_name: str, gpu: bool) -> tuple[Path, dict]:
 
 def build_stores(workdir: Path, model_dir: Path, sizes: dict, steps: int) -> dict[str, Path]:
     """Random token rows: SFT rows of seq_len (loss on the second half), preference pairs of seq_len each, and
-    prompts of prompt_len (`rl_step_gpu.build_prompts`); enough rows for `steps` steps (no eval split)."""
+    prompts of prompt_len (`bench_inputs.build_prompts`); enough rows for `steps` steps (no eval split)."""
     import random
 
-    from rl_step_gpu import build_prompts
+    from bench_inputs import build_prompts
     from transformers import AutoTokenizer
 
     from ds_rlhf.data.store import tokenizer_fingerprint

@@ -160,6 +160,20 @@ def peak_time(samples: list, t0: float) -> dict:
             "nvml_per_second_gib": [round(per_second[k], 2) for k in sorted(per_second)]}
 
 
+def _wait(proc: subprocess.Popen, timeout: float | None) -> tuple[int, bool]:
+    """The phase's exit status, and whether it ran past `timeout`: then its session (the trainer and its helpers,
+    our own child's) gets SIGTERM, and SIGKILL 30 s later."""
+    try:
+        return proc.wait(timeout=timeout), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # our own child's session: the trainer and its helpers
+        try:
+            return proc.wait(timeout=30), True
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(), True
+
+
 def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps: int) -> dict:
     """One phase as a child process under the sampler; its record (exit, times, peaks, log tail, config)."""
     from gpu_timeline import Sampler
@@ -174,7 +188,6 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
     cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", PHASES[phase], *argv]
     print(f"[low_memory] {phase}: {shlex.join(cmd[1:])}", flush=True)
     idle = None
-    timed_out = False
     t0 = time.time()
     with Sampler(args.sample_period) as sampler:
         if sampler.source:
@@ -183,16 +196,7 @@ def run_phase(args, phase: str, argv: list[str], run_dir: Path, env: dict, steps
         with open(live, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            try:
-                rc = proc.wait(timeout=args.phase_timeout or None)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGTERM)  # our own child's session: the trainer and its helpers
-                try:
-                    rc = proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    rc = proc.wait()
+            rc, timed_out = _wait(proc, args.phase_timeout or None)
         wall = time.time() - t0
     if live != log_path:
         shutil.copyfile(live, log_path)

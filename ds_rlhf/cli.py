@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from ds_rlhf.config import Config, UserInputError, apply_mapping, help_text, parse_config
 from ds_rlhf.data.formats import DataPrepError
-from ds_rlhf.data.store import StoreFormatError, StoreMismatchError
+from ds_rlhf.data.store import StoreMismatchError
+from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.entrypoints.main import runtime_env_defaults
 from ds_rlhf.rewards.scoring import BadRewardError
 from ds_rlhf.run.run_dir import RunDirError

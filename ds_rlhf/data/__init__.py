@@ -17,7 +17,8 @@ from .packing import (
     token_budget_microbatches,
     unpack_sequences,
 )
-from .store import Store, StoreFormatError, StoreMismatchError, check_store, open_store, tokenizer_fingerprint
+from .store import Store, StoreMismatchError, check_store, open_store, tokenizer_fingerprint
+from .store_checks import StoreFormatError
 
 __all__ = [
     "KINDS", "SCHEMAS", "Store", "StoreFormatError", "StoreLoader", "StoreMismatchError", "check_store",

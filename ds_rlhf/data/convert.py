@@ -11,16 +11,8 @@ from __future__ import annotations
 import json
 import re
 
-from .formats import (
-    MISSING,
-    RowError,
-    as_text,
-    first_field,
-    get_field,
-    looks_like_hh,
-    normalize_messages,
-    parse_hh_transcript,
-)
+from .fields import MISSING, as_text, first_field, get_field, looks_like_hh, normalize_messages, parse_hh_transcript
+from .row_checks import RowError
 
 PROMPT_KEYS = ("prompt", "messages", "question", "problem", "query", "input", "instruction")
 LABEL_KEYS = ("reward_model.ground_truth", "label", "ground_truth", "answer", "solution")

@@ -19,7 +19,8 @@ from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.model_source import resolve_model_source
 
 from .convert import Encoder, PreferenceConverter, PromptConverter, SFTConverter
-from .formats import DataPrepError, RowError, gsm8k_answer, is_hub_dataset_name, load_hub_dataset
+from .fields import gsm8k_answer
+from .formats import DataPrepError, RowError, is_hub_dataset_name, load_hub_dataset
 from .prep_core import PrepResult, run_prep
 
 __all__ = ["prep_prompts", "prep_gsm8k", "prep_sft", "prep_preferences", "PrepResult", "DataPrepError", "cli"]

@@ -192,15 +192,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str = "bf16", overwrite: bool 
     report (also written to OUT_DIR/conversion.json). Raises GGUFImportError for a missing or non-GGUF file, a
     missing `gguf` package, an unknown dtype or an existing non-empty `out_dir` without `overwrite`."""
     src, out_dir = Path(src), Path(out_dir)
-    if dtype not in DTYPES:
-        raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    check_gguf_file(src)
-    require_gguf_package()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise GGUFImportError(f"{out_dir} exists and is not a directory: pick another output directory")
-    if _nonempty_dir(out_dir) and not overwrite:
-        raise GGUFImportError(f"{out_dir} exists and is not empty: pass --overwrite to replace it, or pick another "
-                              "output directory")
+    _check_inputs(src, out_dir, dtype, overwrite)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers import __version__ as tf_version
 
@@ -227,11 +219,7 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str = "bf16", overwrite: bool 
     model.config.use_cache = True
     changes = fix_special_tokens(tokenizer, model.config, model.generation_config)
     model.generation_config._from_model_config = False  # written on purpose: generate() must not re-derive it
-    max_len = getattr(model.config, "max_position_embeddings", None)
-    if max_len and (tokenizer.model_max_length or 0) > 10 * max_len:
-        changes.append({"field": "tokenizer.model_max_length", "from": tokenizer.model_max_length, "to": max_len,
-                        "why": "the model's context length"})
-        tokenizer.model_max_length = max_len
+    changes += _cap_model_max_length(tokenizer, model.config)
     report = {
         "source": str(src.resolve()), "sha256": sha, "size": src.stat().st_size, **meta, "dtype": dtype,
         "model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
@@ -254,6 +242,31 @@ def convert_gguf(src: Path, out_dir: Path, dtype: str = "bf16", overwrite: bool 
     for line in summary(report):
         log(f"[convert-gguf] {line}")
     return report
+
+
+def _check_inputs(src: Path, out_dir: Path, dtype: str, overwrite: bool) -> None:
+    """GGUFImportError for an unknown dtype, a missing or non-GGUF `src`, no `gguf` package, or an `out_dir` that is
+    a file or (without `overwrite`) a non-empty directory."""
+    if dtype not in DTYPES:
+        raise GGUFImportError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_gguf_file(src)
+    require_gguf_package()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise GGUFImportError(f"{out_dir} exists and is not a directory: pick another output directory")
+    if _nonempty_dir(out_dir) and not overwrite:
+        raise GGUFImportError(f"{out_dir} exists and is not empty: pass --overwrite to replace it, or pick another "
+                              "output directory")
+
+
+def _cap_model_max_length(tokenizer, config) -> list[dict]:
+    """A tokenizer `model_max_length` over 10x the model's context length set to that length; the change made."""
+    max_len = getattr(config, "max_position_embeddings", None)
+    if not max_len or (tokenizer.model_max_length or 0) <= 10 * max_len:
+        return []
+    change = {"field": "tokenizer.model_max_length", "from": tokenizer.model_max_length, "to": max_len,
+              "why": "the model's context length"}
+    tokenizer.model_max_length = max_len
+    return [change]
 
 
 def _gguf_version() -> str | None:

@@ -11,7 +11,7 @@ config, tokenizer with its chat template, the resolved ds_config; into a temp di
 failed export leaves an older OUT_DIR whole. Transformers (`AutoModelForCausalLM.from_pretrained`) and vLLM load it.
 
 A checkpoint with a COMPLETE manifest is verified (every file's size and sha256) before DeepSpeed's files are
-read, and every file loads weights-only (`engine_io.weights_only_loads`, zero_to_fp32 included): one that pickles
+read, and every file loads weights-only (`weights_only.weights_only_loads`, zero_to_fp32 included): one that pickles
 a global other than the DeepSpeed types checkpoints hold is refused, naming the file and the global, before it
 runs. OUT_DIR must be absent or an empty directory; `--overwrite` replaces an existing one (or a file or link).
 LoRA runs: `--lora merge` (default) folds the adapters into the base weights; `--lora adapter` writes a peft
@@ -29,16 +29,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-from ds_rlhf.engines.engine_io import (
-    CheckpointRefused,
-    excluded_frozen,
-    load_torch_file,
-    weights_only_loads,
-    write_export,
-)
+from ds_rlhf.engines.engine_io import excluded_frozen, write_export
 from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, as_dtype, load_causal_lm, lora_settings
 from ds_rlhf.engines.publish import publish_dir
+from ds_rlhf.engines.weights_only import CheckpointRefused, load_torch_file, weights_only_loads
 from ds_rlhf.run.checkpoints import MARKER, CheckpointManager
 from ds_rlhf.run.run_dir import STEP_DIR, complete_checkpoints, step_of
 

@@ -138,30 +138,38 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
     rollout_logp[acting] = np.fromiter(chain.from_iterable(s.logprobs for s in samples), dtype=np.float32,
                                        count=int(r_lens.sum()))
     if any(s.loss_mask is not None for s in samples):  # episodes: observation tokens are not the policy's actions
-        for row, s in enumerate(samples):
-            if s.loss_mask is not None and len(s.loss_mask) != r_lens[row]:
-                raise ValueError(f"sample {row}: {r_lens[row]} response tokens but a loss mask of {len(s.loss_mask)}")
-        acting[acting] = np.fromiter(chain.from_iterable(s.loss_mask if s.loss_mask is not None
-                                                         else [1] * len(s.response_ids) for s in samples),
-                                     dtype=np.int64, count=int(r_lens.sum())) > 0
+        acting[acting] = _loss_mask_values(samples, r_lens)
     if mask_truncated:
         acting &= ~truncated_rows([s.finish_reason for s in samples]).numpy()[:, None]
-    step_rewards = None
-    placed = [turn_reward_positions(s) for s in samples]
-    if any(placed):
-        step_rewards = np.zeros((batch, width - 1), dtype=np.float32)
-        for row, pairs in enumerate(placed):
-            for at, reward in pairs:
-                step_rewards[row, p_lens[row] - 1 + at] += reward
-        step_rewards = torch.from_numpy(step_rewards)
     return Trajectory(
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(filled.astype(np.int64)),
         action_mask=torch.from_numpy(acting.astype(np.float32)), rollout_logp=torch.from_numpy(rollout_logp),
         scores=torch.tensor(scores, dtype=torch.float32), prompt_lens=torch.from_numpy(p_lens),
         response_lens=torch.from_numpy(r_lens),
         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long), weights_version=weights_version,
-        step_rewards=step_rewards,
+        step_rewards=_step_rewards(samples, p_lens, width),
     ).to(device)
+
+
+def _loss_mask_values(samples: list[RolloutSample], r_lens: np.ndarray) -> np.ndarray:
+    """Every response token's `loss_mask` entry in row-major order, as booleans (1 for a sample without a mask)."""
+    for row, s in enumerate(samples):
+        if s.loss_mask is not None and len(s.loss_mask) != r_lens[row]:
+            raise ValueError(f"sample {row}: {r_lens[row]} response tokens but a loss mask of {len(s.loss_mask)}")
+    return np.fromiter(chain.from_iterable(s.loss_mask if s.loss_mask is not None else [1] * len(s.response_ids)
+                                           for s in samples), dtype=np.int64, count=int(r_lens.sum())) > 0
+
+
+def _step_rewards(samples: list[RolloutSample], p_lens: np.ndarray, width: int) -> torch.Tensor | None:
+    """`[B, L-1]` per-step rewards of episodes placed by `turn_reward_positions`; None when no sample has one."""
+    placed = [turn_reward_positions(s) for s in samples]
+    if not any(placed):
+        return None
+    step_rewards = np.zeros((len(samples), width - 1), dtype=np.float32)
+    for row, pairs in enumerate(placed):
+        for at, reward in pairs:
+            step_rewards[row, p_lens[row] - 1 + at] += reward
+    return torch.from_numpy(step_rewards)
 
 
 def turn_reward_positions(sample: RolloutSample) -> list[tuple[int, float]]:

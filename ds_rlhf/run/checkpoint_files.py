@@ -14,7 +14,7 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ds_rlhf.engines.engine_io import CheckpointRefused, scan_torch_file
+from ds_rlhf.engines.weights_only import CheckpointRefused, scan_torch_file
 
 MARKER = "COMPLETE"
 _CHUNK = 8 << 20

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from numpy._core.multiarray import _reconstruct
 
-from ds_rlhf.engines.engine_io import load_torch_file
+from ds_rlhf.engines.weights_only import load_torch_file
 
 
 def rng_state() -> dict:
@@ -46,7 +46,7 @@ def _as_tuples(value):
 
 def load_rng_file(path: Path) -> dict:
     """This rank's RNG file, weights only; the files of older checkpoints held numpy's state tuple, so numpy's array
-    types are allowed too (any other pickled global raises `engine_io.CheckpointRefused`)."""
+    types are allowed too (any other pickled global raises `weights_only.CheckpointRefused`)."""
     return load_torch_file(path, extra_types=(_reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType))
 
 

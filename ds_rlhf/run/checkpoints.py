@@ -19,7 +19,7 @@ Nothing lost, nothing silent:
   save its first checkpoint stops before it trains. A save cut off by the file-size limit (`ulimit -f`) is
   `CheckpointSaveError`, one line naming the limit.
 - `keep_last`: that many newest checkpoints are kept, 0 keeps all; the checkpoint just saved is never pruned.
-- Every file loads with `torch.load(weights_only=True)` (`engines/engine_io.py:weights_only_loads`, DeepSpeed's
+- Every file loads with `torch.load(weights_only=True)` (`engines/weights_only.py:weights_only_loads`, DeepSpeed's
   engine files included, with the few DeepSpeed types they hold allowed): a file that pickles anything else is
   refused before it runs, naming the file and the global. RNG states are stored as tensors and plain values.
 
@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import barrier
-from ds_rlhf.engines.engine_io import CheckpointRefused, load_checkpoint, load_torch_file, save_checkpoint
+from ds_rlhf.engines.engine_io import load_checkpoint, save_checkpoint
 from ds_rlhf.engines.publish import fsync_dir, replace_dir
+from ds_rlhf.engines.weights_only import CheckpointRefused, load_torch_file
 from ds_rlhf.run.checkpoint_files import (
     MARKER,
     engine_bytes,

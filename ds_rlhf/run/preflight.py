@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 
 from ds_rlhf.config import Config, ConfigError
-from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
+from ds_rlhf.data.store import StoreMismatchError, open_store
+from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.engines import kernels
 from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source

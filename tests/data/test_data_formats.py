@@ -9,18 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from datahelp import write_jsonl
 
-from ds_rlhf.data.formats import (
-    MISSING,
-    DataPrepError,
-    RowError,
-    expand_inputs,
-    get_field,
-    gsm8k_answer,
-    iter_rows,
-    normalize_messages,
-    parse_hh_transcript,
-    source_info,
-)
+from ds_rlhf.data.fields import MISSING, get_field, gsm8k_answer, normalize_messages, parse_hh_transcript
+from ds_rlhf.data.formats import DataPrepError, RowError, expand_inputs, iter_rows, source_info
 
 
 def test_jsonl_rows_keep_line_numbers_and_report_malformed_lines(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from datahelp import synthetic_rows, write_jsonl
 
 from ds_rlhf.data import StoreFormatError, open_store
-from ds_rlhf.data import store as store_module
+from ds_rlhf.data import store_checks as store_module
 from ds_rlhf.data.prep import prep_prompts
 from ds_rlhf.data.writer import write_store
 

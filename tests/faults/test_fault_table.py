@@ -25,7 +25,8 @@ import torch
 from ds_rlhf.agent.tool_calls import parse_tool_calls
 from ds_rlhf.cli import USER_ERRORS, run_entry
 from ds_rlhf.data.loader import StoreLoader
-from ds_rlhf.data.store import StoreFormatError, open_store
+from ds_rlhf.data.store import open_store
+from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.data.writer import write_store
 from ds_rlhf.engines.publish import publish_dir
 from ds_rlhf.entrypoints.main import main as ds_rlhf

@@ -208,15 +208,17 @@ def test_autotune_runs_only_candidates_that_fit_the_cap(qwen, tmp_path):
     assert len(ran) == 2 and all("0.85" not in a and "131072" not in a for a in ran)
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("rl_step_gpu", ROOT / "bench" / "rl_step_gpu.py")
+def load_bench(monkeypatch, name: str = "rl_step_gpu"):
+    """bench/<name>.py as a module, its folder first on the path as when the script runs (it imports its siblings)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_bench_flag_leaves_the_split_to_the_run_and_keeps_the_defaults(tmp_path, monkeypatch):
-    bench = load_bench()
+    bench = load_bench(monkeypatch)
 
     def argv_for(*flags):
         monkeypatch.setattr("sys.argv", ["rl_step_gpu.py", *flags])
@@ -247,12 +249,12 @@ def test_bench_flag_leaves_the_split_to_the_run_and_keeps_the_defaults(tmp_path,
     assert value(argv, "--rollout.gpu_memory_utilization") == "0.2" and "--data.micro_batch_tokens" not in argv
 
 
-def test_bench_records_each_process_at_the_device_peak():
+def test_bench_records_each_process_at_the_device_peak(monkeypatch):
     import os
     import subprocess
     import sys
 
-    bench = load_bench()
+    bench = load_bench(monkeypatch, "process_memory")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         me = os.getpid()

@@ -221,21 +221,19 @@ def test_tiny_calculator_episodes_on_gsm8k(shared_data, tmp_path):
 
 
 def test_gpu_use_averages_the_samples_taken_over_the_training_steps(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
-    learn = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(learn)
+    results = _learn(monkeypatch, "learn_results")
     metrics = [{"step": 0, "time": 100.0, "eval/pass@1": 0.0}, {"step": 1, "time": 110.0}, {"step": 2, "time": 120.0}]
     samples = [(105.0, 0.0, 5.0), (110.0, 40.0, 30.0), (115.0, 60.0, 35.0), (120.0, 80.0, 33.0), (125.0, 0.0, 50.0)]
-    out = learn.gpu_use(samples, "nvml", metrics)  # the engine start-up (105) and the exit (125) are left out
+    out = results.gpu_use(samples, "nvml", metrics)  # the engine start-up (105) and the exit (125) are left out
     assert out == {"source": "nvml", "window": [110.0, 120.0], "gpu_util_mean": 60.0, "gpu_mem_max_gib": 35.0,
                    "samples": 3}
-    assert learn.gpu_use([], None, metrics)["gpu_util_mean"] is None
+    assert results.gpu_use([], None, metrics)["gpu_util_mean"] is None
 
 
-def _learn(monkeypatch):
+def _learn(monkeypatch, name: str = "learn"):
+    """bench/<name>.py (learn.py, or its sibling learn_results.py) as a module."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when the script runs: its folder first on the path
-    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     learn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(learn)
     return learn
@@ -318,7 +316,7 @@ def test_tiny_calculator_run_with_a_warm_start_trains_sft_first_and_records_it(t
 def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
     """Runs of one mode each (`--modes sync`, `--modes async`), each with its own warm start, joined by --merge:
     the step-0 figures after SFT of both modes stay in `warm_start`."""
-    learn = _learn(monkeypatch)
+    results = _learn(monkeypatch, "learn_results")
     files = []
     for i, mode in enumerate(("sync", "async")):
         point = {"step": 0, "seconds": 0.0, "generated_tokens": 0, "exact_match": i / 4, "format": None,
@@ -329,7 +327,7 @@ def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
                                                                                   "tool_call_rate": i / 2}}}}
         files.append(tmp_path / f"{mode}.json")
         files[-1].write_text(json.dumps(data))
-    merged = json.loads(learn.merge(files, tmp_path).read_text())
+    merged = json.loads(results.merge(files, tmp_path).read_text())
     assert list(merged["modes"]) == ["sync", "async"] and merged["warm_start"]["steps"] == 3
     assert merged["warm_start"]["step0"] == {"sync": {"exact_match": 0.0, "tool_call_rate": 0.0},
                                              "async": {"exact_match": 0.25, "tool_call_rate": 0.5}}
@@ -338,7 +336,7 @@ def test_merge_keeps_the_warm_start_step0_of_every_run(tmp_path, monkeypatch):
 def test_merge_labels_keep_two_runs_of_one_mode_apart(tmp_path, monkeypatch):
     """Two synchronous runs with different settings, joined with --labels: both curves stay, each named by its label;
     a label count that does not match the files is refused in one line."""
-    learn = _learn(monkeypatch)
+    learn, results = _learn(monkeypatch), _learn(monkeypatch, "learn_results")
     files = []
     for i, label in enumerate(("whole", "partial")):
         point = {"step": 0, "seconds": 0.0, "generated_tokens": 0, "exact_match": i / 4, "format": None}
@@ -346,7 +344,7 @@ def test_merge_labels_keep_two_runs_of_one_mode_apart(tmp_path, monkeypatch):
                 "modes": {"sync": {"points": [point], "lengths": [], "summary": {}}}}
         files.append(tmp_path / f"{label}.json")
         files[-1].write_text(json.dumps(data))
-    merged = json.loads(learn.merge(files, tmp_path, ["whole", "partial"]).read_text())
+    merged = json.loads(results.merge(files, tmp_path, ["whole", "partial"]).read_text())
     assert list(merged["modes"]) == ["sync, whole", "sync, partial"]
     assert merged["modes"]["sync, partial"]["points"][0]["exact_match"] == 0.25
     with pytest.raises(SystemExit):
@@ -362,7 +360,7 @@ def _seeds_module(monkeypatch):
 
 
 def _run(points: list[tuple[int, float, float]]) -> dict:
-    """A learn.curve() result from (step, seconds, exact match) evaluation points."""
+    """A learn_results.curve() result from (step, seconds, exact match) evaluation points."""
     pts = [{"step": st, "seconds": sec, "exact_match": em} for st, sec, em in points]
     return {"points": pts, "summary": {"steps": pts[-1]["step"], "train_seconds": pts[-1]["seconds"]}}
 
@@ -461,7 +459,7 @@ def test_tiny_seeds_run_writes_each_seeds_curve_the_band_and_time_to(tmp_path):
 def test_merge_joins_seed_runs_of_one_mode_each(tmp_path, monkeypatch):
     """--seeds runs of sync and async made apart (one per call), joined by --merge: both modes' runs and aggregates,
     and the seeds' PNG; with --labels each mode's name carries its label."""
-    learn, seeds = _learn(monkeypatch), _seeds_module(monkeypatch)
+    results, seeds = _learn(monkeypatch, "learn_results"), _seeds_module(monkeypatch)
     files = []
     for i, mode in enumerate(("sync", "async")):
         runs = {s: _run([(0, 0, 0.1), (10, 20 + s, 0.2 + i / 10 + s / 100)]) for s in (0, 1)}
@@ -470,9 +468,9 @@ def test_merge_joins_seed_runs_of_one_mode_each(tmp_path, monkeypatch):
                 "seeds": {mode: seeds.aggregate(runs)}}
         files.append(tmp_path / f"{mode}.json")
         files[-1].write_text(json.dumps(data))
-    merged = json.loads(learn.merge(files, tmp_path).read_text())
+    merged = json.loads(results.merge(files, tmp_path).read_text())
     assert list(merged["modes"]) == ["sync, seed 0", "sync, seed 1", "async, seed 0", "async, seed 1"]
     assert merged["seeds"]["async"]["by_step"][1]["median"] == pytest.approx(0.305)
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    labelled = json.loads(learn.merge(files, tmp_path, ["a", "b"]).read_text())
+    labelled = json.loads(results.merge(files, tmp_path, ["a", "b"]).read_text())
     assert list(labelled["seeds"]) == ["sync, a", "async, b"] and "async, b, seed 1" in labelled["modes"]

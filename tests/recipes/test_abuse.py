@@ -21,7 +21,7 @@ from ds_rlhf.data import open_store, prep_core
 from ds_rlhf.data.formats import DataPrepError
 from ds_rlhf.data.prep import prep_sft
 from ds_rlhf.data.synthetic import write_addition_datasets
-from ds_rlhf.engines.engine_io import DEEPSPEED_TYPES, load_torch_file
+from ds_rlhf.engines.weights_only import DEEPSPEED_TYPES, load_torch_file
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.recipes.sft import SFTTask
 from ds_rlhf.recipes.supervised import SupervisedTrainer

@@ -14,14 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from ds_rlhf.recipes import rl_eval
-from ds_rlhf.recipes.rl_eval import (
-    BestCheckpointTracker,
-    evaluate,
-    keep_best,
-    load_eval_rows,
-    pass_at_k,
-)
+from ds_rlhf.recipes import eval_metrics, rl_eval
+from ds_rlhf.recipes.eval_metrics import pass_at_k
+from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, evaluate, keep_best, load_eval_rows
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
 
@@ -220,7 +215,7 @@ def test_shards_merge_to_the_whole_set(monkeypatch):
     rows, table = rows_with(rewards, sources=["a", "b"] * 3 + ["a"])
     whole = run_eval(engine_for(table), rows)
     tallies = []
-    monkeypatch.setattr(rl_eval, "_all_gather", lambda t: tallies.append(t) or [t])
+    monkeypatch.setattr(rl_eval, "gather_tallies", lambda t: tallies.append(t) or [t])
     world = 3
     per_rank = -(-len(rows) // world)
     for rank in range(world):
@@ -229,7 +224,7 @@ def test_shards_merge_to_the_whole_set(monkeypatch):
         engine = engine_for(table)
         run_eval(engine, shard)
         assert len(engine.specs) == 1
-    merged = rl_eval._metrics(rl_eval._merge(tallies))
+    merged = eval_metrics.tally_metrics(eval_metrics.merge_tallies(tallies))
     assert merged == pytest.approx({k: v for k, v in whole.items() if k != "eval/seconds"})
 
 

@@ -346,7 +346,7 @@ def test_nccl_sync_puts_each_blocking_server_call_in_flight_before_the_trainers(
 
 # ---- the GPU bench's flag -------------------------------------------------------------------------------------------
 def test_bench_passes_the_weight_transport_to_the_run(tmp_path, monkeypatch):
-
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))  # as when the script runs
     path = Path(__file__).resolve().parents[2] / "bench" / "rl_step_gpu.py"
     spec = importlib.util.spec_from_file_location("rl_step_gpu", path)
     bench = importlib.util.module_from_spec(spec)

@@ -2,7 +2,8 @@
 send to all, then read every reply even after one failed, so no connection is left with a reply that a later call
 would take for its own; the weight update through one shared CUDA-IPC buffer: ours (`update_through_ipc`) or
 vLLM's IPC weight-transfer engine (`update_through_vllm_ipc`, `rollout.weight_transport vllm`); and a
-disaggregated server's update through vLLM's NCCL weight-transfer engine (`update_through_vllm_nccl`)."""
+disaggregated server's update over our weight group (`update_through_group`) or through vLLM's NCCL weight-transfer
+engine (`update_through_vllm_nccl`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
 from ds_rlhf.rollout.vllm_adapter import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
-from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
+from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
 
 if TYPE_CHECKING:
     from ds_rlhf.rollout.server.client import RemoteVLLMEngine
@@ -153,6 +154,46 @@ def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: 
         return nbytes, Pending.done(slowest_load(done.result()))
     lead._ipc_owed = done
     return nbytes, Pending(lambda: slowest_load(done.result()))
+
+
+def update_through_group(engine: RemoteVLLMEngine, buckets, plan: BucketPlan, *,
+                         wait: bool = True) -> tuple[int, Pending]:
+    """A disaggregated server's update over our weight group (joined on the first call): the plan as one 'update'
+    command, then each bucket flattened and broadcast on the group, bucket k+1 gathered and packed while bucket k is
+    on the wire. With `wait=False` the server's acknowledgement is left unread in the returned `Pending`.
+    Returns the bytes sent and that `Pending`."""
+    _join_group(engine)
+    done = engine.send_command("update", plan_to_wire(plan))
+    nbytes, pending, n_sent = 0, None, 0
+    for bucket, metas in zip(buckets, plan):
+        names = [n for n, _ in bucket]
+        if names != [m.name for m in metas]:
+            raise RolloutError(f"bucket {n_sent} does not match the announced plan: {names[:3]} vs "
+                               f"{[m.name for m in metas][:3]}")
+        buf = pack_bucket([t for _, t in bucket], metas)
+        if pending is not None:
+            pending.wait()  # overlap: gather/pack bucket k+1 while bucket k is on the wire
+        pending = engine._group.broadcast(buf)
+        nbytes += buf.numel()
+        n_sent += 1
+    if pending is not None:
+        pending.wait()
+    if n_sent != len(plan):
+        raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
+    if wait:
+        done.result()
+    return nbytes, done
+
+
+def _join_group(engine: RemoteVLLMEngine) -> None:
+    """The weight group of `engine` and its server's workers (rank 0 = this trainer rank, 1..N = the workers)."""
+    if engine._group is not None:
+        return
+    port, world = free_port(), 1 + engine.world
+    reply = engine.send_command("init_group", engine.host, port, world, engine.weight_backend, engine.timeout_s)
+    device = torch.device("cuda", torch.cuda.current_device()) if engine.weight_backend == "nccl" else None
+    engine._group = WeightGroup(engine.host, port, world, 0, engine.weight_backend, engine.timeout_s, device)
+    reply.result()
 
 
 def update_through_vllm_nccl(engine: RemoteVLLMEngine, buckets, plan: BucketPlan, *,

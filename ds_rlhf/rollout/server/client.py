@@ -15,7 +15,8 @@ The server answers every command in the order it came, so replies are read in th
 `Pending` per command; reading one reads and keeps those before it). That lets a single-rank trainer hand weights
 over without waiting (`update_weight_buckets_later`): its next generation request queues behind the load, and the
 load's acknowledgement is read, at the latest, when that generation is collected.
-The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync. With
+The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync
+(`calls.update_through_group`). With
 `rollout.weight_transport vllm` vLLM's own NCCL weight-transfer engine replaces it (`calls.update_through_vllm_nccl`,
 the same ranks; the server's engine is built with `weight_transfer_config={"backend": "nccl"}`). Server errors come
 back as RolloutError with the server's traceback; a dead server is reported with its exit code.
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ds_rlhf.distributed import free_port, multi_rank
+from ds_rlhf.distributed import multi_rank
 from ds_rlhf.rollout.base import (
     BucketPlan,
     Pending,
@@ -41,9 +42,14 @@ from ds_rlhf.rollout.base import (
     SamplingSpec,
     TensorMeta,
 )
-from ds_rlhf.rollout.server.calls import update_through_ipc, update_through_vllm_ipc, update_through_vllm_nccl
+from ds_rlhf.rollout.server.calls import (
+    update_through_group,
+    update_through_ipc,
+    update_through_vllm_ipc,
+    update_through_vllm_nccl,
+)
 from ds_rlhf.rollout.server.process import ServerProcess
-from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
+from ds_rlhf.rollout.weight_group import WeightGroup
 
 
 class ConnectionLost(RolloutError):
@@ -322,43 +328,12 @@ class RemoteVLLMEngine(RolloutEngine):
         if self.weight_backend == "ipc":
             send = update_through_vllm_ipc if self.weight_transport == "vllm" else update_through_ipc
             nbytes, done = send([self], buckets, plan, wait=wait)
-            self._record_update(nbytes, time.perf_counter() - t0)
-            return done
-        if self.weight_transport == "vllm":  # vLLM's NCCL weight-transfer engine
+        elif self.weight_transport == "vllm":  # vLLM's NCCL weight-transfer engine
             nbytes, done = update_through_vllm_nccl(self, buckets, plan, wait=wait)
-            self._record_update(nbytes, time.perf_counter() - t0)
-            return done
-        self._ensure_group()
-        done = self.send_command("update", plan_to_wire(plan))
-        nbytes, pending, n_sent = 0, None, 0
-        for bucket, metas in zip(buckets, plan):
-            names = [n for n, _ in bucket]
-            if names != [m.name for m in metas]:
-                raise RolloutError(f"bucket {n_sent} does not match the announced plan: {names[:3]} vs "
-                                   f"{[m.name for m in metas][:3]}")
-            buf = pack_bucket([t for _, t in bucket], metas)
-            if pending is not None:
-                pending.wait()  # overlap: gather/pack bucket k+1 while bucket k is on the wire
-            pending = self._group.broadcast(buf)
-            nbytes += buf.numel()
-            n_sent += 1
-        if pending is not None:
-            pending.wait()
-        if n_sent != len(plan):
-            raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
-        if wait:
-            done.result()
+        else:  # our own weight group
+            nbytes, done = update_through_group(self, buckets, plan, wait=wait)
         self._record_update(nbytes, time.perf_counter() - t0)
         return done
-
-    def _ensure_group(self) -> None:
-        if self._group is not None:
-            return
-        port, world = free_port(), 1 + self.world
-        reply = self.send_command("init_group", self.host, port, world, self.weight_backend, self.timeout_s)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" else None
-        self._group = WeightGroup(self.host, port, world, 0, self.weight_backend, self.timeout_s, device)
-        reply.result()
 
     def reset_cache(self) -> None:
         """The server resets vLLM's prefix cache itself at the end of every update."""
