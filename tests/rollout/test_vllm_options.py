@@ -10,7 +10,8 @@ from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS, engine_arg_names, engine_option_kwargs
+from ds_rlhf.rollout.vllm_adapter import engine_arg_names, engine_option_kwargs
+from ds_rlhf.rollout.vllm_mapping import ENGINE_OPTIONS
 
 pytest.importorskip("vllm")
 

@@ -15,8 +15,8 @@ import torch
 from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
-from ds_rlhf.rollout.vllm_adapter import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
+from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
 
 if TYPE_CHECKING:
