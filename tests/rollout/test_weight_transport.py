@@ -133,7 +133,7 @@ def test_server_builds_llm_with_vllms_weight_transfer_engine_only_for_vllm(place
     extra = {} if transport == "own" else {"weight_transport": "vllm"}
     sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **settings, **extra)
     with pytest.raises(LLMBuilt):
-        remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
+        remote_server.ServerSession().handle("start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     if transport == "own":
         assert "weight_transfer_config" not in kw

@@ -14,6 +14,7 @@ import torch
 
 from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
+from ds_rlhf.rollout.server.protocol import Command
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
@@ -82,17 +83,17 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
             from torch.multiprocessing.reductions import reduce_tensor
 
             lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-            command_all(engines, "init_ipc", reduce_tensor(lead._ipc_buf))
+            command_all(engines, Command.INIT_IPC, reduce_tensor(lead._ipc_buf))
         pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
         torch.cuda.current_stream().synchronize()
         if wait or i < last:
-            command_all(engines, "update_ipc", plan_to_wire([metas]))
+            command_all(engines, Command.UPDATE_IPC, plan_to_wire([metas]))
         else:
-            owed += send_all(engines, "update_ipc", plan_to_wire([metas]))
+            owed += send_all(engines, Command.UPDATE_IPC, plan_to_wire([metas]))
         nbytes += size
     if wait:
-        return nbytes, Pending.done(slowest_load(command_all(engines, "update_done")))
-    done = all_of(owed + send_all(engines, "update_done"))
+        return nbytes, Pending.done(slowest_load(command_all(engines, Command.UPDATE_DONE)))
+    done = all_of(owed + send_all(engines, Command.UPDATE_DONE))
     lead._ipc_owed = done  # read before the buffer is written again, whoever calls next
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
@@ -110,22 +111,22 @@ class ServersWeightClient:
         self.finished: Pending | None = None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        command_all(self.engines, "wt_init", dict(init_info))
+        command_all(self.engines, Command.WT_INIT, dict(init_info))
 
     def init_weight_transfer_engine_later(self, init_info: dict) -> Pending:
-        return all_of(send_all(self.engines, "wt_init", dict(init_info)))
+        return all_of(send_all(self.engines, Command.WT_INIT, dict(init_info)))
 
     def update_weights_later(self, update_info: dict) -> Pending:
-        return all_of(send_all(self.engines, "wt_update", dict(update_info)))
+        return all_of(send_all(self.engines, Command.WT_UPDATE, dict(update_info)))
 
     def start_weight_update(self) -> None:
-        command_all(self.engines, "wt_start")
+        command_all(self.engines, Command.WT_START)
 
     def update_weights(self, update_info: dict) -> None:
-        command_all(self.engines, "wt_update", dict(update_info))
+        command_all(self.engines, Command.WT_UPDATE, dict(update_info))
 
     def finish_weight_update(self) -> None:
-        replies = send_all(self.engines, "wt_finish")
+        replies = send_all(self.engines, Command.WT_FINISH)
         self.finished = all_of(replies)
         if not self.defer_finish:
             self.finished.result()

@@ -43,6 +43,7 @@ from ds_rlhf.rollout.base import (
 )
 from ds_rlhf.rollout.server.calls import update_through_ipc, update_through_vllm_ipc, update_through_vllm_nccl
 from ds_rlhf.rollout.server.process import ServerProcess
+from ds_rlhf.rollout.server.protocol import ERROR, Command
 from ds_rlhf.rollout.weight_group import WeightGroup, pack_bucket, plan_to_wire
 
 
@@ -104,7 +105,7 @@ class RemoteVLLMEngine(RolloutEngine):
         try:
             deadline = time.monotonic() + startup_timeout_s
             self._conn = process.connect(startup_timeout_s)
-            self._conn.send(("start", str(model_path), engine_kwargs))
+            self._conn.send((Command.START, str(model_path), engine_kwargs))
             info = self._recv(max(1.0, deadline - time.monotonic()))
         except RolloutError as e:
             self.close()
@@ -128,7 +129,7 @@ class RemoteVLLMEngine(RolloutEngine):
             status, payload = self._conn.recv()
         except (EOFError, OSError) as e:
             raise ConnectionLost(f"rollout server connection lost: {type(e).__name__}: {e}") from e
-        if status == "error":
+        if status == ERROR:
             raise RolloutError(f"rollout server failed:\n{payload}")
         return payload
 
@@ -227,8 +228,8 @@ class RemoteVLLMEngine(RolloutEngine):
         return [(rows, reply["seconds"], reply["tokens"]) for rows in reply["rows"]]
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
-        rows, seconds, tokens = self._collective((prompts, spec),
-                                                 lambda groups: self._per_rank(self._call("generate_many", groups)))
+        rows, seconds, tokens = self._collective(
+            (prompts, spec), lambda groups: self._per_rank(self._call(Command.GENERATE_MANY, groups)))
         samples = [RolloutSample(*s) for s in rows]
         self._record_generate(samples, seconds, tokens)
         return samples
@@ -241,7 +242,7 @@ class RemoteVLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         groups = self._gather_to_owner((prompts, spec))
         if self.owner:
-            self._generation = self.send_command("generate_many", groups)
+            self._generation = self.send_command(Command.GENERATE_MANY, groups)
         self._in_flight = True
         return RolloutTicket(pending=groups is not None, started=t0)
 
@@ -266,12 +267,12 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self.defers_replies:
             return super().logprobs_replicas_later(sequences)  # collective: every rank now
         self._check_idle()
-        reply = self.send_command("logprobs", sequences)
+        reply = self.send_command(Command.LOGPROBS, sequences)
         return Pending(lambda: [reply.result()])
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         def run(groups):
-            flat = self._call("logprobs", [s for g in groups for s in g])
+            flat = self._call(Command.LOGPROBS, [s for g in groups for s in g])
             bounds = [0]
             for g in groups:
                 bounds.append(bounds[-1] + len(g))
@@ -329,7 +330,7 @@ class RemoteVLLMEngine(RolloutEngine):
             self._record_update(nbytes, time.perf_counter() - t0)
             return done
         self._ensure_group()
-        done = self.send_command("update", plan_to_wire(plan))
+        done = self.send_command(Command.UPDATE, plan_to_wire(plan))
         nbytes, pending, n_sent = 0, None, 0
         for bucket, metas in zip(buckets, plan):
             names = [n for n, _ in bucket]
@@ -355,7 +356,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._group is not None:
             return
         port, world = free_port(), 1 + self.world
-        reply = self.send_command("init_group", self.host, port, world, self.weight_backend, self.timeout_s)
+        reply = self.send_command(Command.INIT_GROUP, self.host, port, world, self.weight_backend, self.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if self.weight_backend == "nccl" else None
         self._group = WeightGroup(self.host, port, world, 0, self.weight_backend, self.timeout_s, device)
         reply.result()
@@ -365,7 +366,7 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def sleep(self) -> None:
         if self.owner:
-            self._c.extra.update(self._call("sleep"))
+            self._c.extra.update(self._call(Command.SLEEP))
         self.sleeping = True
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
@@ -374,14 +375,14 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self.sleeping:
             return
         if self.owner:
-            self._c.extra.update(self._call("wake", None if tags is None else list(tags)))
+            self._c.extra.update(self._call(Command.WAKE, None if tags is None else list(tags)))
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
 
     def stats(self) -> dict:
         out = super().stats()
         if self.owner and self._conn is not None:
-            out["server"] = self._call("stats")
+            out["server"] = self._call(Command.STATS)
         return out
 
     def begin_close(self) -> None:
@@ -390,7 +391,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self._unread.clear()  # replies nobody will read now
         if conn is not None:
             try:
-                conn.send(("close",))
+                conn.send((Command.CLOSE,))
                 conn.close()
             except OSError:
                 pass
