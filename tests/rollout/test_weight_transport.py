@@ -252,10 +252,11 @@ class _Server:
     is the trainer's side, which, like NCCL, waits for the server's call to be in flight (2 s, then fails)."""
 
     host, world, timeout_s = "127.0.0.1", 1, 600.0
+    vllm_weight_transfer = RemoteVLLMEngine.vllm_weight_transfer  # joined on the first call, then kept
 
     def __init__(self):
         self.log, self.infos, self._wt_client, self._wt_sender = [], {}, None, None
-        self._proc = _Running()  # the server process the watchdog polls
+        self.process = _Running()  # the server process the watchdog polls
         self.sent = {c: threading.Event() for c in ("wt_init", "wt_update")}
         self.joined = {c: threading.Event() for c in ("wt_init", "wt_update")}
 

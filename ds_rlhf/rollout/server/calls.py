@@ -7,8 +7,9 @@ disaggregated server's update through vLLM's NCCL weight-transfer engine (`updat
 from __future__ import annotations
 
 import contextlib
+import subprocess
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -20,11 +21,29 @@ from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_bu
 from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.weight_group import bucket_nbytes, pack_bucket, plan_to_wire
 
-if TYPE_CHECKING:
-    from ds_rlhf.rollout.server.client import RemoteVLLMEngine
+
+class RolloutServer(Protocol):
+    """What these calls use of a rollout server's client (`client.RemoteVLLMEngine`)."""
+
+    host: str
+    world: int
+    timeout_s: float
+
+    @property
+    def process(self) -> subprocess.Popen | None: ...
+
+    def send_command(self, *msg) -> Pending: ...
+
+    def settle_owed(self) -> None: ...
+
+    def owe(self, done: Pending) -> None: ...
+
+    def ipc_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]: ...
+
+    def vllm_weight_transfer(self, join) -> tuple[ServersWeightClient, NCCLWeightSender]: ...
 
 
-def send_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list[Pending]:
+def send_all(engines: Sequence[RolloutServer], *msg) -> list[Pending]:
     """Send `msg` to every server without waiting; one `Pending` reply each. When a send fails, the replies of the
     servers it reached are read first (so none is left for a later call to take for its own), then it raises."""
     sent = []
@@ -56,14 +75,14 @@ def all_of(replies: Sequence[Pending]) -> Pending:
     return Pending(read)
 
 
-def command_all(engines: Sequence[RemoteVLLMEngine], *msg) -> list:
+def command_all(engines: Sequence[RolloutServer], *msg) -> list:
     """Send `msg` to every server, then read the reply of every server it reached, even after one failed (so no
     connection is left with an unread reply that the next call would take for its own); the first failure is
     raised once all replies are in. Returns the replies in the engines' order."""
     return all_of(send_all(engines, *msg)).result()
 
 
-def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
+def update_through_ipc(engines: Sequence[RolloutServer], buckets, plan: BucketPlan, *,
                        wait: bool = True) -> tuple[int, Pending]:
     """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
     into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
@@ -73,18 +92,16 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     writes the buffer again (kept on the first engine). Returns the bytes sent (once, however many servers) and
     that `Pending` (done when `wait`)."""
     lead, nbytes, last = engines[0], 0, len(plan) - 1
-    if lead._ipc_owed is not None:  # a server may still be copying out of the buffer
-        owed_before, lead._ipc_owed = lead._ipc_owed, None
-        owed_before.result()
+    lead.settle_owed()  # a server may still be copying out of the buffer
     owed: list[Pending] = []
     for i, (bucket, metas) in enumerate(zip(buckets, plan)):
         size = bucket_nbytes(metas)
-        if lead._ipc_buf is None or lead._ipc_buf.numel() < size:
+        buffer, fresh = lead.ipc_buffer(size)
+        if fresh:
             from torch.multiprocessing.reductions import reduce_tensor
 
-            lead._ipc_buf = torch.empty(size, dtype=torch.uint8, device=torch.cuda.current_device())
-            command_all(engines, Command.INIT_IPC, reduce_tensor(lead._ipc_buf))
-        pack_bucket([t for _, t in bucket], metas, out=lead._ipc_buf)
+            command_all(engines, Command.INIT_IPC, reduce_tensor(buffer))
+        pack_bucket([t for _, t in bucket], metas, out=buffer)
         torch.cuda.current_stream().synchronize()
         if wait or i < last:
             command_all(engines, Command.UPDATE_IPC, plan_to_wire([metas]))
@@ -94,7 +111,7 @@ def update_through_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: Bucke
     if wait:
         return nbytes, Pending.done(slowest_load(command_all(engines, Command.UPDATE_DONE)))
     done = all_of(owed + send_all(engines, Command.UPDATE_DONE))
-    lead._ipc_owed = done  # read before the buffer is written again, whoever calls next
+    lead.owe(done)  # read before the buffer is written again, whoever calls next
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
 
@@ -106,7 +123,7 @@ class ServersWeightClient:
     send without waiting and return a `Pending` of every reply (NCCL: the server's call blocks until the trainer
     joins the same rendezvous / broadcast, so it must be in flight before the trainer makes its side)."""
 
-    def __init__(self, engines: Sequence[RemoteVLLMEngine], *, defer_finish: bool = False) -> None:
+    def __init__(self, engines: Sequence[RolloutServer], *, defer_finish: bool = False) -> None:
         self.engines, self.defer_finish = list(engines), defer_finish
         self.finished: Pending | None = None
 
@@ -132,7 +149,7 @@ class ServersWeightClient:
             self.finished.result()
 
 
-def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: BucketPlan, *,
+def update_through_vllm_ipc(engines: Sequence[RolloutServer], buckets, plan: BucketPlan, *,
                             wait: bool = True) -> tuple[int, Pending]:
     """`rollout.weight_transport vllm`: the sidecar servers on the trainer's GPU get every bucket through vLLM's
     CUDA-IPC weight-transfer engine (packed: one buffer of the largest bucket's size, refilled chunk by chunk; each
@@ -142,9 +159,7 @@ def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: 
     cache reset) is left unread: the returned `Pending` reads it, and so does the next update here first.
     Returns the bytes sent (once, however many servers) and that `Pending`."""
     lead = engines[0]
-    if lead._ipc_owed is not None:  # the previous update's 'wt_finish', not read yet
-        owed_before, lead._ipc_owed = lead._ipc_owed, None
-        owed_before.result()
+    lead.settle_owed()  # the previous update's 'wt_finish', if not read yet
     client = ServersWeightClient(engines, defer_finish=not wait)
     send_weights_through_vllm_ipc(named_tensors_from_buckets(buckets, plan), plan, client,
                                   transfer_buffer_bytes(plan))
@@ -152,11 +167,11 @@ def update_through_vllm_ipc(engines: Sequence[RemoteVLLMEngine], buckets, plan: 
     done = client.finished
     if wait:
         return nbytes, Pending.done(slowest_load(done.result()))
-    lead._ipc_owed = done
+    lead.owe(done)
     return nbytes, Pending(lambda: slowest_load(done.result()))
 
 
-def update_through_vllm_nccl(engine: RemoteVLLMEngine, buckets, plan: BucketPlan, *,
+def update_through_vllm_nccl(engine: RolloutServer, buckets, plan: BucketPlan, *,
                              wait: bool = True) -> tuple[int, Pending]:
     """`rollout.weight_transport vllm` on a disaggregated server (its own GPUs): the buckets go through vLLM's NCCL
     weight-transfer engine (`NCCLWeightSender`; packed broadcasts of chunks of the largest bucket's size). The
@@ -167,15 +182,15 @@ def update_through_vllm_nccl(engine: RemoteVLLMEngine, buckets, plan: BucketPlan
     vLLM's NCCL group has no timeout: the call runs under `watchdog.exit_if_server_fails`, which ends this process
     with a one-line error if the server exits or the call outlasts the client's timeout.
     Returns the bytes sent and that `Pending`."""
-    with exit_if_server_fails([engine._proc], engine.timeout_s, "weight update of the disaggregated server"):
-        if engine._wt_client is None:
-            engine._wt_client = ServersWeightClient([engine])
-            engine._wt_sender = NCCLWeightSender(engine._wt_client, host=engine.host, port=free_port(),
-                                                 world_size=1 + engine.world,
-                                                 buffer_bytes=transfer_buffer_bytes(plan))
-        client = engine._wt_client
+    def join(server: RolloutServer) -> tuple[ServersWeightClient, NCCLWeightSender]:
+        client = ServersWeightClient([server])
+        return client, NCCLWeightSender(client, host=server.host, port=free_port(), world_size=1 + server.world,
+                                        buffer_bytes=transfer_buffer_bytes(plan))
+
+    with exit_if_server_fails([engine.process], engine.timeout_s, "weight update of the disaggregated server"):
+        client, sender = engine.vllm_weight_transfer(join)
         client.defer_finish, client.finished = not wait, None
-        engine._wt_sender.send(named_tensors_from_buckets(buckets, plan), plan)
+        sender.send(named_tensors_from_buckets(buckets, plan), plan)
     nbytes = sum(bucket_nbytes(metas) for metas in plan)
     done = client.finished
     if wait:

@@ -221,6 +221,37 @@ class RemoteVLLMEngine(RolloutEngine):
     def weight_dtype(self) -> torch.dtype:
         return self._dtype
 
+    # ---- for the weight updates of `calls.py` -----------------------------------------------------------------
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The server process (None on ranks > 0 and once closed)."""
+        return self._proc
+
+    def settle_owed(self) -> None:
+        """Read the replies of the last weight update handed over without waiting (`owe`), if still unread."""
+        owed, self._ipc_owed = self._ipc_owed, None
+        if owed is not None:
+            owed.result()
+
+    def owe(self, done: Pending) -> None:
+        """Keep `done`, the replies of a weight update handed over without waiting, for the next `settle_owed`."""
+        self._ipc_owed = done
+
+    def ipc_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """This engine's CUDA buffer for weights over CUDA IPC, of at least `nbytes`, and whether it is new (a larger
+        one replaced it, or there was none): then the servers have to map it."""
+        fresh = self._ipc_buf is None or self._ipc_buf.numel() < nbytes
+        if fresh:
+            self._ipc_buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+        return self._ipc_buf, fresh
+
+    def vllm_weight_transfer(self, join):
+        """vLLM's NCCL weight transfer to this server as `(client, sender)`: made by `join(self)` on the first call,
+        kept until `close`."""
+        if self._wt_sender is None:
+            self._wt_client, self._wt_sender = join(self)
+        return self._wt_client, self._wt_sender
+
     # ---- RolloutEngine ----------------------------------------------------------------------------------------
     @staticmethod
     def _per_rank(reply: dict) -> list[tuple[list, float, int]]:
