@@ -2,7 +2,7 @@
 
 Why: with a LoRA actor on a frozen base (`model.lora_rank > 0`) every step changes the adapters alone, a few MB where
 the merged model is GBs. The merged sync (`weight_gather.py`) still gathers and ships the whole base each step;
-here the engine (vLLM started with LoRA enabled, `vllm_adapter.VLLMHandle(lora_rank=...)`) loads the base from the
+here the engine (vLLM started with LoRA enabled, `vllm_handle.VLLMHandle(lora_rank=...)`) loads the base from the
 model path at start, and each sync gathers the adapters' A/B tensors, writes them as a peft adapter directory
 (`adapter_model.safetensors` + `adapter_config.json`, the format vLLM's LoRA loader reads in 0.26 and 0.32) and
 tells the engine to serve that directory as a new adapter version. A new version id per sync is what makes vLLM

@@ -18,8 +18,8 @@ from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 from ds_rlhf.rollout.server import client as server_client
 from ds_rlhf.rollout.server import process as server_process
 from ds_rlhf.rollout.server import sharded
-from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+from ds_rlhf.rollout.vllm_mapping import ENGINE_OPTIONS
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch
 
 from ds_rlhf.distributed import world as dist_world
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
-from ds_rlhf.rollout.vllm_adapter import VLLMHandle
+from ds_rlhf.rollout.vllm_handle import VLLMHandle
 
 
 def unmapped_bytes(pool: dict[str, int], awake: set[str]) -> int:

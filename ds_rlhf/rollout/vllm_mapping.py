@@ -1,4 +1,5 @@
-"""The pure half of the vLLM adapter: no vLLM import and no vLLM call here (those stay in `vllm_adapter.py`).
+"""The pure half of the vLLM adapter: no vLLM import and no vLLM call here (those stay in the adapter layer,
+`vllm_adapter.py`, `vllm_handle.py`, `vllm_transfer.py`, `vllm_worker.py`).
 
 What lives here only maps values: the version gate's parsing and range check (`check_version`), our engine options
 -> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), a
@@ -6,8 +7,7 @@ What lives here only maps values: the version gate's parsing and range check (`c
 (`samples_from_outputs`, `chosen_logprobs`), and, for `rollout.weight_transport vllm`, the engine keyword
 (`weight_transfer_kwargs`), our weight buckets -> the (name, tensor) stream vLLM's producers pack
 (`named_tensors_from_buckets`, `transfer_buffer_bytes`) and the NCCL engine's init / update infos
-(`nccl_worker_init_info`, `nccl_update_info`, `nccl_wire`). `vllm_adapter.py` re-exports the names other code
-imports from it.
+(`nccl_worker_init_info`, `nccl_update_info`, `nccl_wire`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ docs/ARCHITECTURE.md (the fenced `layers` block, top layer first). A module impo
 below it, never one above; no two modules import each other, directly or around a loop; and the package's own
 modules are imported at the top of a file (a function-local import is kept for heavy optional packages only, and
 those are not ds_rlhf modules). Imports under `if TYPE_CHECKING:` are annotations only and do not count.
+Only the modules docs/ARCHITECTURE.md names as the vLLM adapter layer import vLLM.
 """
 
 from __future__ import annotations
@@ -194,3 +195,29 @@ def test_every_layer_names_a_module():
     for layer in read_layers(ARCHITECTURE.read_text()):
         for prefix in layer:
             assert any(m == prefix or m.startswith(prefix + ".") for m in modules), f"{prefix}: no such module"
+
+
+def imports_vllm(path: Path) -> bool:
+    """Whether a file imports vLLM anywhere (top level or inside a function)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "vllm" or n.startswith("vllm.") for n in names):
+            return True
+    return False
+
+
+def vllm_adapter_layer(text: str) -> set[str]:
+    """The modules the rule "Every vLLM call lives in the adapter layer: ..." of docs/ARCHITECTURE.md names (up to
+    the pure mappings, which import no vLLM)."""
+    match = re.search(r"Every vLLM call lives in the adapter layer:(.*?)its pure mappings", text, re.S)
+    assert match, f"{ARCHITECTURE.relative_to(ROOT)} has no rule naming the vLLM adapter layer"
+    return {"ds_rlhf." + p.removesuffix(".py").replace("/", ".") for p in re.findall(r"`([\w/]+\.py)`", match[1])}
+
+
+def test_only_the_adapter_layer_imports_vllm():
+    allowed = vllm_adapter_layer(ARCHITECTURE.read_text())
+    modules = all_modules()
+    assert allowed and allowed <= set(modules), sorted(allowed - set(modules))
+    outside = sorted(name for name, path in modules.items() if imports_vllm(path) and name not in allowed)
+    assert not outside, f"these modules import vLLM outside the adapter layer of docs/ARCHITECTURE.md: {outside}"

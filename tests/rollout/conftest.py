@@ -40,6 +40,6 @@ def llm_calls(monkeypatch):
 @pytest.fixture
 def as_gpu(monkeypatch):
     """Build the engine arguments as on a GPU (no CPU-only adjustments), still without starting anything."""
-    from ds_rlhf.rollout import vllm_adapter
+    from ds_rlhf.rollout import vllm_handle
 
-    monkeypatch.setattr(vllm_adapter, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(vllm_handle, "is_cpu_platform", lambda: False)

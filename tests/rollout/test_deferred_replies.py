@@ -134,3 +134,17 @@ def test_only_a_one_rank_engine_defers_and_an_awake_one_is_not_woken():
     assert owed.result() == [(0, [[-1.0]])] and seen == ["logprobs"]
     engine._d = object()  # several ranks: a failure must reach every rank at once, nothing is deferred
     assert not engine.defers_replies
+
+
+def test_an_owed_weight_update_is_read_once_by_the_next_update():
+    """`owe` keeps the replies of an update handed over without waiting; `settle_owed` (the next update over the
+    shared buffer, `calls.py`) reads them before the buffer is written again, and only once."""
+    engine, seen = _engine_with_script({"update_done": {"load_seconds": 0.1}})
+    engine._ipc_owed = None
+    engine.settle_owed()  # nothing owed: nothing read or sent
+    engine.owe(engine.send_command("update_done"))
+    assert len(engine._unread) == 1
+    engine.settle_owed()
+    assert not engine._unread and seen == ["update_done"]
+    engine.settle_owed()  # read already: nothing more
+    assert engine._ipc_owed is None

@@ -99,17 +99,21 @@ def test_the_nccl_update_runs_under_the_watchdog(monkeypatch):
         def __exit__(self, *exc):
             events.append("left")
 
+    client = calls.ServersWeightClient([])
+
     class Sender:
         def send(self, named, plan):
             events.append("send")
-            engine._wt_client.finished = Pending.done([{"load_seconds": 0.2}])
+            client.finished = Pending.done([{"load_seconds": 0.2}])
 
     class Engine:
-        _proc, timeout_s = object(), 123.0
-        _wt_client, _wt_sender = calls.ServersWeightClient([]), Sender()
+        process, timeout_s = object(), 123.0
+
+        def vllm_weight_transfer(self, join):
+            return client, Sender()
 
     monkeypatch.setattr(calls, "exit_if_server_fails", Watch)
     engine = Engine()
     nbytes, done = calls.update_through_vllm_nccl(engine, [], [], wait=True)
-    assert events == [("watch", [Engine._proc], 123.0, "weight update of the disaggregated server"), "send", "left"]
+    assert events == [("watch", [Engine.process], 123.0, "weight update of the disaggregated server"), "send", "left"]
     assert (nbytes, done.result()) == (0, {"load_seconds": 0.2})

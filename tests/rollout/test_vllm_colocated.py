@@ -85,7 +85,7 @@ def test_sleep_wake_order(vllm_rollout, tiny_model_path, dist_single):
 
 def test_colocated_handover_is_by_reference(vllm_rollout, hf_model, monkeypatch):
     """The worker receives the trainer's own tensors (same storage): no serialisation, no copy via the host."""
-    from ds_rlhf.rollout.vllm_adapter import WeightSyncWorkerExtension
+    from ds_rlhf.rollout.vllm_worker import WeightSyncWorkerExtension
 
     seen = []
     original = WeightSyncWorkerExtension.ds_rlhf_load_weights

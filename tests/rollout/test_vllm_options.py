@@ -10,7 +10,8 @@ from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.vllm_adapter import ENGINE_OPTIONS, engine_arg_names, engine_option_kwargs
+from ds_rlhf.rollout.vllm_adapter import engine_arg_names, engine_option_kwargs
+from ds_rlhf.rollout.vllm_mapping import ENGINE_OPTIONS
 
 pytest.importorskip("vllm")
 
@@ -130,7 +131,7 @@ def test_server_placements_pass_the_options_to_llm(placement, tiny_model_path, l
     assert sent["kwargs"]["max_num_seqs"] == 256 and sent["kwargs"]["cudagraph_sizes"] == [64, 8, 16]
     assert sent["process"][0] == "no process"  # the engine spawned its own server (none was handed to it)
     with pytest.raises(LLMBuilt):
-        remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
+        remote_server.ServerSession().handle("start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     assert (kw["async_scheduling"], kw["max_num_seqs"], kw["max_num_batched_tokens"],
             kw["cudagraph_capture_sizes"], kw["logprobs_mode"]) == (True, 256, 8192, [8, 16, 64],

@@ -21,13 +21,13 @@ import torch
 from rollout_helpers import LLMBuilt
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.rollout import make_rollout_engine, vllm_adapter
+from ds_rlhf.rollout import make_rollout_engine, vllm_transfer
 from ds_rlhf.rollout.base import Pending, RolloutError, TensorMeta
 from ds_rlhf.rollout.server import client as remote
 from ds_rlhf.rollout.server import server as remote_server
 from ds_rlhf.rollout.server.calls import update_through_vllm_nccl
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
-from ds_rlhf.rollout.vllm_adapter import engine_arg_names, ipc_engine_module
+from ds_rlhf.rollout.vllm_adapter import engine_arg_names
 from ds_rlhf.rollout.vllm_mapping import (
     named_tensors_from_buckets,
     nccl_update_info,
@@ -133,7 +133,7 @@ def test_server_builds_llm_with_vllms_weight_transfer_engine_only_for_vllm(place
     extra = {} if transport == "own" else {"weight_transport": "vllm"}
     sent = _sidecar_start_kwargs(monkeypatch, tiny_model_path, **settings, **extra)
     with pytest.raises(LLMBuilt):
-        remote_server._handle(None, "start", (sent["model_path"], sent["kwargs"]))
+        remote_server.ServerSession().handle("start", (sent["model_path"], sent["kwargs"]))
     (kw,) = llm_calls
     if transport == "own":
         assert "weight_transfer_config" not in kw
@@ -164,12 +164,12 @@ class _NoRay(importlib.abc.MetaPathFinder):
 
 
 def test_missing_package_of_vllms_ipc_engine_is_named_in_one_line(monkeypatch):
-    assert ipc_engine_module().__name__ == "vllm.distributed.weight_transfer.ipc_engine"
+    assert vllm_transfer.ipc_engine_module().__name__ == "vllm.distributed.weight_transfer.ipc_engine"
     monkeypatch.delitem(sys.modules, "vllm.distributed.weight_transfer.ipc_engine")
     monkeypatch.delattr(sys.modules["vllm.distributed.weight_transfer"], "ipc_engine", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_NoRay(), *sys.meta_path])
     with pytest.raises(RolloutError, match="needs the Python package 'ray', .*--rollout.weight_transport own") as info:
-        ipc_engine_module()
+        vllm_transfer.ipc_engine_module()
     assert "\n" not in str(info.value)
 
 
@@ -252,10 +252,11 @@ class _Server:
     is the trainer's side, which, like NCCL, waits for the server's call to be in flight (2 s, then fails)."""
 
     host, world, timeout_s = "127.0.0.1", 1, 600.0
+    vllm_weight_transfer = RemoteVLLMEngine.vllm_weight_transfer  # joined on the first call, then kept
 
     def __init__(self):
         self.log, self.infos, self._wt_client, self._wt_sender = [], {}, None, None
-        self._proc = _Running()  # the server process the watchdog polls
+        self.process = _Running()  # the server process the watchdog polls
         self.sent = {c: threading.Event() for c in ("wt_init", "wt_update")}
         self.joined = {c: threading.Event() for c in ("wt_init", "wt_update")}
 
@@ -306,9 +307,9 @@ def _vllm_026_nccl(server, seen):
 def test_nccl_sync_puts_each_blocking_server_call_in_flight_before_the_trainers(api, monkeypatch):
     server, seen = _Server(), {}
     if api == "0.26":
-        monkeypatch.setattr(vllm_adapter, "nccl_engine_module", lambda: _vllm_026_nccl(server, seen))
+        monkeypatch.setattr(vllm_transfer, "nccl_engine_module", lambda: _vllm_026_nccl(server, seen))
     else:  # vLLM's own trainer engine (0.32): its threads and client calls, only the NCCL calls replaced
-        mod = vllm_adapter.nccl_engine_module()
+        mod = vllm_transfer.nccl_engine_module()
         if not hasattr(mod, "NCCLTrainerWeightTransferEngine"):
             pytest.skip("the installed vLLM has no NCCLTrainerWeightTransferEngine")
 

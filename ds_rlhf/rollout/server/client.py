@@ -49,6 +49,7 @@ from ds_rlhf.rollout.server.calls import (
     update_through_vllm_nccl,
 )
 from ds_rlhf.rollout.server.process import ServerProcess
+from ds_rlhf.rollout.server.protocol import ERROR, Command
 from ds_rlhf.rollout.weight_group import WeightGroup
 
 
@@ -78,7 +79,7 @@ class RemoteVLLMEngine(RolloutEngine):
                                    f"which need CUDA (weights over {self.weight_backend} here): use "
                                    "--rollout.weight_transport own")
             engine_kwargs["weight_transfer_backend"] = self.weight_backend
-        self._group: WeightGroup | None = None
+        self.group: WeightGroup | None = None  # our weight group to a disaggregated server (calls.py)
         self._in_flight = False
         self._generation: Pending | None = None  # the reply to the generation in flight
         self._unread: deque[Pending] = deque()  # replies not read yet, oldest first (the server answers in order)
@@ -110,7 +111,7 @@ class RemoteVLLMEngine(RolloutEngine):
         try:
             deadline = time.monotonic() + startup_timeout_s
             self._conn = process.connect(startup_timeout_s)
-            self._conn.send(("start", str(model_path), engine_kwargs))
+            self._conn.send((Command.START, str(model_path), engine_kwargs))
             info = self._recv(max(1.0, deadline - time.monotonic()))
         except RolloutError as e:
             self.close()
@@ -134,7 +135,7 @@ class RemoteVLLMEngine(RolloutEngine):
             status, payload = self._conn.recv()
         except (EOFError, OSError) as e:
             raise ConnectionLost(f"rollout server connection lost: {type(e).__name__}: {e}") from e
-        if status == "error":
+        if status == ERROR:
             raise RolloutError(f"rollout server failed:\n{payload}")
         return payload
 
@@ -226,6 +227,37 @@ class RemoteVLLMEngine(RolloutEngine):
     def weight_dtype(self) -> torch.dtype:
         return self._dtype
 
+    # ---- for the weight updates of `calls.py` -----------------------------------------------------------------
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The server process (None on ranks > 0 and once closed)."""
+        return self._proc
+
+    def settle_owed(self) -> None:
+        """Read the replies of the last weight update handed over without waiting (`owe`), if still unread."""
+        owed, self._ipc_owed = self._ipc_owed, None
+        if owed is not None:
+            owed.result()
+
+    def owe(self, done: Pending) -> None:
+        """Keep `done`, the replies of a weight update handed over without waiting, for the next `settle_owed`."""
+        self._ipc_owed = done
+
+    def ipc_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """This engine's CUDA buffer for weights over CUDA IPC, of at least `nbytes`, and whether it is new (a larger
+        one replaced it, or there was none): then the servers have to map it."""
+        fresh = self._ipc_buf is None or self._ipc_buf.numel() < nbytes
+        if fresh:
+            self._ipc_buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+        return self._ipc_buf, fresh
+
+    def vllm_weight_transfer(self, join):
+        """vLLM's NCCL weight transfer to this server as `(client, sender)`: made by `join(self)` on the first call,
+        kept until `close`."""
+        if self._wt_sender is None:
+            self._wt_client, self._wt_sender = join(self)
+        return self._wt_client, self._wt_sender
+
     # ---- RolloutEngine ----------------------------------------------------------------------------------------
     @staticmethod
     def _per_rank(reply: dict) -> list[tuple[list, float, int]]:
@@ -233,8 +265,8 @@ class RemoteVLLMEngine(RolloutEngine):
         return [(rows, reply["seconds"], reply["tokens"]) for rows in reply["rows"]]
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
-        rows, seconds, tokens = self._collective((prompts, spec),
-                                                 lambda groups: self._per_rank(self._call("generate_many", groups)))
+        rows, seconds, tokens = self._collective(
+            (prompts, spec), lambda groups: self._per_rank(self._call(Command.GENERATE_MANY, groups)))
         samples = [RolloutSample(*s) for s in rows]
         self._record_generate(samples, seconds, tokens)
         return samples
@@ -247,7 +279,7 @@ class RemoteVLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         groups = self._gather_to_owner((prompts, spec))
         if self.owner:
-            self._generation = self.send_command("generate_many", groups)
+            self._generation = self.send_command(Command.GENERATE_MANY, groups)
         self._in_flight = True
         return RolloutTicket(pending=groups is not None, started=t0)
 
@@ -272,12 +304,12 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self.defers_replies:
             return super().logprobs_replicas_later(sequences)  # collective: every rank now
         self._check_idle()
-        reply = self.send_command("logprobs", sequences)
+        reply = self.send_command(Command.LOGPROBS, sequences)
         return Pending(lambda: [reply.result()])
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         def run(groups):
-            flat = self._call("logprobs", [s for g in groups for s in g])
+            flat = self._call(Command.LOGPROBS, [s for g in groups for s in g])
             bounds = [0]
             for g in groups:
                 bounds.append(bounds[-1] + len(g))
@@ -340,7 +372,7 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def sleep(self) -> None:
         if self.owner:
-            self._c.extra.update(self._call("sleep"))
+            self._c.extra.update(self._call(Command.SLEEP))
         self.sleeping = True
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
@@ -349,14 +381,14 @@ class RemoteVLLMEngine(RolloutEngine):
         if not self.sleeping:
             return
         if self.owner:
-            self._c.extra.update(self._call("wake", None if tags is None else list(tags)))
+            self._c.extra.update(self._call(Command.WAKE, None if tags is None else list(tags)))
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
 
     def stats(self) -> dict:
         out = super().stats()
         if self.owner and self._conn is not None:
-            out["server"] = self._call("stats")
+            out["server"] = self._call(Command.STATS)
         return out
 
     def begin_close(self) -> None:
@@ -365,7 +397,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self._unread.clear()  # replies nobody will read now
         if conn is not None:
             try:
-                conn.send(("close",))
+                conn.send((Command.CLOSE,))
                 conn.close()
             except OSError:
                 pass
@@ -383,7 +415,7 @@ class RemoteVLLMEngine(RolloutEngine):
                 self._proc.wait()
             self._proc = None
         self._ipc_buf = None
-        for attr in ("_group", "_listener", "_log"):
+        for attr in ("group", "_listener", "_log"):
             obj = getattr(self, attr)
             if obj is not None:
                 obj.close()

@@ -2,7 +2,8 @@
 
 It hosts an in-process VLLMRolloutEngine ("uni" executor; "mp" for TP > 1, whose workers are then child processes),
 built with the keywords of the client's 'start' (the vLLM engine options among them, checked in the adapter), and
-answers the trainer's commands, pickled tuples over an authenticated local socket, until 'close'. Weights do not
+answers the trainer's commands (`protocol.py`), pickled tuples over an authenticated local socket, until 'close':
+`ServerSession` holds the engine and what the server keeps between commands, one method per command. Weights do not
 come through the socket: on 'update' the vLLM workers receive the announced buckets over the weight group; on a
 sidecar the trainer's CUDA buffer is mapped once ('init_ipc') and each 'update_ipc' loads the bucket it holds; with
 `rollout.weight_transport vllm` the 'wt_*' commands make vLLM's weight-transfer calls (init / start / update /
@@ -21,88 +22,131 @@ from multiprocessing.connection import Client
 
 import torch
 
+from ds_rlhf.rollout.server.protocol import ERROR, OK, Command
 from ds_rlhf.rollout.vllm_adapter import preload
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 from ds_rlhf.rollout.vllm_mapping import update_info_nbytes
 from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
 
-_IPC: dict = {}  # the trainer's shared CUDA buffer (sidecar placement), mapped once
 
+class ServerSession:
+    """The server's state between commands (its engine, once 'start' built it; the trainer's shared CUDA buffer,
+    mapped once on a sidecar; the loading time of the sync under way) and one method per command of
+    `protocol.Command`, taking that command's arguments (`protocol.MESSAGES`) and returning its reply."""
 
-def _handle(engine, cmd: str, args: tuple):
-    """One command; returns (engine, reply)."""
-    if cmd == "start":
-        model_path, kwargs = args
-        tp = kwargs.get("tensor_parallel_size") or 1
-        kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
-        engine = VLLMRolloutEngine(model_path, **kwargs)
+    def __init__(self) -> None:
+        self.engine: VLLMRolloutEngine | None = None
+        self.ipc_buffer: torch.Tensor | None = None
+        self.load_seconds = 0.0  # this sync's loading time so far (IPC buckets, vLLM's chunks)
+        self.handlers = {Command.START: self.start, Command.GENERATE_MANY: self.generate_many,
+                         Command.LOGPROBS: self.logprobs, Command.INIT_GROUP: self.init_group,
+                         Command.UPDATE: self.update, Command.INIT_IPC: self.init_ipc,
+                         Command.UPDATE_IPC: self.update_ipc, Command.UPDATE_DONE: self.update_done,
+                         Command.WT_INIT: self.wt_init, Command.WT_START: self.wt_start,
+                         Command.WT_UPDATE: self.wt_update, Command.WT_FINISH: self.wt_finish,
+                         Command.SLEEP: self.sleep, Command.WAKE: self.wake, Command.STATS: self.stats}
+
+    def handle(self, cmd: str, args: tuple):
+        """One command; returns its reply."""
+        if cmd != Command.START and self.engine is None:
+            raise RuntimeError(f"command {cmd!r} before 'start'")
+        handler = self.handlers.get(cmd)
+        if handler is None:
+            raise ValueError(f"unknown command {cmd!r}")
+        return handler(*args)
+
+    def _loaded(self, nbytes: int, t0: float) -> None:
+        """Count one loaded part of a sync (the engine's update stats, this sync's loading time)."""
+        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        self.load_seconds += time.perf_counter() - t0
+
+    def _sync_done(self, extra_s: float = 0.0) -> dict:
+        """This sync's loading time, then the next sync's count starts."""
+        seconds, self.load_seconds = self.load_seconds + extra_s, 0.0
+        return {"load_seconds": seconds}
+
+    def start(self, model_path: str, engine_kwargs: dict) -> dict:
+        tp = engine_kwargs.get("tensor_parallel_size") or 1
+        engine_kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
+        engine = self.engine = VLLMRolloutEngine(model_path, **engine_kwargs)
         engine.placement = "disaggregated (server)"
-        return engine, {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
-                        "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
-    if engine is None:
-        raise RuntimeError(f"command {cmd!r} before 'start'")
-    if cmd == "generate_many":
+        return {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
+                "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
+
+    def generate_many(self, groups) -> dict:
         t0 = time.perf_counter()
-        results = engine.handle.generate_many(args[0])
-        engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
-        seconds, tokens = engine.last_generate()
-        return engine, {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds,
-                        "tokens": tokens}
-    if cmd == "logprobs":
-        return engine, engine.logprobs(args[0])
-    if cmd == "init_group":
-        engine.handle.init_weight_group(*args)
-        return engine, None
-    if cmd == "update":
+        results = self.engine.handle.generate_many(groups)
+        self.engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
+        seconds, tokens = self.engine.last_generate()
+        return {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds, "tokens": tokens}
+
+    def logprobs(self, sequences):
+        return self.engine.logprobs(sequences)
+
+    def init_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self.engine.handle.init_weight_group(host, port, world_size, backend, timeout_s)
+
+    def update(self, wire_plan) -> dict:
         t0 = time.perf_counter()
-        engine.handle.receive_buckets(args[0])
-        engine.reset_cache()
+        self.engine.handle.receive_buckets(wire_plan)
+        self.engine.reset_cache()
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
-                     for bucket in plan_from_wire(args[0]) for m in bucket)
-        engine._record_update(nbytes, time.perf_counter() - t0)
-        return engine, {"load_seconds": time.perf_counter() - t0}
-    if cmd == "init_ipc":  # the trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)
-        rebuild, rebuild_args = args[0]
-        _IPC["buffer"] = rebuild(*rebuild_args)
-        return engine, None
-    if cmd == "update_ipc":
+                     for bucket in plan_from_wire(wire_plan) for m in bucket)
+        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        return {"load_seconds": time.perf_counter() - t0}
+
+    def init_ipc(self, rebuild) -> None:
+        """The trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)."""
+        rebuild_fn, rebuild_args = rebuild
+        self.ipc_buffer = rebuild_fn(*rebuild_args)
+
+    def update_ipc(self, wire_plan) -> None:
         t0 = time.perf_counter()
-        metas = plan_from_wire(args[0])[0]
-        engine.handle.load_weights(unpack_bucket(_IPC["buffer"][: bucket_nbytes(metas)], metas))
+        metas = plan_from_wire(wire_plan)[0]
+        self.engine.handle.load_weights(unpack_bucket(self.ipc_buffer[: bucket_nbytes(metas)], metas))
         torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
-        engine._record_update(bucket_nbytes(metas), time.perf_counter() - t0)
-        _IPC["load_seconds"] = _IPC.get("load_seconds", 0.0) + time.perf_counter() - t0
-        return engine, None
-    if cmd == "update_done":  # replies with this sync's loading time (every bucket's), then starts the next count
-        engine.reset_cache()
-        return engine, {"load_seconds": _IPC.pop("load_seconds", 0.0)}
-    if cmd == "wt_init":  # vLLM's weight-transfer API (rollout.weight_transport vllm)
-        engine.handle.transfer_init(args[0])
-        return engine, None
-    if cmd == "wt_start":
-        engine.handle.transfer_start()
-        return engine, None
-    if cmd == "wt_update":  # IPC: one chunk, loaded (vLLM synchronises) before the reply; NCCL: every broadcast
+        self._loaded(bucket_nbytes(metas), t0)
+
+    def update_done(self) -> dict:
+        """Replies with this sync's loading time (every bucket's), then starts the next count."""
+        self.engine.reset_cache()
+        return self._sync_done()
+
+    def wt_init(self, init_info: dict) -> None:  # vLLM's weight-transfer API (rollout.weight_transport vllm)
+        self.engine.handle.transfer_init(init_info)
+
+    def wt_start(self) -> None:
+        self.engine.handle.transfer_start()
+
+    def wt_update(self, update_info: dict) -> None:
+        """IPC: one chunk, loaded (vLLM synchronises) before the reply; NCCL: every broadcast."""
         t0 = time.perf_counter()
-        engine.handle.transfer_update(args[0])
-        nbytes = update_info_nbytes(args[0])
-        engine._record_update(nbytes, time.perf_counter() - t0)
-        _IPC["load_seconds"] = _IPC.get("load_seconds", 0.0) + time.perf_counter() - t0
-        return engine, None
-    if cmd == "wt_finish":  # replies with this sync's loading time (every chunk's and the finish's)
+        self.engine.handle.transfer_update(update_info)
+        self._loaded(update_info_nbytes(update_info), t0)
+
+    def wt_finish(self) -> dict:
+        """Replies with this sync's loading time (every chunk's and the finish's)."""
         t0 = time.perf_counter()
-        engine.handle.transfer_finish()
-        engine.reset_cache()
-        return engine, {"load_seconds": _IPC.pop("load_seconds", 0.0) + time.perf_counter() - t0}
-    if cmd == "sleep":
-        engine.sleep()
-        return engine, {k: v for k, v in engine.stats().items() if k.startswith("sleep_")}
-    if cmd == "wake":
-        engine.wake(args[0])
-        return engine, {k: v for k, v in engine.stats().items() if k.startswith("wake_")}
-    if cmd == "stats":
-        return engine, engine.stats()
-    raise ValueError(f"unknown command {cmd!r}")
+        self.engine.handle.transfer_finish()
+        self.engine.reset_cache()
+        return self._sync_done(time.perf_counter() - t0)
+
+    def sleep(self) -> dict:
+        self.engine.sleep()
+        return {k: v for k, v in self.engine.stats().items() if k.startswith("sleep_")}
+
+    def wake(self, tags) -> dict:
+        self.engine.wake(tags)
+        return {k: v for k, v in self.engine.stats().items() if k.startswith("wake_")}
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                self.engine.handle.close_weight_group()
+            self.engine.close()
 
 
 def _preload() -> None:
@@ -123,24 +167,19 @@ def serve() -> None:
     key = bytes.fromhex(os.environ.pop("DS_RLHF_ROLLOUT_KEY"))
     _preload()
     conn = Client((host, int(port)), authkey=key)
-    engine = None
+    session = ServerSession()
     while True:
         try:
             msg = conn.recv()
         except EOFError:
             break
-        if msg[0] == "close":
+        if msg[0] == Command.CLOSE:
             break
         try:
-            engine, reply = _handle(engine, msg[0], msg[1:])
-            conn.send(("ok", reply))
+            conn.send((OK, session.handle(msg[0], msg[1:])))
         except Exception:  # noqa: BLE001  every failure goes back to the client with its traceback
-            conn.send(("error", traceback.format_exc()))
-    if engine is not None:
-        with contextlib.suppress(Exception):
-            engine.handle.close_weight_group()
-        engine.close()
-
+            conn.send((ERROR, traceback.format_exc()))
+    session.close()
 
 if __name__ == "__main__":
     serve()

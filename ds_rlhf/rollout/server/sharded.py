@@ -47,6 +47,7 @@ from ds_rlhf.rollout.base import (
 )
 from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load, update_through_ipc, update_through_vllm_ipc
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
+from ds_rlhf.rollout.server.protocol import Command
 
 
 def shard_bounds(n_prompts: int, n_engines: int) -> list[tuple[int, int]]:
@@ -131,7 +132,7 @@ class ShardedRolloutEngine(RolloutEngine):
 
     def logprobs_replicas_later(self, sequences: list[list[int]]) -> Pending:
         self._check_idle()
-        return all_of(send_all(self.engines, "logprobs", sequences))
+        return all_of(send_all(self.engines, Command.LOGPROBS, sequences))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
