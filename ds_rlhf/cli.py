@@ -102,4 +102,10 @@ def _shutdown_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        if ds_comm is not None and ds_comm.cdb is not None:
+            # DeepSpeed's teardown: it also drops the groups it cached (its world-group clone), which a later run
+            # in this process would otherwise find destroyed ("Group ... is not registered")
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
