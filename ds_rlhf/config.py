@@ -28,7 +28,6 @@ from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
-    ConfigError,
     DataConfig,
     DPOConfig,
     ModelConfig,
@@ -36,9 +35,9 @@ from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's 
     RLConfig,
     RolloutConfig,
     RunConfig,
-    UserInputError,
     opt,
 )
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.redaction import redacted
 
 

@@ -11,19 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from ds_rlhf.ds_config_file import load_ds_config
+from ds_rlhf.errors import ConfigError
 
 if TYPE_CHECKING:
     from ds_rlhf.config import Config
-
-
-class UserInputError(ValueError):
-    """A mistake in what the user gave (a setting, a file, a directory, a model) that changing that input fixes.
-    Raise it where the wrong input is known, naming the input and what to change: the command line (`cli.py`) prints
-    its message as one `error: ...` line without a traceback (`--debug` or DS_RLHF_DEBUG=1 shows the traceback)."""
-
-
-class ConfigError(UserInputError):
-    """A config key or value the schema does not accept."""
 
 
 def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,

@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 
 QUANT_MODES = ("none", "nf4", "int8")
 KEEP_FULL = ["lm_head", "score"]  # heads stay in the compute dtype (transformers skips the tied/output embedding)

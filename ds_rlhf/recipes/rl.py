@@ -25,8 +25,9 @@ import torch
 
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.nonfinite import guard_step

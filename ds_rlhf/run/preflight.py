@@ -19,12 +19,13 @@ import json
 import os
 from pathlib import Path
 
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.data.store import StoreFormatError, StoreMismatchError, open_store
 from ds_rlhf.engines import kernels
 from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_causal_lm_dir, check_reward_model_dir
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
 from ds_rlhf.memory.settings import sequence_tokens
