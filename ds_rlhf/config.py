@@ -27,12 +27,12 @@ from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
+from ds_rlhf.config_rl import RLConfig
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     DataConfig,
     DPOConfig,
     ModelConfig,
     OptimConfig,
-    RLConfig,
     RolloutConfig,
     RunConfig,
     opt,
