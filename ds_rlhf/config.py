@@ -78,6 +78,11 @@ class Config:
             if check is not None:
                 check(self)
 
+    def context_len(self) -> int:
+        """The rollout context: the most tokens a rollout sequence holds, prompt included (the rollout engine's
+        max_model_len): `rollout.max_model_len`, else `data.max_prompt_len + rollout.max_new_tokens`."""
+        return self.rollout.max_model_len or self.data.max_prompt_len + self.rollout.max_new_tokens
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(redacted(self.to_dict()), indent=2, sort_keys=True) + "\n")
 

@@ -164,10 +164,6 @@ class RLConfig:
                               f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
                               "overlong_buffer; 0 = off)")
 
-    def episode_context(self, cfg: Config) -> int:
-        """The rollout context: the most tokens an episode may hold under `rl.episode_max_tokens` = 0."""
-        return cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-
     def _check_environment(self, cfg: Config) -> None:
         """What multi-turn episodes (`rl.environment`) run with; the rest is refused here, one line each."""
         if not self.environment:
@@ -185,7 +181,7 @@ class RLConfig:
         if self.overlong_buffer:
             raise ConfigError(f"{key}: rl.overlong_buffer measures a single response against rollout.max_new_tokens, "
                               "not an episode; set --rl.overlong_buffer 0 (rl.overlong_mask drops truncated episodes)")
-        context = self.episode_context(cfg)
+        context = cfg.context_len()
         if self.episode_max_tokens > context:
             raise ConfigError(f"rl.episode_max_tokens={self.episode_max_tokens} is longer than the rollout context "
                               f"of {context} tokens; raise --rollout.max_model_len to at least it")
@@ -209,7 +205,7 @@ class RLConfig:
         if max(self.eval_ks()) > per_prompt:
             raise ConfigError(f"rl.eval_k={self.eval_k!r}: k cannot exceed the {per_prompt} eval response(s) per "
                               "prompt (rl.eval_samples, with rl.eval_greedy false)")
-        context = r.max_model_len or (cfg.data.max_prompt_len + r.max_new_tokens)
+        context = cfg.context_len()
         if cfg.data.max_prompt_len + self.eval_max_new_tokens > context:
             raise ConfigError(f"rl.eval_max_new_tokens={self.eval_max_new_tokens}: data.max_prompt_len + it exceeds "
                               f"the rollout context of {context} tokens; raise --rollout.max_model_len")

@@ -107,7 +107,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         critic = _build_critic(ctx, actor, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
                                                          lr=cfg.optim.critic_lr, total_steps=steps_total), model_opts)
     reference = _build_reference(ctx, actor, attn)
-    max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    max_len = cfg.context_len()
     owns_rollout = rollout is None
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None

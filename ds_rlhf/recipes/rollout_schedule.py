@@ -92,7 +92,7 @@ def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> Rollo
         return EpisodeRolloutService(*args, tokenizer=ctx.tokenizer, env_factory=parts.environment,
                                      max_turns=rl.max_turns, step_timeout=rl.env_step_timeout,
                                      lockstep=rl.episode_rounds == "lockstep",
-                                     max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
+                                     max_total_tokens=rl.episode_max_tokens or ctx.cfg.context_len(), **kwargs)
     if r.partial_tokens:
         return PartialRolloutService(*args, chunk=r.partial_tokens, **kwargs)
     return RolloutService(*args, **kwargs)

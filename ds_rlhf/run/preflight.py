@@ -247,12 +247,12 @@ def model_context(local_dir: str) -> tuple[str, int] | None:
 
 def rollout_context(cfg: Config) -> tuple[str, int]:
     """(what sets it, tokens): the longest sequence an RL run generates, prompt included."""
-    r, data = cfg.rollout, cfg.data
+    r, data, context = cfg.rollout, cfg.data, cfg.context_len()
     if r.max_model_len:
-        need = (f"rollout.max_model_len={r.max_model_len}", r.max_model_len)
+        need = (f"rollout.max_model_len={context}", context)
     else:
         need = (f"data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + {r.max_new_tokens} = "
-                f"{data.max_prompt_len + r.max_new_tokens}", data.max_prompt_len + r.max_new_tokens)
+                f"{context}", context)
     if rl_eval_on(cfg) and data.max_prompt_len + cfg.rl.eval_max_new_tokens > need[1]:
         total = data.max_prompt_len + cfg.rl.eval_max_new_tokens
         need = (f"data.max_prompt_len + rl.eval_max_new_tokens = {data.max_prompt_len} + "
