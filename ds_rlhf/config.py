@@ -28,6 +28,7 @@ from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_rl import RLConfig
+from ds_rlhf.config_rules import check_cross_section
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     DataConfig,
     DPOConfig,
@@ -62,8 +63,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def check(self) -> None:
-        """Every float is finite, every field's rule (choices, bounds) holds, then each section's cross-field rules;
-        raises ConfigError."""
+        """Every float is finite, every field's rule (choices, bounds) holds, then each section's own cross-field
+        rules, then the rules across sections (`config_rules.check_cross_section`); raises ConfigError."""
         for key, (section, name) in _all_keys().items():
             target = getattr(self, section) if section else self
             value = getattr(target, name)
@@ -76,7 +77,8 @@ class Config:
         for section in SECTIONS:
             check = getattr(getattr(self, section), "check", None)
             if check is not None:
-                check(self)
+                check()
+        check_cross_section(self)
 
     def context_len(self) -> int:
         """The rollout context: the most tokens a rollout sequence holds, prompt included (the rollout engine's

@@ -7,14 +7,10 @@ held-out evaluation, DAPO's switches and multi-turn episodes; every field with i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from ds_rlhf.algos.registry import POLICY_LOSSES
 from ds_rlhf.config_sections import opt
 from ds_rlhf.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ds_rlhf.config import Config
 
 
 @dataclass
@@ -107,14 +103,12 @@ class RLConfig:
     # call then depends on the tools' timing, so a resumed run regenerates its batch, not bit for bit)
     episode_rounds: str = opt("lockstep", choices=("lockstep", "continuous"))
 
-    def check(self, cfg: Config) -> None:
-        r = cfg.rollout
+    def check(self) -> None:
+        """The section's own rules; those that read other sections are in `config_rules.py`."""
         # No rule for temperature / top_p / top_k with the mismatch correction (rl.mismatch tis/mis): both rollout
         # backends return the log-probs of the distribution they sampled from (temperature, then top-k / top-p),
         # the trainer scores at the same temperature, so the ratio is the behaviour-policy correction; with top-p /
         # top-k it also corrects for the truncation (rho_t = the kept mass <= 1). See rollout/base.py.
-        if ADVANTAGE_ESTIMATORS.get(self.algo).meta.get("groups") and r.n_samples < 2:
-            raise ConfigError(f"rl.algo={self.algo} compares samples of the same prompt: set rollout.n_samples >= 2")
         if 0 < self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip={self.dual_clip}: the dual-clip constant must be > 1 (0 = off)")
         if self.dual_clip and not POLICY_LOSSES.get(self.policy_loss).meta.get("dual_clip"):
@@ -128,13 +122,8 @@ class RLConfig:
         if self.reward_model_weight != 1.0 and not (self.reward_fn and self.reward_model):
             raise ConfigError(f"rl.reward_model_weight={self.reward_model_weight} weighs the reward model against "
                               "reward functions: it needs both rl.reward_model and rl.reward_fn (or leave it at 1)")
-        self._check_dapo(cfg)
-        self._check_environment(cfg)
-        samples = self.prompts_per_step * r.n_samples
-        if self.mini_batch_size > samples:
-            raise ConfigError(f"rl.mini_batch_size={self.mini_batch_size} is larger than the {samples} rollouts of "
-                              "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
-        self._check_eval(cfg)
+        self._check_environment()
+        self._check_eval()
 
     def uses_reference(self) -> bool:
         """A frozen reference (the teacher, with `rl.teacher`) is built: for the KL term or the distillation loss."""
@@ -149,22 +138,7 @@ class RLConfig:
                 raise ConfigError(f"rl.{key}={value:g} is a setting of the JSD distillation loss: add "
                                   f"--rl.distill_loss jsd (with --rl.teacher) or leave it at {default:g}")
 
-    def _check_dapo(self, cfg: Config) -> None:
-        r = cfg.rollout
-        if self.dynamic_sampling and r.async_generation:
-            raise ConfigError("rl.dynamic_sampling generates more prompts when a batch has too few with differing "
-                              "rewards, in the step that trains on it; rollout.async_generation generates the next "
-                              "batch before this step trains, so the extra rounds would run with other weights: use "
-                              "one of the two (--rollout.async_generation false)")
-        if self.dynamic_sampling and r.n_samples < 2:
-            raise ConfigError("rl.dynamic_sampling keeps prompts whose samples' rewards differ: set "
-                              "rollout.n_samples >= 2")
-        if self.overlong_buffer > r.max_new_tokens:
-            raise ConfigError(f"rl.overlong_buffer={self.overlong_buffer} is longer than the generation budget "
-                              f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
-                              "overlong_buffer; 0 = off)")
-
-    def _check_environment(self, cfg: Config) -> None:
+    def _check_environment(self) -> None:
         """What multi-turn episodes (`rl.environment`) run with; the rest is refused here, one line each."""
         if not self.environment:
             return
@@ -181,10 +155,6 @@ class RLConfig:
         if self.overlong_buffer:
             raise ConfigError(f"{key}: rl.overlong_buffer measures a single response against rollout.max_new_tokens, "
                               "not an episode; set --rl.overlong_buffer 0 (rl.overlong_mask drops truncated episodes)")
-        context = cfg.context_len()
-        if self.episode_max_tokens > context:
-            raise ConfigError(f"rl.episode_max_tokens={self.episode_max_tokens} is longer than the rollout context "
-                              f"of {context} tokens; raise --rollout.max_model_len to at least it")
 
     def eval_ks(self) -> list[int]:
         """`eval_k` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
@@ -196,8 +166,7 @@ class RLConfig:
             raise ConfigError(f"rl.eval_k={self.eval_k!r}: give a comma list of integers >= 1, e.g. 1,4")
         return ks
 
-    def _check_eval(self, cfg: Config) -> None:
-        r, run = cfg.rollout, cfg.run
+    def _check_eval(self) -> None:
         per_prompt = 1 if self.eval_greedy else self.eval_samples
         if self.eval_greedy and self.eval_samples > 1:
             raise ConfigError(f"rl.eval_samples={self.eval_samples} with rl.eval_greedy true: greedy decoding gives "
@@ -205,17 +174,6 @@ class RLConfig:
         if max(self.eval_ks()) > per_prompt:
             raise ConfigError(f"rl.eval_k={self.eval_k!r}: k cannot exceed the {per_prompt} eval response(s) per "
                               "prompt (rl.eval_samples, with rl.eval_greedy false)")
-        context = cfg.context_len()
-        if cfg.data.max_prompt_len + self.eval_max_new_tokens > context:
-            raise ConfigError(f"rl.eval_max_new_tokens={self.eval_max_new_tokens}: data.max_prompt_len + it exceeds "
-                              f"the rollout context of {context} tokens; raise --rollout.max_model_len")
         if self.best_metric and not self.best_metric.startswith("eval/"):
             raise ConfigError(f"rl.best_metric={self.best_metric!r}: must be an eval metric (eval/pass@1, "
                               "eval/reward_mean, eval/<data source>/pass@1, ...)")
-        if self.best_metric and run.eval_every <= 0:
-            raise ConfigError(f"rl.best_metric={self.best_metric!r} needs evaluations: set --run.eval_every N > 0")
-        if (run.eval_every > 0 or run.eval_before_train) and r.async_generation and r.max_staleness > 1:
-            raise ConfigError("evaluation reports the weights of its step, but with rollout.async_generation and "
-                              f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "
-                              "it for the evaluation would change the weights later batches are generated with: "
-                              "use --rollout.max_staleness 1, or turn evaluation off")

@@ -1,19 +1,16 @@
 """The config schema's sections (`model`, `data`, `optim`, `rollout`, `dpo`, `run`; `rl` in `config_rl.py`): one
 dataclass each, every field with its default, its rule (`opt(...)`: choices, bounds) and a `# comment` that `--help`
-shows, and the section's cross-field rules in its `check`. `ds_rlhf/config.py` puts them together (`Config`) and
-parses, validates and prints them; import them from there.
+shows, and the section's own cross-field rules in its `check` (rules that read several sections:
+`config_rules.py`). `ds_rlhf/config.py` puts them together (`Config`) and parses, validates and prints them; import
+them from there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ds_rlhf.ds_config_file import load_ds_config
 from ds_rlhf.errors import ConfigError
-
-if TYPE_CHECKING:
-    from ds_rlhf.config import Config
 
 
 def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,
@@ -39,33 +36,15 @@ class ModelConfig:
     # with lora_rank > 0: the actor's / critic's frozen base linear layers in 4-bit NF4 or int8 (bitsandbytes)
     quantize_base: str = opt("none", choices=("none", "nf4", "int8"))
 
-    def check(self, cfg: Config) -> None:
+    def check(self) -> None:
         if self.share_base and self.lora_rank <= 0:
             raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters "
                               "disabled, and full fine-tuning changes the base weights; set --model.lora_rank (e.g. "
                               "16) or --model.share_base false")
-        self._check_quantize_base(cfg)
-
-    def _check_quantize_base(self, cfg: Config) -> None:
-        """A quantized base is frozen (LoRA only) and whole on each rank (ZeRO-0/1/2: ZeRO-3's partitioning drops
-        bitsandbytes' quantization state); the stage is --zero_stage, else the ds_config file's when readable."""
-        if self.quantize_base == "none":
-            return
-        if self.lora_rank <= 0:
+        if self.quantize_base != "none" and self.lora_rank <= 0:  # its ZeRO stage: config_rules
             raise ConfigError(f"model.quantize_base={self.quantize_base} quantizes the frozen base under LoRA "
                               "adapters, and full fine-tuning trains the base weights; set --model.lora_rank (e.g. "
                               "16) or --model.quantize_base none")
-        stage, source = cfg.zero_stage, "--zero_stage 3"
-        if stage < 0:
-            source = f"ds_config {cfg.ds_config} (zero_optimization.stage 3)"
-            try:
-                stage = load_ds_config(cfg.ds_config).get("zero_optimization", {}).get("stage", -1)
-            except (OSError, ValueError):
-                stage = -1  # unreadable here: the engine build checks the resolved stage (quantized.check_ds_config)
-        if stage == 3:
-            raise ConfigError(f"model.quantize_base={self.quantize_base} needs ZeRO stage 0, 1 or 2, got {source}: "
-                              "ZeRO-3 would partition bitsandbytes' packed weights apart from their quantization "
-                              "state; set --zero_stage 2 or --model.quantize_base none")
 
 
 @dataclass
@@ -81,7 +60,7 @@ class DataConfig:
     shuffle: bool = True
     reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
 
-    def check(self, cfg: Config) -> None:
+    def check(self) -> None:
         if self.rl_packing and self.micro_batch_tokens <= 0:
             raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
                               f"data.micro_batch_tokens > 0 (got {self.micro_batch_tokens})")
@@ -197,14 +176,10 @@ class RolloutConfig:
         """The weight sync `WeightSync(mode=...)` runs: "adapter" only when asked for, else "merged"."""
         return "adapter" if self.lora_sync == "adapter" else "merged"
 
-    def _check_lora_sync(self, cfg: Config) -> None:
+    def _check_lora_sync(self) -> None:
         if self.lora_sync != "adapter":
             return
         allowed = "allowed: auto, merged, adapter"
-        if cfg.model.lora_rank <= 0:
-            raise ConfigError(f"rollout.lora_sync=adapter sends only LoRA adapters, but model.lora_rank="
-                              f"{cfg.model.lora_rank} trains the whole model ({allowed}): set --model.lora_rank (e.g. "
-                              "16) or --rollout.lora_sync merged")
         if self.backend == "hf" or self.placement != "colocated":
             raise ConfigError(f"rollout.lora_sync=adapter needs the colocated vLLM engine's LoRA support, got "
                               f"rollout.backend={self.backend}, rollout.placement={self.placement} ({allowed}): use "
@@ -214,42 +189,21 @@ class RolloutConfig:
                               f"weights at every sleep and adapter sync never sends them again ({allowed}): use "
                               "--rollout.sleep_level 1, --rollout.sleep false, or --rollout.lora_sync merged")
 
-    def _check_partial(self, cfg: Config) -> None:
-        if not self.partial_tokens:
-            return
-        where = f"rollout.partial_tokens={self.partial_tokens}"
-        if self.partial_tokens >= self.max_new_tokens:
-            raise ConfigError(f"{where} is not below rollout.max_new_tokens={self.max_new_tokens}: every sample "
-                              "finishes in one call, so nothing is carried over; pick a smaller value (e.g. "
-                              f"{max(1, self.max_new_tokens // 4)}) or 0")
-        if cfg.rl.dynamic_sampling:
-            raise ConfigError(f"{where} with rl.dynamic_sampling: dynamic sampling regenerates whole groups in "
-                              "rounds; use one of the two (--rollout.partial_tokens 0 or --rl.dynamic_sampling false)")
-        if cfg.rl.environment:
-            raise ConfigError(f"{where} with rl.environment: episodes already end each turn at a tool call; use "
-                              "--rollout.partial_tokens 0 with multi-turn episodes")
-        if cfg.rl.mismatch == "off":
-            raise ConfigError(f"{where} continues samples with newer weights; it needs the mismatch correction "
-                              "against the rollout policy: set --rl.mismatch tis or mis")
-
-    def check(self, cfg: Config) -> None:
+    def check(self) -> None:
         self._check_vllm_options()
-        self._check_lora_sync(cfg)
+        self._check_lora_sync()
         if self.sidecar_engines > 1 and self.placement != "sidecar":
             raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
                               f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")
-        self._check_partial(cfg)
+        if self.partial_tokens and self.partial_tokens >= self.max_new_tokens:
+            raise ConfigError(f"rollout.partial_tokens={self.partial_tokens} is not below rollout.max_new_tokens="
+                              f"{self.max_new_tokens}: every sample finishes in one call, so nothing is carried over; "
+                              f"pick a smaller value (e.g. {max(1, self.max_new_tokens // 4)}) or 0")
         if self.weight_transport == "vllm" and (self.placement == "colocated" or self.backend == "hf"):
             raise ConfigError(f"rollout.weight_transport=vllm moves weights with vLLM's weight-transfer engine into a "
                               f"vLLM server process (got rollout.placement={self.placement}, rollout.backend="
                               f"{self.backend}): use --rollout.placement sidecar or disaggregated, or "
                               "--rollout.weight_transport own")
-        if self.async_generation and cfg.rl.mismatch == "off":
-            raise ConfigError("rollout.async_generation trains on batches generated with older weights; it needs "
-                              "the mismatch correction against the rollout policy: set --rl.mismatch tis or mis")
-        if self.max_model_len and self.max_model_len < cfg.data.max_prompt_len + self.max_new_tokens:
-            raise ConfigError(f"rollout.max_model_len={self.max_model_len} is shorter than data.max_prompt_len + "
-                              f"rollout.max_new_tokens = {cfg.data.max_prompt_len + self.max_new_tokens}")
 
 
 @dataclass
@@ -262,7 +216,7 @@ class DPOConfig:
     reference: bool = True  # DPO: log-ratios against the starting model; false = reference-free (SimPO: + length_norm)
     precompute_ref: bool = False  # DPO: the reference's log-probs of every row once at the start, then free it
 
-    def check(self, cfg: Config) -> None:
+    def check(self) -> None:
         if self.loss == "ipo" and (self.label_smoothing > 0 or self.margin > 0):
             raise ConfigError(f"dpo.loss=ipo takes no dpo.label_smoothing ({self.label_smoothing}) or dpo.margin "
                               f"({self.margin}): they apply to dpo.loss=sigmoid; set them to 0 or use sigmoid")
