@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ds_rlhf.agent.adapters import load_environment
-from ds_rlhf.config import Config, ConfigError, parse_config, validate
+from ds_rlhf.config import Config, parse_config, validate
 from ds_rlhf.entrypoints.main import runtime_env_defaults
 from ds_rlhf.entrypoints.train import (
     DPO_DEFAULTS,
@@ -47,6 +47,7 @@ from ds_rlhf.entrypoints.train import (
     run_rm,
     run_sft,
 )
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.rewards.calling import detect_style
 from ds_rlhf.rewards.loading import STYLES, register
 from ds_rlhf.rewards.reward_set import parse_weights

@@ -1,6 +1,6 @@
 """The command-line front of every entry point: --help, config parsing, clear one-line errors.
 
-An error the user can fix by changing an input (`USER_ERRORS`: `config.UserInputError` and its subclasses such as
+An error the user can fix by changing an input (`USER_ERRORS`: `errors.UserInputError` and its subclasses such as
 `ConfigError`, and the data, run-directory and reward errors) ends the command with one `error: ...` line and exit
 status 1; any other exception is a bug and shows its traceback. `--debug` (or DS_RLHF_DEBUG=1) shows the traceback of
 user errors too. A full disk, a read-only or unwritable path (an OSError naming its file) is one line as well, and so
@@ -14,11 +14,12 @@ import os
 import sys
 from collections.abc import Callable
 
-from ds_rlhf.config import Config, UserInputError, apply_mapping, help_text, parse_config
+from ds_rlhf.config import Config, apply_mapping, help_text, parse_config
 from ds_rlhf.data.formats import DataPrepError
 from ds_rlhf.data.store import StoreMismatchError
 from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.entrypoints.main import runtime_env_defaults
+from ds_rlhf.errors import UserInputError
 from ds_rlhf.rewards.scoring import BadRewardError
 from ds_rlhf.run.run_dir import RunDirError
 

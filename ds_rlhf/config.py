@@ -27,18 +27,18 @@ from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
+from ds_rlhf.config_rl import RLConfig
+from ds_rlhf.config_rules import check_cross_section
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
-    ConfigError,
     DataConfig,
     DPOConfig,
     ModelConfig,
     OptimConfig,
-    RLConfig,
     RolloutConfig,
     RunConfig,
-    UserInputError,
     opt,
 )
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.redaction import redacted
 
 
@@ -63,8 +63,8 @@ class Config:
         return dataclasses.asdict(self)
 
     def check(self) -> None:
-        """Every float is finite, every field's rule (choices, bounds) holds, then each section's cross-field rules;
-        raises ConfigError."""
+        """Every float is finite, every field's rule (choices, bounds) holds, then each section's own cross-field
+        rules, then the rules across sections (`config_rules.check_cross_section`); raises ConfigError."""
         for key, (section, name) in _all_keys().items():
             target = getattr(self, section) if section else self
             value = getattr(target, name)
@@ -77,7 +77,13 @@ class Config:
         for section in SECTIONS:
             check = getattr(getattr(self, section), "check", None)
             if check is not None:
-                check(self)
+                check()
+        check_cross_section(self)
+
+    def context_len(self) -> int:
+        """The rollout context: the most tokens a rollout sequence holds, prompt included (the rollout engine's
+        max_model_len): `rollout.max_model_len`, else `data.max_prompt_len + rollout.max_new_tokens`."""
+        return self.rollout.max_model_len or self.data.max_prompt_len + self.rollout.max_new_tokens
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(redacted(self.to_dict()), indent=2, sort_keys=True) + "\n")

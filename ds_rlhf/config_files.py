@@ -8,7 +8,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from ds_rlhf.config_sections import ConfigError
+from ds_rlhf.errors import ConfigError
 
 
 class _DuplicateKey(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 
 from ds_rlhf import config_peers
-from ds_rlhf.config_sections import ConfigError
+from ds_rlhf.errors import ConfigError
 
 # recipe (the command's name) -> the config sections its trainer reads; the top-level keys (ds_config, zero_stage,
 # offload, local_rank) belong to every recipe

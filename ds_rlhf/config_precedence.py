@@ -11,8 +11,8 @@ import math
 import os
 from typing import Any
 
-from ds_rlhf.config_sections import ConfigError
 from ds_rlhf.ds_config_file import FILE_KEYS, file_value, load_ds_config, same_value
+from ds_rlhf.errors import ConfigError
 
 # the settings that decide how many micro-batches make an optimizer step, per recipe family
 BATCH_KEYS = {"rl": ("rl.mini_batch_size", "rl.prompts_per_step", "rollout.n_samples", "optim.micro_batch_size"),

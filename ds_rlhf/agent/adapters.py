@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ds_rlhf.agent.environment import ToolEnvironment, environment_factory, load_object, resolve
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.rewards.calling import reward_number
 
 _TRL_RESERVED = ("reset", "get_reward")

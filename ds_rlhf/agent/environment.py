@@ -34,7 +34,7 @@ from transformers.utils.chat_template_utils import DocstringParsingException, Ty
 
 from ds_rlhf.agent.sandbox import Sandbox, tool_location
 from ds_rlhf.agent.tool_calls import ParsedCalls, parse_tool_calls
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.rewards.calling import reward_number
 from ds_rlhf.rewards.loading import _load_module, registered
 

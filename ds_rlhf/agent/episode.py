@@ -47,7 +47,7 @@ from typing import Any
 from ds_rlhf.agent.environment import StepResult, StepTimeout, run_reset, run_step
 from ds_rlhf.agent.rendering import ChatRenderer
 from ds_rlhf.agent.sandbox import Sandbox
-from ds_rlhf.config import ConfigError, UserInputError
+from ds_rlhf.errors import ConfigError, UserInputError
 from ds_rlhf.rewards.calling import BadRewardError
 from ds_rlhf.rollout.base import RolloutSample, SamplingSpec
 from ds_rlhf.rollout.stops import stop_token_ids

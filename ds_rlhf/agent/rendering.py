@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 
 _PROBE_USER = "ds_rlhf probe question"
 _PROBE_ANSWER = "ds_rlhf probe answer"

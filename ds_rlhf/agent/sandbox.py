@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_rlhf.agent.sandbox_reap import MARKER, LiveCall
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 RESULT = ".ds_rlhf_result.json"

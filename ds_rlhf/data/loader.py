@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from ds_rlhf.config import UserInputError
+from ds_rlhf.errors import UserInputError
 
 from .packing import length_grouped_order
 from .store import Store, StoreMismatchError, check_store, open_store

@@ -15,8 +15,8 @@ import inspect
 import os
 import sys
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.model_source import resolve_model_source
+from ds_rlhf.errors import ConfigError
 
 from .convert import Encoder, PreferenceConverter, PromptConverter, SFTConverter
 from .fields import gsm8k_answer

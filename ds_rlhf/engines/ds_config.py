@@ -20,8 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.ds_config_file import find_ds_config, load_ds_config, packaged_ds_configs  # noqa: F401
+from ds_rlhf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import os
 import re
 from pathlib import Path
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.gguf_import import cached_conversion
 from ds_rlhf.engines.tiny_models import PRESETS, build_tiny_model, default_cache_dir
+from ds_rlhf.errors import ConfigError
 
 # huggingface_hub's repo id rules (validate_repo_id): `org/name`, letters, digits, `-`, `_`, `.`; an optional
 # `@revision` (branch, tag or commit; branch names may hold `/`).

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ds_rlhf.config import ConfigError, UserInputError
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.attention import select_attn_impl
 from ds_rlhf.engines.kernels import apply_kernels
 from ds_rlhf.engines.rm_head import SCORE_HEAD, check_reward_model_dir, head_refusal
+from ds_rlhf.errors import ConfigError, UserInputError
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}

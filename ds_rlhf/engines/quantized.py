@@ -16,7 +16,7 @@ bitsandbytes (>= 0.45) has a CPU backend, so the CPU tests exercise the same cod
 trainer is always dequantized: the weight sync to vLLM (`rollout/weight_gather.py`) and the export
 (`models.merge_lora_state_dict`) send `dequantize(base) + scaling * B @ A` in the rollout / export dtype.
 
-ZeRO-3 is refused (`config.ModelConfig.check` at parse time, `check_ds_config` on the resolved ds_config): it would
+ZeRO-3 is refused (`config_rules` at parse time, `check_ds_config` on the resolved ds_config): it would
 partition the packed uint8 / int8 storage into flat shards while the `quant_state` / `SCB` that bitsandbytes keeps
 on the parameter object stays whole, a combination neither DeepSpeed nor bitsandbytes supports (a probe trained at
 world size 1, which proves nothing about the gathers across ranks, the offload or the weight sync); a 4-bit 8B
@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 
 QUANT_MODES = ("none", "nf4", "int8")
 KEEP_FULL = ["lm_head", "score"]  # heads stay in the compute dtype (transformers skips the tied/output embedding)
@@ -49,7 +49,7 @@ def check_mode(mode: str) -> None:
 
 
 def check_ds_config(mode: str | None, ds_config: dict) -> None:
-    """Refuse ZeRO-3 with a quantized base, on the resolved ds_config (the schema's rule, `ModelConfig.check`,
+    """Refuse ZeRO-3 with a quantized base, on the resolved ds_config (the schema's rule in `config_rules`,
     sees only --zero_stage and a readable ds_config file); one line naming the keys."""
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if enabled(mode) and stage == 3:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.rm_scoring import REWARD_INFO
+from ds_rlhf.errors import ConfigError
 
 SCORE_HEAD = "score"  # the `*ForSequenceClassification` head RewardModel reads (`models._seqcls_parts`)
 

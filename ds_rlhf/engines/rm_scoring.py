@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.chat_tokens import end_of_turn_id, template_tokens, turn_tail_ids
+from ds_rlhf.errors import ConfigError
 
 REWARD_INFO = "ds_rlhf_reward.json"  # written beside an exported reward model
 

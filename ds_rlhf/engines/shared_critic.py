@@ -27,10 +27,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.builder import build_engine
 from ds_rlhf.engines.models import CriticModel, apply_lora, unwrap
 from ds_rlhf.engines.roles import role_info
+from ds_rlhf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

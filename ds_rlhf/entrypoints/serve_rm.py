@@ -41,9 +41,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.rm_scoring import score_rule, score_text
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.recipes.batching import pad_scored
 
 PROG = "ds-rlhf serve-rm"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
 
 HEADROOM = 512 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)

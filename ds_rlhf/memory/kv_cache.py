@@ -54,11 +54,6 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int, tp: int = 1) -> int:
     return 2 * hf_config.num_hidden_layers * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
-def rollout_context(cfg) -> int:
-    """The engine's context (its max_model_len): `rollout.max_model_len`, else prompt + response budget."""
-    return cfg.rollout.max_model_len or cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-
-
 def step_sequences(cfg, world_size: int = 1) -> int:
     """Sequences one engine generates for a step: this rank's prompts x samples (a disaggregated server: every
     rank's; tensor parallelism over ranks: the group's)."""
@@ -81,7 +76,7 @@ def vllm_kv_cache(cfg, hf_config, *, device: str, host_bytes: int, world_size: i
     if device != "cpu":
         return KVCacheSize(0, "vllm", f"what rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} leaves "
                                       "after vLLM's weights")
-    context = rollout_context(cfg)
+    context = cfg.context_len()
     per_seq = math.ceil(context / CPU_BLOCK_TOKENS) * CPU_BLOCK_TOKENS * kv_bytes_per_token(
         hf_config, CPU_KV_DTYPE_BYTES, r.tensor_parallel_size)
     seqs = step_sequences(cfg, world_size)

@@ -37,7 +37,7 @@ def resolve_zero(cfg, precision: str, world_size: int) -> dict:
 def sequence_tokens(cfg, kind: str) -> tuple[int, int]:
     """(tokens per micro-batch, sequence length): the token budget, else micro-batch size x length (RM: pairs)."""
     if kind == "rl":
-        length = cfg.rollout.max_model_len or cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        length = cfg.context_len()
     else:
         length = cfg.data.max_len
     rows = max(1, cfg.optim.micro_batch_size) * (2 if kind == "rm" else 1)

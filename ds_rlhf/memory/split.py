@@ -32,7 +32,8 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from ds_rlhf.config import ConfigError, set_value
+from ds_rlhf.config import set_value
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
 from ds_rlhf.memory.device import ACTIVATION_FACTOR, DevicePeak, activations_in_train_phase, device_peak

@@ -18,7 +18,8 @@ import json
 import sys
 import time
 
-from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.config import parse_config
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.run.checks import FAIL
 from ds_rlhf.run.environment import apply_config, by_name, doctor_json, format_table, run_checks  # noqa: F401
 

@@ -25,7 +25,8 @@ import json
 import os
 import sys
 
-from ds_rlhf.config import ConfigError, parse_config
+from ds_rlhf.config import parse_config
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import capped_total
 from ds_rlhf.memory.kv_cache import available_host_bytes
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from ds_rlhf.config import UserInputError
 from ds_rlhf.distributed import agree_max
+from ds_rlhf.errors import UserInputError
 
 POLICIES = ("fail", "skip")
 HINTS = {

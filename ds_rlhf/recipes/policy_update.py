@@ -75,7 +75,7 @@ def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_row
 def rl_packing(cfg: Config) -> bool:
     """`data.rl_packing`, with the schema's rule for it (`DataConfig.check`: packing needs a token budget)
     re-checked, for configs built without `parse_config`."""
-    cfg.data.check(cfg)
+    cfg.data.check()
     return cfg.data.rl_packing
 
 

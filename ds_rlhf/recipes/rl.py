@@ -25,8 +25,9 @@ import torch
 
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.nonfinite import guard_step
@@ -211,7 +212,7 @@ class RLTrainer:
         so it is collected first and kept (`RolloutService.quiesce`, as before a checkpoint), and the service then
         returns it as it would have. In async mode the engine also still holds the weights before the last update:
         `quiesce(self.step)` syncs it now, which is the sync the service would make before its next submit anyway
-        (`RLConfig` refuses evaluation with `rollout.max_staleness` > 1, where it would not), so every later batch
+        (`config_rules` refuses evaluation with `rollout.max_staleness` > 1, where it would not), so every later batch
         is generated with the same weights as without evaluation; its time is the next step's `time/sync`.
         `rl_eval.evaluate` restores every RNG, so training and its resume are exactly as without evaluation.
         """

@@ -16,7 +16,6 @@ from ds_rlhf.agent.adapters import load_environment
 from ds_rlhf.agent.sandbox import require_protections
 from ds_rlhf.agent.sandbox_reap import stop_all as stop_sandbox_calls
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
-from ds_rlhf.config import ConfigError
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
 from ds_rlhf.engines.attention import select_attn_impl
@@ -27,6 +26,7 @@ from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import as_dtype, lora_settings
 from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_critic_stage
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
 from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
@@ -107,7 +107,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
         critic = _build_critic(ctx, actor, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
                                                          lr=cfg.optim.critic_lr, total_steps=steps_total), model_opts)
     reference = _build_reference(ctx, actor, attn)
-    max_len = cfg.rollout.max_model_len or (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    max_len = cfg.context_len()
     owns_rollout = rollout is None
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None

@@ -8,7 +8,7 @@
   evaluation generates with (the episode service's episodes with `rl.environment`).
 - `dynamic_batch`: DAPO's dynamic sampling, which needs the rewards.
 
-Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `RLConfig` refuses it with async
+Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `config_rules` refuses it with async
 generation): a step's batch is generated and scored in rounds. Each round draws the loader's next
 `rl.prompts_per_step` prompts, has the service generate them (`RolloutService.batch(step, rows=..., spec=...)`,
 which confirms the last step's sync first when it did not wait) and scores them; prompts whose samples all got
@@ -92,7 +92,7 @@ def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> Rollo
         return EpisodeRolloutService(*args, tokenizer=ctx.tokenizer, env_factory=parts.environment,
                                      max_turns=rl.max_turns, step_timeout=rl.env_step_timeout,
                                      lockstep=rl.episode_rounds == "lockstep",
-                                     max_total_tokens=rl.episode_max_tokens or rl.episode_context(ctx.cfg), **kwargs)
+                                     max_total_tokens=rl.episode_max_tokens or ctx.cfg.context_len(), **kwargs)
     if r.partial_tokens:
         return PartialRolloutService(*args, chunk=r.partial_tokens, **kwargs)
     return RolloutService(*args, **kwargs)

@@ -14,10 +14,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
 from ds_rlhf.distributed import all_reduce_mean
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.run.checkpoints import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run

@@ -18,8 +18,8 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
+from ds_rlhf.errors import ConfigError
 
 GENERATION_CONFIG = "generation_config.json"
 

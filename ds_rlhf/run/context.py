@@ -17,10 +17,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
 from ds_rlhf.engines.ds_config import OVERRIDES, find_ds_config, load_ds_config, pick_precision, resolve_ds_config
 from ds_rlhf.engines.model_source import resolve_model_path, resolve_model_source
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.redaction import redacted
 from ds_rlhf.run.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 from ds_rlhf.telemetry import MetricsLogger

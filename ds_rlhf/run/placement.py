@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ds_rlhf.config import ConfigError
+from ds_rlhf.errors import ConfigError
 
 
 def parse_devices(spec: str) -> list[int]:

@@ -19,13 +19,14 @@ import json
 import os
 from pathlib import Path
 
-from ds_rlhf.config import Config, ConfigError
+from ds_rlhf.config import Config
 from ds_rlhf.data.store import StoreMismatchError, open_store
 from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.engines import kernels
 from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_causal_lm_dir, check_reward_model_dir
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import cap as memory_cap
 from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
 from ds_rlhf.memory.settings import sequence_tokens
@@ -247,12 +248,12 @@ def model_context(local_dir: str) -> tuple[str, int] | None:
 
 def rollout_context(cfg: Config) -> tuple[str, int]:
     """(what sets it, tokens): the longest sequence an RL run generates, prompt included."""
-    r, data = cfg.rollout, cfg.data
+    r, data, context = cfg.rollout, cfg.data, cfg.context_len()
     if r.max_model_len:
-        need = (f"rollout.max_model_len={r.max_model_len}", r.max_model_len)
+        need = (f"rollout.max_model_len={context}", context)
     else:
         need = (f"data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + {r.max_new_tokens} = "
-                f"{data.max_prompt_len + r.max_new_tokens}", data.max_prompt_len + r.max_new_tokens)
+                f"{context}", context)
     if rl_eval_on(cfg) and data.max_prompt_len + cfg.rl.eval_max_new_tokens > need[1]:
         total = data.max_prompt_len + cfg.rl.eval_max_new_tokens
         need = (f"data.max_prompt_len + rl.eval_max_new_tokens = {data.max_prompt_len} + "

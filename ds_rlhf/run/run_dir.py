@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ds_rlhf.config import UserInputError
+from ds_rlhf.errors import UserInputError
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 LOCK_NAME = ".lock"

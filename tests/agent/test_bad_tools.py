@@ -19,8 +19,9 @@ from scripted_policy import ScriptedPolicy
 from ds_rlhf.agent.environment import ToolEnvironment
 from ds_rlhf.agent.episode import BadToolError, EpisodeRunner
 from ds_rlhf.algos.advantages import reinforce_pp_returns
-from ds_rlhf.config import Config, ConfigError, UserInputError, help_text, parse_config
+from ds_rlhf.config import Config, help_text, parse_config
 from ds_rlhf.engines.chat_tokens import end_of_turn_id
+from ds_rlhf.errors import ConfigError, UserInputError
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.recipes.trajectory import RolloutBatch, pad_trajectory, with_advantages

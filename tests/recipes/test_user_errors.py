@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_rlhf.cli import run_entry
-from ds_rlhf.config import Config, ConfigError, UserInputError, load_file, parse_config, validate
+from ds_rlhf.config import Config, load_file, parse_config, validate
 from ds_rlhf.data.formats import DataPrepError
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.prep import prep_gsm8k, prep_prompts, prep_sft
@@ -27,6 +27,7 @@ from ds_rlhf.data.store import StoreMismatchError
 from ds_rlhf.data.writer import write_store
 from ds_rlhf.engines.ds_config import pick_precision, resolve_ds_config
 from ds_rlhf.engines.models import load_causal_lm
+from ds_rlhf.errors import ConfigError, UserInputError
 from ds_rlhf.recipes.rl import check_rollout_precision
 from ds_rlhf.rollout.vllm_adapter import vllm_version
 from ds_rlhf.testing.multiproc import clean_env
