@@ -50,6 +50,7 @@ from ds_rlhf.rollout.server.calls import (
 )
 from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.server.protocol import ERROR, Command
+from ds_rlhf.rollout.server.rank_relay import gather_to_owner, scatter_from_owner
 from ds_rlhf.rollout.weight_group import WeightGroup
 
 
@@ -190,38 +191,11 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._in_flight:
             raise RolloutError("a generation is in flight: collect it before any other call")
 
-    def _gather_to_owner(self, item) -> list | None:
-        """Every rank's `item`, as a list on rank 0 (None elsewhere)."""
-        if self._d is None:
-            return [item]
-        items = [None] * self._d.get_world_size() if self.owner else None
-        self._d.gather_object(item, items, dst=0)
-        return items
-
-    def _scatter_from_owner(self, run) -> object:
-        """Rank 0 calls `run()` for a list with one result per rank and hands each rank its own; an error there
-        is raised on every rank."""
-        results = None
-        if self.owner:
-            try:
-                results = [("ok", r) for r in run()]
-            except Exception as e:  # noqa: BLE001  re-raised on every rank below
-                results = [("error", f"{type(e).__name__}: {e}")] * (self._d.get_world_size() if self._d else 1)
-        if self._d is None:
-            out = results
-        else:
-            out = [None]
-            self._d.scatter_object_list(out, results, src=0)
-        status, payload = out[0]
-        if status == "error":
-            raise RolloutError(f"rollout (on trainer rank 0) failed: {payload}")
-        return payload
-
     def _collective(self, item, run):
         """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""
         self._check_idle()
-        items = self._gather_to_owner(item)
-        return self._scatter_from_owner(lambda: run(items))
+        items = gather_to_owner(self._d, self.owner, item)
+        return scatter_from_owner(self._d, self.owner, lambda: run(items))
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -277,7 +251,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._in_flight:
             raise RolloutError("a generation is already in flight: collect it first")
         t0 = time.perf_counter()
-        groups = self._gather_to_owner((prompts, spec))
+        groups = gather_to_owner(self._d, self.owner, (prompts, spec))
         if self.owner:
             self._generation = self.send_command(Command.GENERATE_MANY, groups)
         self._in_flight = True
@@ -290,8 +264,8 @@ class RemoteVLLMEngine(RolloutEngine):
             raise RolloutError("no generation in flight to collect")
         self._in_flight = False
         reply, self._generation = self._generation, None
-        rows, seconds, tokens = self._scatter_from_owner((lambda: self._per_rank(reply.result())) if self.owner
-                                                         else None)
+        run = (lambda: self._per_rank(reply.result())) if self.owner else None
+        rows, seconds, tokens = scatter_from_owner(self._d, self.owner, run)
         samples = [RolloutSample(*s) for s in rows]
         self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
