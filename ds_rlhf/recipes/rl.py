@@ -36,7 +36,7 @@ from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
 from ds_rlhf.recipes.rollout_schedule import dynamic_batch, eval_generate, rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
-from ds_rlhf.rewards.bounded_http import Interrupted, interrupt
+from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoints import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
@@ -271,7 +271,8 @@ class RLTrainer:
         error: BaseException | None = None
         # the handlers cover the whole run, the final save, export and shut-down included: a signal after the last
         # step waits for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
-        with GracefulStop(ctx.dist.device, announce=ctx.print, on_signal=(interrupt,)) as stop:
+        with GracefulStop(ctx.dist.device, announce=ctx.print, on_signal=(interrupt,),
+                          on_exit=(clear_interrupt,)) as stop:
             try:
                 self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
                                                   cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,

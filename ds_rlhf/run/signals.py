@@ -7,7 +7,9 @@ same step together.
 A second signal exits at once (`os._exit(128 + signal)`), for when the current step itself is what hangs.
 `on_signal` callbacks run at the first signal (inside the handler, so they must not block or take locks): the RL
 recipe passes the remote reward's `interrupt`, which leaves requests to a reward server a few seconds and then
-ends them, so a step waiting on a hung server stops instead of waiting out its deadline and retries.
+ends them, so a step waiting on a hung server stops instead of waiting out its deadline and retries; its
+`on_exit`, the remote reward's `clear_interrupt`, forgets that stop when the run ends, so a process that goes on (a
+notebook's next run, a test worker) starts without it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class GracefulStop:
     """Context manager installing the handlers (main thread only; elsewhere it does nothing)."""
 
-    def __init__(self, device="cpu", announce=print, on_signal: Sequence[Callable[[int], object]] = ()):
-        self.device, self.announce, self.on_signal = device, announce, tuple(on_signal)
+    def __init__(self, device="cpu", announce=print, on_signal: Sequence[Callable[[int], object]] = (),
+                 on_exit: Sequence[Callable[[], object]] = ()):
+        self.device, self.announce, self.on_signal, self.on_exit = device, announce, tuple(on_signal), tuple(on_exit)
         self.signum = 0
         self._previous: dict[int, object] = {}
 
@@ -50,6 +53,8 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        for callback in self.on_exit:  # what on_signal set is the stopped run's, not the process's
+            callback()
 
     def pending(self) -> int:
         """The signal number any rank received (0 = none); the same answer on every rank."""
