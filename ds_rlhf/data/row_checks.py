@@ -54,7 +54,21 @@ def loads_row(text: str):
     if duplicates:
         raise RowError("duplicate_key", f"key {duplicates[0]!r} appears more than once in one object (a JSON "
                                         "reader keeps only the last value); keep one")
+    if _nests_past(obj, MAX_DEPTH):  # the parser's own limit follows the interpreter's recursion limit
+        raise RowError("too_deep", f"JSON nested more than {MAX_DEPTH} levels of lists/objects")
     return obj
+
+
+def _nests_past(value, limit: int) -> bool:
+    """Whether `value` holds lists/objects nested more than `limit` levels (iteratively: no recursion limit)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return True
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
 
 
 def check_values(value, field: str = "") -> None:
