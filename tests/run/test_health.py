@@ -135,7 +135,7 @@ def test_length_and_entropy_falling_at_a_flat_format_reward_is_named_a_policy_co
     assert warning.step == 15
     assert warning.message.startswith("policy collapse suspected at step 15: response length 221->96 tokens and "
                                       "entropy 3->1.3 within the last 10 steps while the reward stays at 0.12")
-    assert "rl.algo dr_grpo" in warning.message and "optim.lr" in warning.message
+    assert "rl.scale_rewards batch" in warning.message and "optim.lr" in warning.message
     assert "rl.entropy_coef" in warning.message
     assert [w.kind for w in health_warnings(collapsing()[:15])] == ["policy_collapse"]
     assert health_warnings(collapsing()[:14]) == []
