@@ -76,6 +76,7 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
     debug = debug_requested(argv)
     argv = [a for a in argv if a != DEBUG_FLAG]
     cfg = None
+    owned = not _process_group_up()  # one this command sets up is its to tear down; an earlier one stays
     try:
         cfg = parse_config(argv, defaults, recipe)
         result = run(cfg)
@@ -93,8 +94,15 @@ def run_entry(doc: str, defaults: dict, run: Callable[[Config], object], argv: l
             raise
         print(f"error: {str(exc) or 'interrupted (Ctrl-C)'}", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
-    _shutdown_process_group()
+    if owned:
+        _shutdown_process_group()
     return result
+
+
+def _process_group_up() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _shutdown_process_group() -> None:
