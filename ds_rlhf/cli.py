@@ -109,7 +109,7 @@ def _shutdown_process_group() -> None:
     """Tear the process group down explicitly: left to interpreter exit, gloo/NCCL helper threads can abort it."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if _process_group_up():
         dist.barrier()
         ds_comm = sys.modules.get("deepspeed.comm.comm")
         if ds_comm is not None and ds_comm.cdb is not None:

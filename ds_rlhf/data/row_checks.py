@@ -54,31 +54,25 @@ def loads_row(text: str):
     if duplicates:
         raise RowError("duplicate_key", f"key {duplicates[0]!r} appears more than once in one object (a JSON "
                                         "reader keeps only the last value); keep one")
-    if _nests_past(obj, MAX_DEPTH):  # the parser's own limit follows the interpreter's recursion limit
-        raise RowError("too_deep", f"JSON nested more than {MAX_DEPTH} levels of lists/objects")
+    for _ in _nodes(obj):  # the depth: the parser's own limit follows the interpreter's recursion limit
+        pass
     return obj
-
-
-def _nests_past(value, limit: int) -> bool:
-    """Whether `value` holds lists/objects nested more than `limit` levels (iteratively: no recursion limit)."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth >= limit:
-                return True
-            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
-    return False
 
 
 def check_values(value, field: str = "") -> None:
     """RowError naming the field when a string of `value` is not text or `value` nests past MAX_DEPTH."""
+    for item, where in _nodes(value, field):
+        if isinstance(item, str):
+            _check_string(item, where)
+
+
+def _nodes(value, field: str = ""):
+    """Every value within `value` (itself included) with its field path, iteratively (no recursion limit);
+    RowError("too_deep") naming the field at a list/object nested MAX_DEPTH levels down."""
     stack = [(value, field, 0)]
     while stack:
         item, where, depth = stack.pop()
-        if isinstance(item, str):
-            _check_string(item, where)
-            continue
+        yield item, where
         if not isinstance(item, dict | list | tuple):
             continue
         if depth >= MAX_DEPTH:
