@@ -302,11 +302,7 @@ class VLLMHandle:
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
-                try:
-                    core.shutdown()
-                except ValueError as exc:  # its groups went with an earlier teardown of the default group
-                    if "Invalid process group" not in str(exc):
-                        raise
+                core.shutdown()
             del llm
             gc.collect()
 
