@@ -23,7 +23,7 @@ in-process engine). The 1.5B shape defaults to the in-process engine (`colocated
     python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
 
 `--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens and (when they do not
-fit) the sidecar engine count are then chosen by the run (`ds_rlhf/memory/split.py`) unless given here
+fit) the sidecar engine count and gradient checkpointing are then chosen by the run (`ds_rlhf/memory/split.py`) unless given here
 (`--gpu-mem`, `--micro-batch-tokens`, `--sidecar-engines`); the JSON's `memory_split` records the split chosen
 and the values the run used. Without it the settings are the defaults above.
 
@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run.max_gpu_memory_gb: cap per GPU for the trainer and vLLM together; the run picks what "
                         "--gpu-mem, --micro-batch-tokens and --sidecar-engines leave unset (0 = no cap)")
     p.add_argument("--ds-config", default="ds_configs/zero2.json")
-    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--grad-ckpt", action="store_true", help="model.gradient_checkpointing true (unset: off, or "
+                   "with --max-gpu-memory-gb the split's choice)")
     p.add_argument("--tiny", action="store_true", help="CPU logic check with the tiny model")
     p.add_argument("--model", choices=sorted(SHAPES), default="0.5b", help="Qwen2 shape")
     p.add_argument("--algo", default="grpo", help="rl.algo (ppo adds a critic of the same shape)")
@@ -269,8 +270,7 @@ def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path,
         *([] if "gpu_mem" in left else ["--rollout.gpu_memory_utilization", str(args.gpu_mem)]),
         "--data.max_prompt_len", str(args.prompt_len),
         *([] if "micro_batch_tokens" in left else ["--data.micro_batch_tokens", str(args.micro_batch_tokens)]),
-        "--model.gradient_checkpointing",
-        str(args.grad_ckpt), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
+        *(["--model.gradient_checkpointing", "true"] if args.grad_ckpt else []), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
         "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1",
         *(["--run.max_gpu_memory_gb", f"{args.max_gpu_memory_gb:g}"] if args.max_gpu_memory_gb > 0 else []), *extra]
     return argv, defaults

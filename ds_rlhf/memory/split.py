@@ -53,7 +53,14 @@ VLLM_FIXED = 1 * GiB
 VLLM_BLOCK = 16  # vLLM's KV cache block, in tokens
 VLLM_MAX_NUM_SEQS = 1024  # vLLM's default max_num_seqs on GPUs of 70 GiB and more (its sampler warm-up rows)
 MAX_VLLM_SHARE = 0.9  # of the cap: vLLM alone never takes more
-KEYS = ("rollout.gpu_memory_utilization", "data.micro_batch_tokens", "rollout.sidecar_engines")
+KEYS = ("rollout.gpu_memory_utilization", "data.micro_batch_tokens", "rollout.sidecar_engines",
+        "model.gradient_checkpointing")
+# gradient checkpointing is turned on when without it the largest fitting micro-batch is small in work (its forward
+# and backward, 6 x parameters x tokens, below `CHECKPOINT_BELOW_FLOP`) and with it one at least `CHECKPOINT_GAIN`
+# times larger fits: such a step is bound by the fixed cost of each micro-batch (launches, hooks, gradient buckets),
+# not its FLOPs, so fewer micro-batches beat the recomputed forward
+CHECKPOINT_BELOW_FLOP = 24e12
+CHECKPOINT_GAIN = 2
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,12 @@ class Split:
     reasons: tuple[str, ...] = field(default=())
     backend: str = "vllm"  # the rollout backend the plan assumes (on a GPU): no vLLM share to pick without vLLM
     device: DevicePeak | None = None  # the whole-device peak NVML would read (`device.device_peak`)
+    gradient_checkpointing: bool = False
 
     def values(self) -> dict:
         return {"rollout.gpu_memory_utilization": self.gpu_memory_utilization,
-                "data.micro_batch_tokens": self.micro_batch_tokens, "rollout.sidecar_engines": self.sidecar_engines}
+                "data.micro_batch_tokens": self.micro_batch_tokens, "rollout.sidecar_engines": self.sidecar_engines,
+                "model.gradient_checkpointing": self.gradient_checkpointing}
 
     def to_dict(self) -> dict:
         return {**self.values(), "picked": list(self.picked), "user": list(self.user), "capacity_bytes": self.capacity,
@@ -100,8 +109,10 @@ class Split:
                                                if d.engines else "") if d else
                   f"planned peak {fmt_bytes(self.peak)} + reserve {fmt_bytes(self.reserve)} of "
                   f"{fmt_bytes(self.capacity)}")
+        checkpointing = (f", gradient checkpointing{tag[KEYS[3]]}" if self.gradient_checkpointing else "")
         return (f"[{kind}] run.max_gpu_memory_gb={cap_gb:g}: {vllm}, "
-                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]} ({device}); " + "; ".join(self.reasons))
+                f"micro-batch {self.micro_batch_tokens} tokens{tag[KEYS[1]]}{checkpointing} ({device}); "
+                + "; ".join(self.reasons))
 
 
 def user_set(cfg, key: str) -> bool:
@@ -212,25 +223,49 @@ def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split 
         seq_len = base.settings.seq_len
         candidates = (micro_batch_candidates(trial, seq_len) if pick_tokens
                       else [cfg.data.micro_batch_tokens])
-        chosen = _largest_fitting(trial, candidates, capacity, total, vllm_bytes, world_size)
+        chosen = _micro_batch(cfg, trial, candidates, capacity, total, vllm_bytes, world_size)
         if chosen is None:
             smallest = _with(trial, data__micro_batch_tokens=candidates[-1])
             last = (smallest, _plan(smallest, capacity, world_size),
                     f"the smallest micro-batch ({candidates[-1] or 'optim.micro_batch_size'} tokens)")
             continue
-        tokens, plan = chosen
-        if pick_tokens:
-            reasons.append(f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned device "
-                           "peak fits")
+        tokens, plan, checkpointing, why = chosen
+        reasons += why
         if sidecar and engines < cfg.rollout.sidecar_engines:
             reasons.append(f"{cfg.rollout.sidecar_engines} sidecar engines do not fit (a weight copy each)")
         picked = tuple(k for k, on in zip(KEYS, (pick_util, pick_tokens, sidecar and engines
-                                                 != cfg.rollout.sidecar_engines)) if on)
+                                                 != cfg.rollout.sidecar_engines,
+                                                 checkpointing != cfg.model.gradient_checkpointing)) if on)
         user = tuple(k for k in KEYS if user_set(cfg, k))
         return Split(util, tokens, engines, picked, user, capacity, total, vllm_memory_fraction(trial, total),
                      plan.peak, plan.settings.reserve, tuple(reasons), plan.settings.rollout,
-                     device_peak(trial, plan))
+                     device_peak(trial, plan), checkpointing)
     raise ConfigError(_nothing_fits(cfg, capacity, last))
+
+
+def _micro_batch(cfg, trial, candidates: list[int], capacity: int, total: int, vllm_bytes: int,
+                 world_size: int) -> tuple[int, MemoryPlan, bool, list[str]] | None:
+    """(tokens, plan, gradient checkpointing, reasons) of the largest fitting micro-batch; checkpointing turned on
+    (where the user left it unset) when it lets a micro-batch `CHECKPOINT_GAIN` times larger fit than the one below
+    `CHECKPOINT_BELOW_FLOP` of work without it."""
+    on = cfg.model.gradient_checkpointing
+    chosen = _largest_fitting(trial, candidates, capacity, total, vllm_bytes, world_size)
+    why = ["micro-batch: the largest of {}..{} whose planned device peak fits".format(candidates[0], candidates[-1])
+           ] if len(candidates) > 1 else []
+    if on or user_set(cfg, KEYS[3]) or len(candidates) == 1 or (chosen and _work(chosen) >= CHECKPOINT_BELOW_FLOP):
+        return (*chosen, on, why) if chosen else None
+    with_ckpt = _largest_fitting(_with(trial, model__gradient_checkpointing=True), candidates, capacity, total,
+                                 vllm_bytes, world_size)
+    if with_ckpt is None or (chosen and with_ckpt[0] < CHECKPOINT_GAIN * chosen[0]):
+        return (*chosen, False, why) if chosen else None
+    without = f"{chosen[0]} tokens" if chosen else "none"
+    return (*with_ckpt, True, why + [f"gradient checkpointing: the largest micro-batch without it is {without}"])
+
+
+def _work(chosen: tuple[int, MemoryPlan]) -> float:
+    """A micro-batch's training FLOPs: 6 x the trained parameters x its tokens."""
+    tokens, plan = chosen
+    return 6.0 * sum(r.num_params for r in plan.roles if r.role == "actor") * tokens
 
 
 def _largest_fitting(cfg, candidates: list[int], capacity: int, total: int, vllm_bytes: int,

@@ -115,7 +115,8 @@ def test_an_explicit_value_is_never_overridden(qwen, capsys):
     # 0.5 is the schema's default: set on the command line it is the user's all the same
     cfg = parse_config(bench_args(qwen, 48, "--rollout.gpu_memory_utilization", "0.5"), ENGINES)
     split = choose_split(cfg, H200)
-    assert split.picked == ("data.micro_batch_tokens",) and "rollout.gpu_memory_utilization" in split.user
+    assert "data.micro_batch_tokens" in split.picked and "rollout.gpu_memory_utilization" in split.user
+    assert "rollout.gpu_memory_utilization" not in split.picked
     apply_split(cfg, split)
     assert cfg.rollout.gpu_memory_utilization == 0.5 and cfg.data.micro_batch_tokens == split.micro_batch_tokens
     assert "of the cap, yours" in split.line(48)
@@ -133,6 +134,32 @@ def test_an_explicit_value_is_never_overridden(qwen, capsys):
     cfg = parse_config(["--config", str(path), *bench_args(qwen, 48)], ENGINES)
     split = choose_split(cfg, H200)
     assert split.micro_batch_tokens == 2048 and split.picked == ("rollout.gpu_memory_utilization",)
+
+
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=8192)
+
+
+def test_gradient_checkpointing_when_it_buys_a_much_larger_small_micro_batch(qwen, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(**SMOLLM2_135M, tie_word_embeddings=True).save_pretrained(tmp_path)
+    # bench/learn.py's workload: 32 prompts x 8 samples, 512-token prompts and responses, two sidecar engines
+    learn = ["--model.path", str(tmp_path), "--rl.algo", "grpo", "--rollout.placement", "sidecar",
+             "--rl.prompts_per_step", "32", "--rollout.n_samples", "8", "--rollout.max_new_tokens", "512",
+             "--data.max_prompt_len", "512", "--rollout.backend", "vllm", "--run.max_gpu_memory_gb", "30"]
+    split = choose_split(parse_config(learn, ENGINES), int(80 * GiB))
+    off = choose_split(parse_config([*learn, "--model.gradient_checkpointing", "false"], ENGINES), int(80 * GiB))
+    assert split.gradient_checkpointing and "model.gradient_checkpointing" in split.picked
+    assert not off.gradient_checkpointing and "model.gradient_checkpointing" in off.user  # the user's, kept
+    assert split.micro_batch_tokens >= 4 * off.micro_batch_tokens, (split.micro_batch_tokens, off.micro_batch_tokens)
+    assert "gradient checkpointing" in split.line(30) and split.device.total <= 30 * GiB * (1 - MARGIN)
+    cfg = parse_config(learn, ENGINES)
+    apply_split(cfg, split)
+    assert cfg.model.gradient_checkpointing and cfg.data.micro_batch_tokens == split.micro_batch_tokens
+    # the 0.5B bench shape at 48 GiB: its micro-batch without checkpointing is already large in work, kept as it is
+    bench = choose_split(parse_config(bench_args(qwen, 48), ENGINES), H200)
+    assert not bench.gradient_checkpointing and "model.gradient_checkpointing" not in bench.picked
 
 
 def test_fewer_sidecar_engines_only_when_the_count_is_not_the_users(qwen):
