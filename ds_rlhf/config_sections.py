@@ -255,5 +255,6 @@ class RunConfig:
     health_collapse_steps: int = opt(5, ge=0)  # RL: warn once when every group's rewards stay equal this long (0 off)
     dist_timeout_minutes: float = opt(30.0, gt=0)  # a collective waiting longer fails the run (lost rank/node)
     # cap per GPU for trainer + vLLM, plan checked before loading; 0 = off. RL: picks rollout.gpu_memory_utilization,
-    # data.micro_batch_tokens (and fewer rollout.sidecar_engines if needed) unless set (docs/LOW_MEMORY.md)
+    # data.micro_batch_tokens, model.gradient_checkpointing (and fewer rollout.sidecar_engines if needed) unless set
+    # (docs/LOW_MEMORY.md)
     max_gpu_memory_gb: float = opt(0.0, ge=0)  # per-GPU cap, trainer+vLLM (0 off); picks unset vLLM share, micro-batch

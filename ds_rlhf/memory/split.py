@@ -18,6 +18,8 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   activation factor, and each sidecar engine's bytes beyond its budget, fitted to H200 runs of the bench) stays
   under M x (1 - `MARGIN`). With the sidecar the trainer's allocations (its planned part, activations x the
   factor) must also fit the allocator fraction the trainer process gets (`cap.trainer_memory_fraction`);
+- `model.gradient_checkpointing`: turned on when it lets a micro-batch at least `CHECKPOINT_GAIN` times larger fit
+  than the largest without it, and that one is small in work (`CHECKPOINT_BELOW_FLOP`), or nothing fits without it;
 - `rollout.sidecar_engines` is kept (each engine holds its own weights and warm-up), and lowered one at a time only
   when nothing fits with it.
 
