@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec, batch_seed
-from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
+from ds_rlhf.rollout.weights.cpu_shm import cpu_shm_cleanup
 from ds_rlhf.rollout.vllm_adapter import (
     check_vllm_version,
     effective_engine_options,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync, make_rollout_engine
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's CUDA-IPC weight transfer needs CUDA")
 pytest.importorskip("vllm")

@@ -17,7 +17,7 @@ from rollout_helpers import PROBE, STALE_MIN, TOL
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 LORA = {"r": 8, "lora_alpha": 16}
 PROMPT = [1, 5, 6, 7, 8]

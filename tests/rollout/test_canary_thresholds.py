@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ds_rlhf.rollout.base import Pending
-from ds_rlhf.rollout.canary import SyncCanary, SyncCanaryError, default_threshold
+from ds_rlhf.rollout.weights.canary import SyncCanary, SyncCanaryError, default_threshold
 
 
 class _Engine:

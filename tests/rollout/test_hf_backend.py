@@ -19,7 +19,7 @@ from rollout_helpers import (
 )
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync, make_rollout_engine
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import torch
 from rollout_helpers import PROBE, TOL
 
 from ds_rlhf.rollout.base import Pending, RolloutError, RolloutTicket, SamplingSpec
-from ds_rlhf.rollout.canary import SyncCanary, trainer_logprobs
+from ds_rlhf.rollout.weights.canary import SyncCanary, trainer_logprobs
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 from ds_rlhf.rollout.service import RolloutService
-from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.rollout.weights.sync import WeightSync
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 4], [1, 2, 3, 4, 5, 6], [1, 8]]
 

@@ -184,7 +184,7 @@ def test_the_canary_checks_every_server_whichever_missed_the_sync(stale, tiny_mo
     from transformers import AutoModelForCausalLM
 
     from ds_rlhf.rollout import SyncCanary
-    from ds_rlhf.rollout.canary import trainer_logprobs
+    from ds_rlhf.rollout.weights.canary import trainer_logprobs
     from ds_rlhf.rollout.server.sharded import ShardedRolloutEngine
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
@@ -272,7 +272,7 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     from rollout_helpers import build_engine, train
 
     from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
-    from ds_rlhf.rollout.canary import trainer_logprobs
+    from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
     restore_checkpoint_weights(two_sidecars, tiny_model_path)
     engine = build_engine(tiny_model_path, 0)

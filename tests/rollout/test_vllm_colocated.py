@@ -23,7 +23,7 @@ from rollout_helpers import (
 )
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 
 def test_generate_contract(vllm_rollout, tiny_tokenizer):

@@ -37,7 +37,7 @@ from ds_rlhf.rollout.vllm_mapping import (
     update_info_nbytes,
     weight_transfer_kwargs,
 )
-from ds_rlhf.rollout.weight_group import bucket_nbytes
+from ds_rlhf.rollout.weights.group import bucket_nbytes
 from ds_rlhf.run.placement import resolve_placement
 
 pytest.importorskip("vllm")

@@ -20,7 +20,7 @@ from ds_rlhf.rollout.server.protocol import Command
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
-from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
+from ds_rlhf.rollout.weights.group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
 
 
 class RolloutServer(Protocol):

@@ -51,7 +51,7 @@ from ds_rlhf.rollout.server.calls import (
 from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.server.protocol import ERROR, Command
 from ds_rlhf.rollout.server.rank_relay import gather_to_owner, scatter_from_owner
-from ds_rlhf.rollout.weight_group import WeightGroup
+from ds_rlhf.rollout.weights.group import WeightGroup
 
 
 class ConnectionLost(RolloutError):

@@ -26,7 +26,7 @@ from ds_rlhf.rollout.server.protocol import ERROR, OK, Command
 from ds_rlhf.rollout.vllm_adapter import preload
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 from ds_rlhf.rollout.vllm_mapping import update_info_nbytes
-from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
+from ds_rlhf.rollout.weights.group import bucket_nbytes, plan_from_wire, unpack_bucket
 
 
 class ServerSession:

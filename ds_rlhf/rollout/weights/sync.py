@@ -33,10 +33,10 @@ from collections.abc import Callable
 import torch
 
 from ds_rlhf.engines.models import unwrap
-from ds_rlhf.rollout import adapter_sync
+from ds_rlhf.rollout.weights import adapter_sync
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
-from ds_rlhf.rollout.canary import SyncCanary
-from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
+from ds_rlhf.rollout.weights.canary import SyncCanary
+from ds_rlhf.rollout.weights.gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
 
 log = logging.getLogger(__name__)
 
