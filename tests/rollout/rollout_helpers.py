@@ -78,8 +78,7 @@ def restore_checkpoint_weights(rollout, model_path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    rollout.update_weights(list(model.named_parameters()))
-    rollout.reset_cache()
+    rollout.weights.load(list(model.named_parameters()))
 
 
 def sync_roundtrip(rollout, model_path, stage: int, bucket_bytes: int = SMALL_BUCKET) -> dict:

@@ -147,7 +147,7 @@ def test_engines_without_lora_are_refused(tiny_model_path):
     with pytest.raises(RolloutError, match="needs a rollout engine started with LoRA"):
         WeightSync(torch.nn.Linear(2, 2), hf, mode="adapter")
     with pytest.raises(RolloutError, match="has no LoRA adapter support"):
-        hf.load_adapter("/nonexistent")
+        hf.weights.load_adapter("/nonexistent")
 
 
 def test_lora_rank_rounds_up_to_a_vllm_max_lora_rank():

@@ -97,7 +97,7 @@ def test_colocated_handover_is_by_reference(vllm_rollout, hf_model, monkeypatch)
 
     monkeypatch.setattr(WeightSyncWorkerExtension, "ds_rlhf_load_weights", spy)
     params = list(hf_model.named_parameters())
-    vllm_rollout.update_weights(params)
+    vllm_rollout.weights.load(params)
     assert seen == [p.data_ptr() for _, p in params]
 
 

@@ -9,8 +9,8 @@ import torch
 from rollout_helpers import build_engine
 
 from ds_rlhf.rollout import iter_weight_buckets
-from ds_rlhf.rollout.weights import gather as weight_gather
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
+from ds_rlhf.rollout.weights import gather as weight_gather
 from ds_rlhf.rollout.weights.group import pack_bucket, plan_from_wire, plan_to_wire, unpack_bucket
 
 

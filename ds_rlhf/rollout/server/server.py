@@ -57,7 +57,7 @@ class ServerSession:
 
     def _loaded(self, nbytes: int, t0: float) -> None:
         """Count one loaded part of a sync (the engine's update stats, this sync's loading time)."""
-        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        self.engine.weights.record(nbytes, time.perf_counter() - t0)
         self.load_seconds += time.perf_counter() - t0
 
     def _sync_done(self, extra_s: float = 0.0) -> dict:
@@ -89,10 +89,10 @@ class ServerSession:
     def update(self, wire_plan) -> dict:
         t0 = time.perf_counter()
         self.engine.handle.receive_buckets(wire_plan)
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
                      for bucket in plan_from_wire(wire_plan) for m in bucket)
-        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        self.engine.weights.record(nbytes, time.perf_counter() - t0)
         return {"load_seconds": time.perf_counter() - t0}
 
     def init_ipc(self, rebuild) -> None:
@@ -109,7 +109,7 @@ class ServerSession:
 
     def update_done(self) -> dict:
         """Replies with this sync's loading time (every bucket's), then starts the next count."""
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         return self._sync_done()
 
     def wt_init(self, init_info: dict) -> None:  # vLLM's weight-transfer API (rollout.weight_transport vllm)
@@ -128,7 +128,7 @@ class ServerSession:
         """Replies with this sync's loading time (every chunk's and the finish's)."""
         t0 = time.perf_counter()
         self.engine.handle.transfer_finish()
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         return self._sync_done(time.perf_counter() - t0)
 
     def sleep(self) -> dict:
