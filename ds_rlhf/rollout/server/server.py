@@ -70,7 +70,7 @@ class ServerSession:
         engine_kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
         engine = self.engine = VLLMRolloutEngine(model_path, **engine_kwargs)
         engine.placement = "disaggregated (server)"
-        return {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
+        return {"dtype": str(engine.weights.dtype), "world": tp, "version": engine.handle.version,
                 "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
 
     def generate_many(self, groups) -> dict:
@@ -96,7 +96,8 @@ class ServerSession:
         return {"load_seconds": time.perf_counter() - t0}
 
     def init_ipc(self, rebuild) -> None:
-        """The trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)."""
+        """The trainer's shared buffer, mapped into this process by `rebuild` (a function and its arguments): its
+        CUDA buffer on a sidecar on the same GPU (`reduce_tensor`), or any other buffer a transport shares."""
         rebuild_fn, rebuild_args = rebuild
         self.ipc_buffer = rebuild_fn(*rebuild_args)
 
@@ -104,7 +105,8 @@ class ServerSession:
         t0 = time.perf_counter()
         metas = plan_from_wire(wire_plan)[0]
         self.engine.handle.load_weights(unpack_bucket(self.ipc_buffer[: bucket_nbytes(metas)], metas))
-        torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
+        if self.ipc_buffer.is_cuda:
+            torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
         self._loaded(bucket_nbytes(metas), t0)
 
     def update_done(self) -> dict:
