@@ -18,7 +18,7 @@ from ds_rlhf.rollout.server.protocol import Command
 from ds_rlhf.rollout.server.transports import TRANSPORTS, ServerTransport
 from ds_rlhf.rollout.weights.group import bucket_nbytes, pack_bucket, plan_to_wire
 
-pytestmark = pytest.mark.extended
+pytestmark = pytest.mark.heavy  # a vLLM-CPU server (about 40 s on 2 cores)
 
 
 class SharedFile(ServerTransport):
