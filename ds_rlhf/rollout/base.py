@@ -147,8 +147,13 @@ class Pending:
 
     @property
     def ready(self) -> bool:
-        """True once the answer was read (by `result()`, or given to `done`): `result()` then waits for nothing."""
+        """True once the answer was read (by `result()`, or given to `done` / `fill`): `result()` then waits for
+        nothing."""
         return self._state is not None
+
+    def fill(self, state: tuple[str, object]) -> None:
+        """Give this reply its answer, read by someone else: `("ok", value)` or `("error", exception)`."""
+        self._state = state
 
     def result(self):
         if self._state is None:
@@ -306,7 +311,7 @@ class RolloutEngine(ABC):
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
 
-    def _record_generate(self, samples: list[RolloutSample], seconds: float, call_tokens: int | None = None) -> None:
+    def record_generate(self, samples: list[RolloutSample], seconds: float, call_tokens: int | None = None) -> None:
         """Count this rank's `samples`; `seconds` and `call_tokens` are the engine call's (a call shared by several
         ranks, tensor-parallel or a server, generated every rank's tokens in those seconds; default: ours)."""
         tokens = sum(len(s.response_ids) for s in samples)

@@ -75,7 +75,7 @@ class HFRolloutEngine(RolloutEngine):
             for (i, j), r, lp in zip(chunk, resp, lps):
                 samples.append(RolloutSample(i, j, list(prompts[i]), r, lp,
                                              finish_reason_of(r, stops, spec.max_new_tokens)))
-        self._record_generate(samples, time.perf_counter() - t0)
+        self.record_generate(samples, time.perf_counter() - t0)
         return samples
 
     def _generator(self, spec: SamplingSpec, i: int, j: int) -> torch.Generator:

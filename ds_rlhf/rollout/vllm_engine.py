@@ -149,7 +149,7 @@ class VLLMRolloutEngine(RolloutEngine):
         groups, index = self._gather((prompts, spec))
         results = self.handle.generate_many(groups)
         samples = results[index]
-        self._record_generate(samples, time.perf_counter() - t0,
+        self.record_generate(samples, time.perf_counter() - t0,
                               sum(len(s.response_ids) for r in results for s in r))  # every TP rank's tokens
         return samples
 

@@ -146,7 +146,7 @@ def test_a_spawned_server_imports_vllm_before_its_turn_and_close_stops_it(tmp_pa
 class FakeServer:
     """A RemoteVLLMEngine stand-in: queued commands, scores `offset` away from `truth`, failures on demand."""
 
-    _d = None
+    defers_replies = True  # one training rank
     weight_backend = "gloo"
     weights = types.SimpleNamespace(dtype=torch.float32)
 

@@ -160,15 +160,15 @@ class RemoteVLLMEngine(RolloutEngine):
                 if state[0] == "error":
                     raise state[1]
                 return state[1]
-            head._state = state
-            if reply._state is not None:  # failed with the connection, while an earlier reply was read
-                raise reply._state[1]
+            head.fill(state)
+            if reply.ready:  # failed with the connection, while an earlier reply was read
+                reply.result()
         raise RolloutError("no reply is pending for that command (read already, or sent to another server)")
 
     def _lose(self, error: ConnectionLost) -> None:
         self._lost = error
         while self._unread:
-            self._unread.popleft()._state = ("error", error)
+            self._unread.popleft().fill(("error", error))
 
     def _call(self, *msg):
         return self.send_command(*msg).result()
@@ -198,7 +198,7 @@ class RemoteVLLMEngine(RolloutEngine):
         rows, seconds, tokens = self._collective(
             (prompts, spec), lambda groups: self._per_rank(self._call(Command.GENERATE_MANY, groups)))
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds, tokens)
+        self.record_generate(samples, seconds, tokens)
         return samples
 
     def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
@@ -223,7 +223,7 @@ class RemoteVLLMEngine(RolloutEngine):
         run = (lambda: self._per_rank(reply.result())) if self.owner else None
         rows, seconds, tokens = scatter_from_owner(self._d, self.owner, run)
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
+        self.record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
 
     @property

@@ -76,7 +76,7 @@ class ServerSession:
     def generate_many(self, groups) -> dict:
         t0 = time.perf_counter()
         results = self.engine.handle.generate_many(groups)
-        self.engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
+        self.engine.record_generate([s for r in results for s in r], time.perf_counter() - t0)
         seconds, tokens = self.engine.last_generate()
         return {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds, "tokens": tokens}
 

@@ -109,7 +109,7 @@ class ShardedRolloutEngine(RolloutEngine):
         super().__init__()
         if not engines:
             raise ValueError("ShardedRolloutEngine needs at least one engine")
-        if any(e._d is not None for e in engines):
+        if not all(e.defers_replies for e in engines):  # a client that does not defer serves several ranks
             raise RolloutError("several sidecar engines serve one training rank; this run has several ranks")
         self.engines = list(engines)
         self.weights = ShardedWeights(self.engines, self._check_idle)
@@ -156,7 +156,7 @@ class ShardedRolloutEngine(RolloutEngine):
             seconds, tokens = max(seconds, call_s), tokens + call_tokens
         if failure is not None:
             raise failure
-        self._record_generate(samples, seconds, tokens)
+        self.record_generate(samples, seconds, tokens)
         return samples
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
