@@ -281,7 +281,7 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         if self.weights is not None:
-            self.weights.close()
+            self.weights.detach()
         self.begin_close()
         if self._proc is not None:
             try:
@@ -290,6 +290,8 @@ class RemoteVLLMEngine(RolloutEngine):
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
+        if self.weights is not None:
+            self.weights.close()  # our weight group once the server's end is gone
         for attr in ("_listener", "_log"):
             obj = getattr(self, attr)
             if obj is not None:

@@ -56,6 +56,10 @@ class ServerTransport(WeightTransport):
         where `shares_device`). With `wait=False` the last replies may be left unread in the returned `Pending`.
         Returns the bytes sent (once, however many servers) and that `Pending`."""
 
+    def detach(self) -> None:  # noqa: B027  optional hook: most transports hold nothing the server must see go
+        """Leave what needs the server still running (vLLM's NCCL endpoint); the client calls it before it tells
+        the server to shut down, and `close` once the server has exited."""
+
     def settle(self) -> None:
         """Read the replies of the last update handed over without waiting, if still unread."""
         owed, self.owed = self.owed, None
@@ -257,10 +261,13 @@ class VLLMNCCL(ServerTransport):
             return nbytes, Pending.done(slowest_load(done.result()))
         return nbytes, Pending(lambda: slowest_load(done.result()))
 
-    def close(self) -> None:
+    def detach(self) -> None:
         sender, self.sender, self.client = self.sender, None, None
         if sender is not None:
             sender.close()
+
+    def close(self) -> None:
+        self.detach()
 
 
 TRANSPORTS: dict[str, type[ServerTransport]] = {
