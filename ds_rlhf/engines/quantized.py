@@ -13,7 +13,7 @@ the way peft's k-bit LoRA layers expect; `apply_lora` then wraps the bitsandbyte
 layers, so the adapters (and only they) train in the compute dtype on top of the quantized matmul.
 
 bitsandbytes (>= 0.45) has a CPU backend, so the CPU tests exercise the same code as a GPU run. What leaves the
-trainer is always dequantized: the weight sync to vLLM (`rollout/weight_gather.py`) and the export
+trainer is always dequantized: the weight sync to vLLM (`rollout/weights/gather.py`) and the export
 (`models.merge_lora_state_dict`) send `dequantize(base) + scaling * B @ A` in the rollout / export dtype.
 
 ZeRO-3 is refused (`config_rules` at parse time, `check_ds_config` on the resolved ds_config): it would

@@ -36,8 +36,8 @@ from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rollout import make_rollout_engine
-from ds_rlhf.rollout.canary import SyncCanary
-from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.rollout.weights.canary import SyncCanary
+from ds_rlhf.rollout.weights.sync import WeightSync
 from ds_rlhf.run.context import RunContext, find_ds_config
 from ds_rlhf.run.placement import physical_gpu_count, resolve_placement
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ds_rlhf.data.loader import StoreLoader
     from ds_rlhf.rewards.reward_set import RewardSet
     from ds_rlhf.rollout.base import RolloutEngine
-    from ds_rlhf.rollout.sync import WeightSync
+    from ds_rlhf.rollout.weights.sync import WeightSync
 
 PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30?"},
                   {"role": "assistant", "content": "12 + 30 = 42. #### 42"}]

@@ -2,7 +2,8 @@
 
 Why an interface: generation is most of an RL step's time, so the fast path is vLLM, but CI laptops and machines
 without vLLM still need to run the same loop (Hugging Face `generate` backend). The trainer only sees token ids in,
-token ids + per-token log-probs out, plus the weight-update and sleep/wake hooks it needs around training.
+token ids + per-token log-probs out, plus the sleep/wake hooks it needs around training; new weights go through the
+engine's transport (`RolloutEngine.weights`, a `WeightTransport`).
 
 Conventions every backend follows (tests check them):
 - `generate` returns `len(prompts) * spec.n` samples in prompt-major order (prompt 0's n samples first).
@@ -34,6 +35,7 @@ Conventions every backend follows (tests check them):
 from __future__ import annotations
 
 import numbers
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -145,8 +147,13 @@ class Pending:
 
     @property
     def ready(self) -> bool:
-        """True once the answer was read (by `result()`, or given to `done`): `result()` then waits for nothing."""
+        """True once the answer was read (by `result()`, or given to `done` / `fill`): `result()` then waits for
+        nothing."""
         return self._state is not None
+
+    def fill(self, state: tuple[str, object]) -> None:
+        """Give this reply its answer, read by someone else: `("ok", value)` or `("error", exception)`."""
+        self._state = state
 
     def result(self):
         if self._state is None:
@@ -166,9 +173,6 @@ class _Counters:
     generated_tokens: int = 0
     samples: int = 0
     generate_seconds: float = 0.0
-    weight_updates: int = 0
-    weight_bytes: int = 0
-    weight_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -182,8 +186,78 @@ class RolloutTicket:
     started: float = 0.0
 
 
+class WeightTransport(ABC):
+    """How new weights reach one rollout engine (`RolloutEngine.weights`), and what it counts of them. `WeightSync`
+    hands it each sync's buckets; in-process engines load them (`InProcessWeights`), a server's client moves them
+    to its process (`rollout/server/transports.py`, one class per transport)."""
+
+    dtype: torch.dtype | None = None  # what the engine holds weights in; senders cast to it (None: no cast)
+
+    def __init__(self) -> None:
+        self.updates, self.bytes, self.seconds = 0, 0, 0.0
+
+    @abstractmethod
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], plan: BucketPlan | None = None, *,
+             wait: bool = True) -> Pending:
+        """Load a stream of (Hugging Face name, full tensor) buckets into the engine; `plan` (their names, shapes
+        and dtypes) goes up front where the bytes travel elsewhere, one control message per sync. With
+        `wait=False` it may return once the bytes are handed over, before the engine loaded them (a server in its
+        own process, one training rank): the returned `Pending` reads the engine's acknowledgement and raises its
+        error. The engine runs its commands in order, so a generation submitted after this call uses the new
+        weights; the caller must not trust (train on) that generation before `result()` returned. The engine's
+        prefix cache is dropped once the buckets are loaded (its KV was computed with the old weights)."""
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs now, as one bucket; names the engine does not know raise."""
+        self.send([list(named_tensors)]).result()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves the base plus a LoRA adapter that `load_adapter` replaces (adapter sync)."""
+        return False
+
+    def load_adapter(self, path: str) -> int:
+        """Serve the peft adapter directory `path` from now on; returns the engine's id for it (new on every call,
+        so the engine never serves a cached older adapter, whichever `WeightSync` calls)."""
+        raise RolloutError(f"{type(self).__name__} has no LoRA adapter support: rollout.lora_sync=adapter needs the "
+                           "colocated vLLM engine started with LoRA (make_rollout_engine(..., lora={'rank': r}))")
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """Count one update the engine loaded."""
+        self.updates += 1
+        self.bytes += nbytes
+        self.seconds += seconds
+
+    def stats(self) -> dict:
+        return {"weight_updates": self.updates, "weight_bytes": self.bytes, "weight_seconds": self.seconds}
+
+    def close(self) -> None:  # noqa: B027  optional hook: a transport without buffers or groups holds nothing
+        """Release the transport's buffers and groups; idempotent."""
+
+
+class InProcessWeights(WeightTransport):
+    """Weights into an engine in this process: each bucket loaded by `load_bucket` (a list of (name, tensor)
+    pairs; unknown names raise), counted as one update, then `reset_cache` drops the prefix cache."""
+
+    def __init__(self, load_bucket: Callable[[list[tuple[str, torch.Tensor]]], None], dtype: torch.dtype | None,
+                 reset_cache: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.load_bucket, self.dtype, self.reset_cache = load_bucket, dtype, reset_cache
+
+    def send(self, buckets, plan=None, *, wait=True) -> Pending:
+        for bucket in buckets:
+            bucket = list(bucket)
+            t0 = time.perf_counter()
+            self.load_bucket(bucket)
+            self.record(sum(t.numel() * t.element_size() for _, t in bucket), time.perf_counter() - t0)
+        if self.reset_cache is not None:
+            self.reset_cache()
+        return Pending.done()
+
+
 class RolloutEngine(ABC):
-    """Generates rollouts and accepts new weights. Subclasses: vLLM (colocated / disaggregated) and HF."""
+    """Generates rollouts; its `weights` transport accepts new weights. Subclasses: vLLM (colocated /
+    disaggregated) and HF."""
 
     backend: str = "?"
     placement: str = "colocated"
@@ -191,6 +265,7 @@ class RolloutEngine(ABC):
     def __init__(self) -> None:
         self._c = _Counters()
         self.sleeping = False
+        self.weights: WeightTransport | None = None  # how new weights reach this engine (set by each engine)
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[RolloutSample]:
@@ -218,7 +293,7 @@ class RolloutEngine(ABC):
 
     @property
     def defers_replies(self) -> bool:
-        """True where `update_weight_buckets_later` / `logprobs_replicas_later` really return before the engine has
+        """True where `weights.send(wait=False)` / `logprobs_replicas_later` really return before the engine has
         answered (a server in its own process, one training rank); False: they finish at once, as here."""
         return False
 
@@ -226,37 +301,6 @@ class RolloutEngine(ABC):
         """`logprobs_replicas` without waiting where the engine runs elsewhere (the sync canary then overlaps the next
         generation); `result()` returns its lists. Here: scored now."""
         return Pending.done(self.logprobs_replicas(sequences))
-
-    @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (Hugging Face name, full tensor) pairs into the engine in place; names not known raise."""
-
-    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                              plan: BucketPlan | None = None) -> None:
-        """Load a stream of buckets. Backends that ship bytes elsewhere override this to use `plan` (sent up
-        front, one control message per sync); in-process ones just load bucket by bucket."""
-        for bucket in buckets:
-            self.update_weights(bucket)
-
-    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                    plan: BucketPlan | None = None) -> Pending:
-        """`update_weight_buckets` that may return once the bytes are handed over, before the engine has loaded
-        them (a server in its own process): `result()` waits for its acknowledgement and raises its error. The
-        engine runs its commands in order, so a generation submitted after this call uses the new weights; the
-        caller must not trust (train on) that generation before `result()` returned. Here: loaded now."""
-        self.update_weight_buckets(buckets, plan)
-        return Pending.done()
-
-    @property
-    def lora_enabled(self) -> bool:
-        """True when the engine serves the base plus a LoRA adapter that `load_adapter` replaces (adapter sync)."""
-        return False
-
-    def load_adapter(self, path: str) -> int:
-        """Serve the peft adapter directory `path` from now on; returns the engine's id for it (new on every call,
-        so the engine never serves a cached older adapter, whichever `WeightSync` calls)."""
-        raise RolloutError(f"{type(self).__name__} has no LoRA adapter support: rollout.lora_sync=adapter needs the "
-                           "colocated vLLM engine started with LoRA (make_rollout_engine(..., lora={'rank': r}))")
 
     def sleep(self) -> None:
         """Free accelerator memory (weights and KV cache) while the trainer runs; no-op where unsupported."""
@@ -267,15 +311,7 @@ class RolloutEngine(ABC):
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
 
-    @property
-    def weight_dtype(self) -> torch.dtype | None:
-        """The dtype the engine holds weights in; senders cast to it before shipping bytes (None: no cast)."""
-        return None
-
-    def reset_cache(self) -> None:  # noqa: B027  optional hook: engines without a prefix cache need nothing
-        """Drop cached prefix KV computed with the previous weights (called after every weight update)."""
-
-    def _record_generate(self, samples: list[RolloutSample], seconds: float, call_tokens: int | None = None) -> None:
+    def record_generate(self, samples: list[RolloutSample], seconds: float, call_tokens: int | None = None) -> None:
         """Count this rank's `samples`; `seconds` and `call_tokens` are the engine call's (a call shared by several
         ranks, tensor-parallel or a server, generated every rank's tokens in those seconds; default: ours)."""
         tokens = sum(len(s.response_ids) for s in samples)
@@ -293,11 +329,6 @@ class RolloutEngine(ABC):
         or None before any; a local read, no call to the engine."""
         return self._c.extra.get("last_generate")
 
-    def _record_update(self, nbytes: int, seconds: float) -> None:
-        self._c.weight_updates += 1
-        self._c.weight_bytes += nbytes
-        self._c.weight_seconds += seconds
-
     def stats(self) -> dict:
         c = self._c
         return {
@@ -305,8 +336,7 @@ class RolloutEngine(ABC):
             "generate_calls": c.generate_calls, "samples": c.samples, "generated_tokens": c.generated_tokens,
             "generate_seconds": c.generate_seconds,
             "tokens_per_s": c.generated_tokens / c.generate_seconds if c.generate_seconds > 0 else float("nan"),
-            "weight_updates": c.weight_updates, "weight_bytes": c.weight_bytes, "weight_seconds": c.weight_seconds,
-            **c.extra,
+            **(self.weights.stats() if self.weights is not None else {}), **c.extra,
         }
 
     def close(self) -> None:  # noqa: B027  optional hook

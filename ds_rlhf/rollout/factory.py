@@ -53,7 +53,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only).
     `weight_transport="vllm"` (sidecar and disaggregated): the servers' engines are built with vLLM's weight-transfer
     config and syncs go through vLLM's weight-transfer engine: CUDA IPC on the sidecar
-    (`server/calls.py:update_through_vllm_ipc`), NCCL into a server on other GPUs (`update_through_vllm_nccl`).
+    (`server/transports.py:VLLMIPC`), NCCL into a server on other GPUs (`VLLMNCCL`). `transport=name` (sidecar and
+    disaggregated) picks a registered transport of `server/transports.py:TRANSPORTS` by name instead.
     `kv_cache_bytes` (vLLM only; 0 = vLLM's own sizing): the KV cache `memory/kv_cache.py` sized for the run.
     `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` (and of
     `kv_cache_bytes`) and its own seed, behind one `ShardedRolloutEngine` that splits every batch between them
@@ -88,7 +89,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     if placement == "colocated":
         return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
 
-    client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host")
+    client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host",
+                   "transport")
     client = {k: kw.pop(k) for k in client_keys if k in kw}
     if n_engines == 1:
         return server_client.RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)

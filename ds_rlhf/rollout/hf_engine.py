@@ -3,7 +3,7 @@
 It is slow (no paged KV cache, no continuous batching: ../shared/device/README.md measured HF `generate` at 784
 tokens/s vs vLLM's 16.3k at batch 64 on the H200), so the factory only picks it automatically, with a warning, when
 vLLM cannot be imported. It keeps its own copy of the model so
-that `update_weights` / the canary exercise the same sync path as vLLM.
+that its weight transport (`weights`) and the canary exercise the same sync path as vLLM.
 
 Decoding is a small loop over the model's forward with a KV cache rather than `model.generate`, so that the
 conventions match vLLM's exactly: per-request seeds (one torch.Generator per row, seeded like vLLM's requests; for
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec, finish_reason_of
+from ds_rlhf.rollout.base import InProcessWeights, RolloutEngine, RolloutSample, SamplingSpec, finish_reason_of
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -51,10 +51,7 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         self.seed, self.batch_size, self.max_model_len = seed, batch_size, max_model_len
         self._params = dict(self.model.named_parameters())
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return next(iter(self._params.values())).dtype
+        self.weights = InProcessWeights(self._load, next(iter(self._params.values())).dtype)
 
     def _left_pad(self, rows: list[list[int]]):
         width = max(len(r) for r in rows)
@@ -78,7 +75,7 @@ class HFRolloutEngine(RolloutEngine):
             for (i, j), r, lp in zip(chunk, resp, lps):
                 samples.append(RolloutSample(i, j, list(prompts[i]), r, lp,
                                              finish_reason_of(r, stops, spec.max_new_tokens)))
-        self._record_generate(samples, time.perf_counter() - t0)
+        self.record_generate(samples, time.perf_counter() - t0)
         return samples
 
     def _generator(self, spec: SamplingSpec, i: int, j: int) -> torch.Generator:
@@ -147,15 +144,12 @@ class HFRolloutEngine(RolloutEngine):
         return out
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        t0, nbytes = time.perf_counter(), 0
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
                 raise KeyError(f"HF rollout model has no parameter {name!r} (e.g. {next(iter(self._params))!r})")
             param.copy_(tensor)
-            nbytes += tensor.numel() * tensor.element_size()
-        self._record_update(nbytes, time.perf_counter() - t0)
 
     def close(self) -> None:
         self.model = None

@@ -58,7 +58,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ds_rlhf.rollout.base import Pending, RolloutBatch, RolloutEngine, RolloutSample, SamplingSpec
-from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.rollout.weights.sync import WeightSync
 from ds_rlhf.telemetry import PhaseTimer
 
 log = logging.getLogger(__name__)

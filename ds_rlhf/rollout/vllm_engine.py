@@ -13,7 +13,7 @@ go through to `VLLMHandle` (checked against the installed vLLM there); `stats()[
 running engine uses.
 
 LoRA (`lora={"rank": r, "targets": ...}`, for `rollout.lora_sync=adapter`): vLLM starts with LoRA enabled, loads
-the frozen base from `model_path` once, and `load_adapter(path)` switches every later request to the
+the frozen base from `model_path` once, and `weights.load_adapter(path)` switches every later request to the
 synced adapter; `targets` are recorded only (the adapter's own `adapter_config.json` says which layers it adapts).
 
 Memory: with `enable_sleep=True` (GPU only) `sleep()` frees vLLM's weights and KV cache while DeepSpeed trains; the
@@ -28,13 +28,13 @@ by them, keeping the cap on what the device holds).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from ds_rlhf.distributed import world as dist_world
-from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.base import InProcessWeights, RolloutEngine, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.vllm_handle import VLLMHandle
 
 
@@ -65,6 +65,32 @@ def _tp_group(tp: int):
         if start <= rank < start + tp:
             mine = (group, rank - start)
     return mine
+
+
+class VLLMWeights(InProcessWeights):
+    """Weights into a colocated vLLM engine: buckets loaded in place by its workers (the weight memory awake), or a
+    LoRA engine's adapter directory served from now on."""
+
+    def __init__(self, engine: VLLMRolloutEngine) -> None:
+        super().__init__(self._load, engine.handle.dtype, engine.handle.reset_prefix_cache)
+        self.engine = engine
+
+    def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.engine.require_weights("updating weights")
+        self.engine.handle.load_weights(named_tensors)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora is not None
+
+    def load_adapter(self, path: str) -> int:
+        self.engine.require_weights("loading an adapter")
+        t0 = time.perf_counter()
+        adapter_id = self.engine.handle.load_adapter(path)
+        self.record(sum(f.stat().st_size for f in Path(path).glob("*.safetensors")), time.perf_counter() - t0)
+        self.engine.note_adapter(adapter_id)
+        self.reset_cache()  # the prefix KV of the previous adapter
+        return adapter_id
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -100,10 +126,7 @@ class VLLMRolloutEngine(RolloutEngine):
                              lora=self.lora)
         self._awake: set[str] = {"weights", "kv_cache"}
         self.on_unmapped: Callable[[int], object] | None = None  # see the module docstring
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return self.handle.dtype
+        self.weights = VLLMWeights(self)
 
     def _require_awake(self) -> None:
         if self._awake != {"weights", "kv_cache"}:
@@ -126,7 +149,7 @@ class VLLMRolloutEngine(RolloutEngine):
         groups, index = self._gather((prompts, spec))
         results = self.handle.generate_many(groups)
         samples = results[index]
-        self._record_generate(samples, time.perf_counter() - t0,
+        self.record_generate(samples, time.perf_counter() - t0,
                               sum(len(s.response_ids) for r in results for s in r))  # every TP rank's tokens
         return samples
 
@@ -137,36 +160,20 @@ class VLLMRolloutEngine(RolloutEngine):
         start = sum(len(g) for g in groups[:index])
         return scores[start:start + len(sequences)]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if "weights" not in self._awake:
-            raise RuntimeError("wake(('weights',)) before updating weights: the weight memory is released")
-        t0 = time.perf_counter()
-        tensors = list(named_tensors)
-        self.handle.load_weights(tensors)
-        self._record_update(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
-
-    @property
-    def lora_enabled(self) -> bool:
-        return self.lora is not None
-
-    def load_adapter(self, path: str) -> int:
-        if "weights" not in self._awake:
-            raise RuntimeError("wake(('weights',)) before loading an adapter: the weight memory is released")
-        t0 = time.perf_counter()
-        adapter_id = self.handle.load_adapter(path)
-        nbytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-        self._record_update(nbytes, time.perf_counter() - t0)
-        self._c.extra["adapter_id"] = adapter_id
-        return adapter_id
-
     def serve_base(self) -> None:
         """Generate from the base model again, without the last loaded adapter (a LoRA engine reused by a new run)."""
         self.handle.serve_base()
         self._c.extra.pop("adapter_id", None)
-        self.reset_cache()
-
-    def reset_cache(self) -> None:
         self.handle.reset_prefix_cache()
+
+    def require_weights(self, what: str) -> None:
+        """Raise unless the weight memory is mapped (`what`: the call that needs it)."""
+        if "weights" not in self._awake:
+            raise RuntimeError(f"wake(('weights',)) before {what}: the weight memory is released")
+
+    def note_adapter(self, adapter_id: int) -> None:
+        """Report the adapter served from now on (`stats()["adapter_id"]`)."""
+        self._c.extra["adapter_id"] = adapter_id
 
     def sleep(self) -> None:
         if self.sleeping:

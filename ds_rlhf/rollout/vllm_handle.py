@@ -44,7 +44,6 @@ import psutil
 import torch
 
 from ds_rlhf.rollout.base import RolloutError, RolloutSample, SamplingSpec, batch_seed
-from ds_rlhf.rollout.cpu_shm import cpu_shm_cleanup
 from ds_rlhf.rollout.vllm_adapter import (
     check_vllm_version,
     effective_engine_options,
@@ -66,6 +65,7 @@ from ds_rlhf.rollout.vllm_mapping import (
 )
 from ds_rlhf.rollout.vllm_transfer import ipc_engine_module
 from ds_rlhf.rollout.vllm_worker import EXTENSION
+from ds_rlhf.rollout.weights.cpu_shm import cpu_shm_cleanup
 
 
 def _prepare_cpu(dtype: str) -> str:

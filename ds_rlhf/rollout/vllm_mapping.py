@@ -21,7 +21,7 @@ from importlib import metadata
 import torch
 
 from ds_rlhf.rollout.base import BucketPlan, RolloutError, RolloutSample, SamplingSpec
-from ds_rlhf.rollout.weight_group import bucket_nbytes
+from ds_rlhf.rollout.weights.group import bucket_nbytes
 
 log = logging.getLogger("ds_rlhf.rollout.vllm_adapter")  # the adapter's logger: its messages read as the adapter's
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, plan_from_wire, unpack_bucket
+from ds_rlhf.rollout.weights.group import WeightGroup, bucket_nbytes, plan_from_wire, unpack_bucket
 
 EXTENSION = "ds_rlhf.rollout.vllm_worker.WeightSyncWorkerExtension"
 

@@ -137,7 +137,7 @@ def test_the_weight_group_store_of_a_local_rollout_server_listens_on_loopback():
 
     import torch
 
-    from ds_rlhf.rollout.weight_group import WeightGroup
+    from ds_rlhf.rollout.weights.group import WeightGroup
 
     port, seen, done = free_port(), {}, threading.Event()
     namespace: dict = {}

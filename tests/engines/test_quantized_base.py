@@ -156,7 +156,7 @@ def _expected_merged(model) -> dict:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_weight_sync_sends_dequantized_base_plus_delta(tiny_model_path, mode):
-    from ds_rlhf.rollout.weight_gather import iter_weight_buckets
+    from ds_rlhf.rollout.weights.gather import iter_weight_buckets
 
     model = _actor(tiny_model_path, mode)
     _randomize_lora_b(model)
@@ -187,7 +187,7 @@ def test_weight_sync_sends_dequantized_base_plus_delta(tiny_model_path, mode):
 
 def test_synced_weights_compute_what_the_trainer_computes(tiny_model_path):
     """A plain model loaded with the weights vLLM would receive gives the quantized LoRA actor's logits."""
-    from ds_rlhf.rollout.weight_gather import iter_weight_buckets
+    from ds_rlhf.rollout.weights.gather import iter_weight_buckets
 
     model = _actor(tiny_model_path, "nf4").eval()
     _randomize_lora_b(model)

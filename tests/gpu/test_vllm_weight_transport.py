@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync, make_rollout_engine
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.server.transports import TRANSPORTS, transport_name
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's CUDA-IPC weight transfer needs CUDA")
 pytest.importorskip("vllm")
@@ -82,6 +83,8 @@ def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path,
                                   max_model_len=256, gpu_memory_utilization=0.3, seed=0, weight_backend="ipc",
                                   weight_transport=transport, sidecar_engines=n_engines, enforce_eager=True,
                                   log_path=str(tmp_path / "server.log"))
+    client = rollout.engines[0] if n_engines > 1 else rollout
+    assert type(client.weights) is TRANSPORTS[transport_name("ipc", transport)]  # chosen once, at connect
     _check_sync(rollout, tiny_model_path, placement="sidecar", transport=transport, engines=n_engines)
 
 
@@ -93,4 +96,5 @@ def test_disaggregated_sync_matches_the_trainer(transport, tiny_model_path, dist
                                   max_model_len=256, gpu_memory_utilization=0.3, seed=0, devices=[1],
                                   weight_backend="nccl", weight_transport=transport, enforce_eager=True,
                                   log_path=str(tmp_path / "server.log"))
+    assert type(rollout.weights) is TRANSPORTS[transport_name("nccl", transport)]  # chosen once, at connect
     _check_sync(rollout, tiny_model_path, placement="disaggregated", transport=transport, engines=1)

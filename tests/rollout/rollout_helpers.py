@@ -78,8 +78,7 @@ def restore_checkpoint_weights(rollout, model_path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    rollout.update_weights(list(model.named_parameters()))
-    rollout.reset_cache()
+    rollout.weights.load(list(model.named_parameters()))
 
 
 def sync_roundtrip(rollout, model_path, stage: int, bucket_bytes: int = SMALL_BUCKET) -> dict:
@@ -88,7 +87,7 @@ def sync_roundtrip(rollout, model_path, stage: int, bucket_bytes: int = SMALL_BU
 
     Every trainer rank calls this, each with its rollout engine (for a disaggregated one, ranks > 0 hold proxies)."""
     from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
-    from ds_rlhf.rollout.canary import trainer_logprobs
+    from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
     restore_checkpoint_weights(rollout, model_path)
     engine = build_engine(model_path, stage)

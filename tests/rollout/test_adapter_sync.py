@@ -17,7 +17,7 @@ from rollout_helpers import PROBE, STALE_MIN, TOL
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 LORA = {"r": 8, "lora_alpha": 16}
 PROMPT = [1, 5, 6, 7, 8]
@@ -147,7 +147,7 @@ def test_engines_without_lora_are_refused(tiny_model_path):
     with pytest.raises(RolloutError, match="needs a rollout engine started with LoRA"):
         WeightSync(torch.nn.Linear(2, 2), hf, mode="adapter")
     with pytest.raises(RolloutError, match="has no LoRA adapter support"):
-        hf.load_adapter("/nonexistent")
+        hf.weights.load_adapter("/nonexistent")
 
 
 def test_lora_rank_rounds_up_to_a_vllm_max_lora_rank():

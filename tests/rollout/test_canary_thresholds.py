@@ -3,16 +3,18 @@ float32 on CPU (exact kernels on both sides), looser for float32 on CUDA (TF32, 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from ds_rlhf.rollout.base import Pending
-from ds_rlhf.rollout.canary import SyncCanary, SyncCanaryError, default_threshold
+from ds_rlhf.rollout.weights.canary import SyncCanary, SyncCanaryError, default_threshold
 
 
 class _Engine:
     def __init__(self, dtype):
-        self.weight_dtype = dtype
+        self.weights = types.SimpleNamespace(dtype=dtype)
 
     def logprobs_replicas_later(self, sequences):
         return None

@@ -10,10 +10,12 @@ from collections import deque
 from multiprocessing import Pipe
 
 import pytest
+import torch
 
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
 from ds_rlhf.rollout.server.calls import all_of, command_all
 from ds_rlhf.rollout.server.client import ConnectionLost, RemoteVLLMEngine
+from ds_rlhf.rollout.server.transports import OwnIPC
 
 
 class _Alive:
@@ -137,14 +139,14 @@ def test_only_a_one_rank_engine_defers_and_an_awake_one_is_not_woken():
 
 
 def test_an_owed_weight_update_is_read_once_by_the_next_update():
-    """`owe` keeps the replies of an update handed over without waiting; `settle_owed` (the next update over the
-    shared buffer, `calls.py`) reads them before the buffer is written again, and only once."""
+    """A transport keeps the replies of an update handed over without waiting (`owed`); `settle` (the next update
+    over the shared buffer) reads them before the buffer is written again, and only once."""
     engine, seen = _engine_with_script({"update_done": {"load_seconds": 0.1}})
-    engine._ipc_owed = None
-    engine.settle_owed()  # nothing owed: nothing read or sent
-    engine.owe(engine.send_command("update_done"))
+    transport = OwnIPC(engine, torch.float32)
+    transport.settle()  # nothing owed: nothing read or sent
+    transport.owed = engine.send_command("update_done")
     assert len(engine._unread) == 1
-    engine.settle_owed()
+    transport.settle()
     assert not engine._unread and seen == ["update_done"]
-    engine.settle_owed()  # read already: nothing more
-    assert engine._ipc_owed is None
+    transport.settle()  # read already: nothing more
+    assert transport.owed is None

@@ -19,7 +19,7 @@ from rollout_helpers import (
 )
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync, make_rollout_engine
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_logprobs_are_processed_and_batching_invariant(hf_rollout):
 def test_sync_from_deepspeed(hf_rollout, tiny_model_path, dist_single):
     from transformers import AutoModelForCausalLM
 
-    hf_rollout.update_weights(AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).named_parameters())
+    hf_rollout.weights.load(AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).named_parameters())
     engine = build_engine(tiny_model_path, stage=0)
     canary = SyncCanary(PROBE)
     assert canary.measure(engine, hf_rollout)["max_abs_diff"] < TOL
@@ -63,12 +63,12 @@ def test_sync_from_deepspeed(hf_rollout, tiny_model_path, dist_single):
     assert canary.history[-1]["max_abs_diff"] > STALE_MIN
     info = WeightSync(engine, hf_rollout, bucket_bytes=1 << 16, canary=canary).sync()
     assert info["canary_max_abs_diff"] < TOL and info["bytes"] > 0
-    assert hf_rollout.weight_dtype == torch.float32
+    assert hf_rollout.weights.dtype == torch.float32
 
 
 def test_update_rejects_unknown_names(hf_rollout):
     with pytest.raises(KeyError, match="no parameter"):
-        hf_rollout.update_weights([("model.nope.weight", torch.zeros(1))])
+        hf_rollout.weights.load([("model.nope.weight", torch.zeros(1))])
 
 
 def test_auto_falls_back_to_hf_with_warning(tiny_model_path, monkeypatch, caplog):
@@ -92,5 +92,5 @@ def test_trainer_logprobs_match_hf_score(hf_rollout, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32)
-    hf_rollout.update_weights(model.named_parameters())
+    hf_rollout.weights.load(model.named_parameters())
     assert max(abs(a - b) for a, b in zip(trainer_logprobs(model, PROBE), hf_rollout.logprobs([PROBE])[0])) < 1e-5

@@ -14,9 +14,9 @@ from test_service import DeferringEngine, Trainer
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import SamplingSpec
-from ds_rlhf.rollout.canary import SyncCanary
 from ds_rlhf.rollout.partial import PartialRolloutService, max_versions
-from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.rollout.weights.canary import SyncCanary
+from ds_rlhf.rollout.weights.sync import WeightSync
 
 CHUNK, MAX_NEW, N = 3, 8, 2
 STOPS = tuple(range(40, 200))  # a large share of the tiny vocab: responses end at many different lengths

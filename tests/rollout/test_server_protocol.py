@@ -44,17 +44,16 @@ class _Handle:
     def transfer_finish(self):
         self.seen.append(("finish",))
 
+    def reset_prefix_cache(self):
+        self.seen.append(("reset",))
+
 
 class _Engine:
     def __init__(self):
         self.seen, self.updates = [], []
         self.handle = _Handle(self.seen)
+        self.weights = types.SimpleNamespace(record=lambda nbytes, seconds: self.updates.append((nbytes, seconds)))
 
-    def _record_update(self, nbytes, seconds):
-        self.updates.append((nbytes, seconds))
-
-    def reset_cache(self):
-        self.seen.append(("reset",))
 
 
 def test_a_syncs_loading_time_sums_its_chunks_and_starts_again_after_the_finish(monkeypatch):

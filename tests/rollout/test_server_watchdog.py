@@ -10,8 +10,10 @@ import sys
 import threading
 import time
 
+import torch
+
 from ds_rlhf.rollout.base import Pending
-from ds_rlhf.rollout.server import calls
+from ds_rlhf.rollout.server import calls, transports
 from ds_rlhf.rollout.server.watchdog import EXIT_CODE, exit_if_server_fails
 
 
@@ -86,7 +88,8 @@ def test_a_really_stuck_process_is_ended(tmp_path):
 
 
 def test_the_nccl_update_runs_under_the_watchdog(monkeypatch):
-    """`update_through_vllm_nccl` sends inside the watchdog, on the engine's own process and timeout."""
+    """vLLM's NCCL transport (`transports.VLLMNCCL`) sends inside the watchdog, on the engine's own process and
+    timeout."""
     events = []
 
     class Watch:
@@ -99,21 +102,18 @@ def test_the_nccl_update_runs_under_the_watchdog(monkeypatch):
         def __exit__(self, *exc):
             events.append("left")
 
-    client = calls.ServersWeightClient([])
-
     class Sender:
         def send(self, named, plan):
             events.append("send")
-            client.finished = Pending.done([{"load_seconds": 0.2}])
+            transport.client.finished = Pending.done([{"load_seconds": 0.2}])
 
     class Engine:
         process, timeout_s = object(), 123.0
 
-        def vllm_weight_transfer(self, join):
-            return client, Sender()
-
-    monkeypatch.setattr(calls, "exit_if_server_fails", Watch)
+    monkeypatch.setattr(transports, "exit_if_server_fails", Watch)
     engine = Engine()
-    nbytes, done = calls.update_through_vllm_nccl(engine, [], [], wait=True)
+    transport = transports.VLLMNCCL(engine, torch.float32)
+    transport.client, transport.sender = calls.ServersWeightClient([]), Sender()  # joined already
+    nbytes, done = transport.send_to([engine], [], [], wait=True)
     assert events == [("watch", [Engine.process], 123.0, "weight update of the disaggregated server"), "send", "left"]
     assert (nbytes, done.result()) == (0, {"load_seconds": 0.2})

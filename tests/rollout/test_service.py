@@ -12,13 +12,29 @@ import pytest
 import torch
 from rollout_helpers import PROBE, TOL
 
-from ds_rlhf.rollout.base import Pending, RolloutError, RolloutTicket, SamplingSpec
-from ds_rlhf.rollout.canary import SyncCanary, trainer_logprobs
+from ds_rlhf.rollout.base import Pending, RolloutError, RolloutTicket, SamplingSpec, WeightTransport
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 from ds_rlhf.rollout.service import RolloutService
-from ds_rlhf.rollout.sync import WeightSync
+from ds_rlhf.rollout.weights.canary import SyncCanary, trainer_logprobs
+from ds_rlhf.rollout.weights.sync import WeightSync
 
 PROMPTS = [[1, 5, 6, 7], [1, 9, 4], [1, 2, 3, 4, 5, 6], [1, 8]]
+
+
+class AcknowledgedLater(WeightTransport):
+    """The HF engine's loads, made when handed over and acknowledged when the reply is read (counted in the
+    engine's `acks`)."""
+
+    def __init__(self, loads: WeightTransport, engine) -> None:
+        super().__init__()
+        self.loads, self.engine, self.dtype = loads, engine, loads.dtype
+
+    def send(self, buckets, plan=None, *, wait=True):
+        self.loads.send(buckets, plan)
+        return Pending(self._acknowledge)
+
+    def _acknowledge(self):
+        self.engine.acks += 1
 
 
 class DeferringEngine(HFRolloutEngine):
@@ -29,6 +45,7 @@ class DeferringEngine(HFRolloutEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.outstanding, self.acks = 0, 0
+        self.weights = AcknowledgedLater(self.weights, self)
 
     @property
     def defers_replies(self) -> bool:
@@ -45,13 +62,6 @@ class DeferringEngine(HFRolloutEngine):
             return ticket.samples
         self.outstanding -= 1
         return self.generate(*ticket.pending)
-
-    def update_weight_buckets_later(self, buckets, plan=None):
-        self.update_weight_buckets(buckets, plan)
-        return Pending(self._acknowledge)
-
-    def _acknowledge(self):
-        self.acks += 1
 
     def logprobs_replicas_later(self, sequences):
         return Pending(lambda: self.logprobs_replicas(sequences))

@@ -4,6 +4,8 @@ the rollout contract, a weight sync into both, and the canary seeing a server th
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from rollout_helpers import (
@@ -144,9 +146,9 @@ def test_a_spawned_server_imports_vllm_before_its_turn_and_close_stops_it(tmp_pa
 class FakeServer:
     """A RemoteVLLMEngine stand-in: queued commands, scores `offset` away from `truth`, failures on demand."""
 
-    _d = None
+    defers_replies = True  # one training rank
     weight_backend = "gloo"
-    weight_dtype = torch.float32
+    weights = types.SimpleNamespace(dtype=torch.float32)
 
     def __init__(self, truth=None, offset=0.0, fail_score=False, fail_submit=False):
         self.truth, self.offset, self.fail_score, self.fail_submit = truth, offset, fail_score, fail_submit
@@ -184,8 +186,8 @@ def test_the_canary_checks_every_server_whichever_missed_the_sync(stale, tiny_mo
     from transformers import AutoModelForCausalLM
 
     from ds_rlhf.rollout import SyncCanary
-    from ds_rlhf.rollout.canary import trainer_logprobs
     from ds_rlhf.rollout.server.sharded import ShardedRolloutEngine
+    from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
     truth = trainer_logprobs(model, PROBE)
@@ -255,10 +257,10 @@ def test_a_sync_reaches_both_servers_and_the_canary_sees_one_that_missed_it(two_
     trained = list(r["engine"].module.named_parameters())
     for synced in (0, 1):
         restore_checkpoint_weights(two_sidecars, tiny_model_path)
-        two_sidecars.engines[synced].update_weights(trained)
+        two_sidecars.engines[synced].weights.load(trained)
         with pytest.raises(SyncCanaryError):
             SyncCanary(PROBE, threshold=1e-3).check(r["engine"], two_sidecars)
-    two_sidecars.engines[0].update_weights(trained)
+    two_sidecars.engines[0].weights.load(trained)
     assert SyncCanary(PROBE, threshold=1e-3).measure(r["engine"], two_sidecars)["max_abs_diff"] < TOL
 
 
@@ -272,7 +274,7 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     from rollout_helpers import build_engine, train
 
     from ds_rlhf.rollout import SamplingSpec, SyncCanary, WeightSync
-    from ds_rlhf.rollout.canary import trainer_logprobs
+    from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
     restore_checkpoint_weights(two_sidecars, tiny_model_path)
     engine = build_engine(tiny_model_path, 0)
@@ -295,7 +297,7 @@ def test_a_sync_without_waiting_is_loaded_before_the_next_generation_and_confirm
     assert confirmed["engine_load_seconds"] > 0  # the slowest server's own loading time, from its acknowledgement
     assert sync.confirm() is None  # nothing left to confirm
 
-    bad = two_sidecars.update_weight_buckets_later([[("model.no_such_layer.weight", torch.zeros(2, 2))]])
+    bad = two_sidecars.weights.send([[("model.no_such_layer.weight", torch.zeros(2, 2))]], wait=False)
     samples = two_sidecars.generate(prompts, SamplingSpec(max_new_tokens=4, seed=3, ignore_eos=True))
     assert len(samples) == len(prompts)  # the generation's reply was read past the failed load's
     with pytest.raises(RolloutError, match="no_such_layer"):

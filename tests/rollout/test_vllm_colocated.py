@@ -23,7 +23,7 @@ from rollout_helpers import (
 )
 
 from ds_rlhf.rollout import SamplingSpec, SyncCanary, SyncCanaryError, WeightSync
-from ds_rlhf.rollout.canary import trainer_logprobs
+from ds_rlhf.rollout.weights.canary import trainer_logprobs
 
 
 def test_generate_contract(vllm_rollout, tiny_tokenizer):
@@ -97,7 +97,7 @@ def test_colocated_handover_is_by_reference(vllm_rollout, hf_model, monkeypatch)
 
     monkeypatch.setattr(WeightSyncWorkerExtension, "ds_rlhf_load_weights", spy)
     params = list(hf_model.named_parameters())
-    vllm_rollout.update_weights(params)
+    vllm_rollout.weights.load(params)
     assert seen == [p.data_ptr() for _, p in params]
 
 

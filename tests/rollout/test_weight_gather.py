@@ -1,4 +1,4 @@
-"""Weight gathering for the DeepSpeed -> rollout sync (`rollout/weight_gather.py`): names vLLM's loaders
+"""Weight gathering for the DeepSpeed -> rollout sync (`rollout/weights/gather.py`): names vLLM's loaders
 expect, tied weights once, LoRA merged, ZeRO-3 gathers in bounded buckets (not one per parameter, not all at once),
 the bucket plan, the weight-group wire format and the vLLM version gate. Needs no vLLM."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from rollout_helpers import build_engine
 
-from ds_rlhf.rollout import iter_weight_buckets, weight_gather
+from ds_rlhf.rollout import iter_weight_buckets
 from ds_rlhf.rollout.base import RolloutError, TensorMeta
-from ds_rlhf.rollout.weight_group import pack_bucket, plan_from_wire, plan_to_wire, unpack_bucket
+from ds_rlhf.rollout.weights import gather as weight_gather
+from ds_rlhf.rollout.weights.group import pack_bucket, plan_from_wire, plan_to_wire, unpack_bucket
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from ds_rlhf.rollout import make_rollout_engine, vllm_transfer
 from ds_rlhf.rollout.base import Pending, RolloutError, TensorMeta
 from ds_rlhf.rollout.server import client as remote
 from ds_rlhf.rollout.server import server as remote_server
-from ds_rlhf.rollout.server.calls import update_through_vllm_nccl
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
+from ds_rlhf.rollout.server.transports import VLLMNCCL
 from ds_rlhf.rollout.vllm_adapter import engine_arg_names
 from ds_rlhf.rollout.vllm_mapping import (
     named_tensors_from_buckets,
@@ -37,7 +37,7 @@ from ds_rlhf.rollout.vllm_mapping import (
     update_info_nbytes,
     weight_transfer_kwargs,
 )
-from ds_rlhf.rollout.weight_group import bucket_nbytes
+from ds_rlhf.rollout.weights.group import bucket_nbytes
 from ds_rlhf.run.placement import resolve_placement
 
 pytest.importorskip("vllm")
@@ -252,10 +252,9 @@ class _Server:
     is the trainer's side, which, like NCCL, waits for the server's call to be in flight (2 s, then fails)."""
 
     host, world, timeout_s = "127.0.0.1", 1, 600.0
-    vllm_weight_transfer = RemoteVLLMEngine.vllm_weight_transfer  # joined on the first call, then kept
 
     def __init__(self):
-        self.log, self.infos, self._wt_client, self._wt_sender = [], {}, None, None
+        self.log, self.infos = [], {}
         self.process = _Running()  # the server process the watchdog polls
         self.sent = {c: threading.Event() for c in ("wt_init", "wt_update")}
         self.joined = {c: threading.Event() for c in ("wt_init", "wt_update")}
@@ -325,7 +324,8 @@ def test_nccl_sync_puts_each_blocking_server_call_in_flight_before_the_trainers(
         monkeypatch.setattr(mod, "open_trainer_endpoint", endpoint)
         monkeypatch.setattr(mod, "packed_nccl_broadcast_producer", producer)
     buckets, plan = _buckets()
-    nbytes, done = update_through_vllm_nccl(server, buckets, plan, wait=False)
+    transport = VLLMNCCL(server, torch.bfloat16)  # joined on the first sync, then kept
+    nbytes, done = transport.send_to([server], buckets, plan, wait=False)
     assert server.log == [("send", "wt_init"), ("trainer", "rendezvous"), ("read", "wt_init"),
                           ("send", "wt_start"), ("read", "wt_start"), ("send", "wt_update"),
                           ("trainer", "broadcast"), ("read", "wt_update"), ("send", "wt_finish")]
@@ -340,7 +340,7 @@ def test_nccl_sync_puts_each_blocking_server_call_in_flight_before_the_trainers(
     else:
         assert server.infos["wt_init"]["packed_buffer_size_bytes"] == 20 and server.infos["wt_init"]["packed"]
     server.log.clear()
-    update_through_vllm_nccl(server, buckets, plan, wait=True)  # joined once: no second rendezvous
+    transport.send_to([server], buckets, plan, wait=True)  # joined once: no second rendezvous
     assert [e for e in server.log if e[0] == "send"] == [("send", "wt_start"), ("send", "wt_update"),
                                                          ("send", "wt_finish")]
 

@@ -1,9 +1,7 @@
-"""Calls to several rollout servers at once (`rollout.sidecar_engines`, `sharded.py`) over their `RemoteVLLMEngine`s:
-send to all, then read every reply even after one failed, so no connection is left with a reply that a later call
-would take for its own; the weight update through one shared CUDA-IPC buffer: ours (`update_through_ipc`) or
-vLLM's IPC weight-transfer engine (`update_through_vllm_ipc`, `rollout.weight_transport vllm`); and a
-disaggregated server's update over our weight group (`update_through_group`) or through vLLM's NCCL weight-transfer
-engine (`update_through_vllm_nccl`)."""
+"""Calls to several rollout servers at once (`rollout.sidecar_engines`, `sharded.py`, the transports of
+`transports.py`) over their clients: send to all, then read every reply even after one failed, so no connection is
+left with a reply that a later call would take for its own; vLLM's weight-transfer client calls over our servers
+(`ServersWeightClient`); the servers' acknowledgements of one update as one (`slowest_load`)."""
 
 from __future__ import annotations
 
@@ -12,38 +10,26 @@ import subprocess
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
-
-from ds_rlhf.distributed import free_port
-from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError
+from ds_rlhf.rollout.base import Pending, RolloutError
 from ds_rlhf.rollout.server.protocol import Command
-from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
-from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
-from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
-from ds_rlhf.rollout.weight_group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
 
 
 class RolloutServer(Protocol):
-    """What these calls use of a rollout server's client (`client.RemoteVLLMEngine`)."""
+    """What these calls and the transports use of a rollout server's client (`client.RemoteVLLMEngine`)."""
 
     host: str
-    world: int
+    world: int  # the server's vLLM workers (its tensor-parallel size)
     timeout_s: float
-    weight_backend: str
-    group: WeightGroup | None
+    bucket_bytes: int
+    owner: bool  # this rank talks to the server (rank 0)
 
     @property
     def process(self) -> subprocess.Popen | None: ...
 
+    @property
+    def defers_replies(self) -> bool: ...
+
     def send_command(self, *msg) -> Pending: ...
-
-    def settle_owed(self) -> None: ...
-
-    def owe(self, done: Pending) -> None: ...
-
-    def ipc_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]: ...
-
-    def vllm_weight_transfer(self, join) -> tuple[ServersWeightClient, NCCLWeightSender]: ...
 
 
 def send_all(engines: Sequence[RolloutServer], *msg) -> list[Pending]:
@@ -85,39 +71,6 @@ def command_all(engines: Sequence[RolloutServer], *msg) -> list:
     return all_of(send_all(engines, *msg)).result()
 
 
-def update_through_ipc(engines: Sequence[RolloutServer], buckets, plan: BucketPlan, *,
-                       wait: bool = True) -> tuple[int, Pending]:
-    """Sidecar servers on the trainer's own GPU (NCCL refuses two ranks on one device): each bucket is packed once
-    into a CUDA buffer of the first engine's that every server maps through CUDA IPC once, then one message per
-    bucket to each; the servers load from their views at the same time and answer after their copies finished, so
-    the next bucket may overwrite the buffer. With `wait=False` the last bucket's replies (and the final
-    'update_done') are not awaited: the returned `Pending` reads them, and so does the next call here before it
-    writes the buffer again (kept on the first engine). Returns the bytes sent (once, however many servers) and
-    that `Pending` (done when `wait`)."""
-    lead, nbytes, last = engines[0], 0, len(plan) - 1
-    lead.settle_owed()  # a server may still be copying out of the buffer
-    owed: list[Pending] = []
-    for i, (bucket, metas) in enumerate(zip(buckets, plan)):
-        size = bucket_nbytes(metas)
-        buffer, fresh = lead.ipc_buffer(size)
-        if fresh:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            command_all(engines, Command.INIT_IPC, reduce_tensor(buffer))
-        pack_bucket([t for _, t in bucket], metas, out=buffer)
-        torch.cuda.current_stream().synchronize()
-        if wait or i < last:
-            command_all(engines, Command.UPDATE_IPC, plan_to_wire([metas]))
-        else:
-            owed += send_all(engines, Command.UPDATE_IPC, plan_to_wire([metas]))
-        nbytes += size
-    if wait:
-        return nbytes, Pending.done(slowest_load(command_all(engines, Command.UPDATE_DONE)))
-    done = all_of(owed + send_all(engines, Command.UPDATE_DONE))
-    lead.owe(done)  # read before the buffer is written again, whoever calls next
-    return nbytes, Pending(lambda: slowest_load(done.result()))
-
-
 class ServersWeightClient:
     """vLLM's `VLLMWeightSyncClient` methods over our rollout servers: each call goes to every server (commands
     'wt_init', 'wt_start', 'wt_update', 'wt_finish', `server.py`), which makes the same call on its `LLM`, and
@@ -150,95 +103,6 @@ class ServersWeightClient:
         self.finished = all_of(replies)
         if not self.defer_finish:
             self.finished.result()
-
-
-def update_through_vllm_ipc(engines: Sequence[RolloutServer], buckets, plan: BucketPlan, *,
-                            wait: bool = True) -> tuple[int, Pending]:
-    """`rollout.weight_transport vllm`: the sidecar servers on the trainer's GPU get every bucket through vLLM's
-    CUDA-IPC weight-transfer engine (packed: one buffer of the largest bucket's size, refilled chunk by chunk; each
-    chunk's handle goes to every server, which passes it to vLLM's `update_weights`), all servers loading the same
-    chunk at once. vLLM's producer refills its buffer as soon as the send returns, so every chunk is acknowledged
-    before the next; with `wait=False` only the final 'wt_finish' (vLLM's `finish_weight_update`, then the prefix
-    cache reset) is left unread: the returned `Pending` reads it, and so does the next update here first.
-    Returns the bytes sent (once, however many servers) and that `Pending`."""
-    lead = engines[0]
-    lead.settle_owed()  # the previous update's 'wt_finish', if not read yet
-    client = ServersWeightClient(engines, defer_finish=not wait)
-    send_weights_through_vllm_ipc(named_tensors_from_buckets(buckets, plan), plan, client,
-                                  transfer_buffer_bytes(plan))
-    nbytes = sum(bucket_nbytes(metas) for metas in plan)
-    done = client.finished
-    if wait:
-        return nbytes, Pending.done(slowest_load(done.result()))
-    lead.owe(done)
-    return nbytes, Pending(lambda: slowest_load(done.result()))
-
-
-def update_through_group(engine: RolloutServer, buckets, plan: BucketPlan, *,
-                         wait: bool = True) -> tuple[int, Pending]:
-    """A disaggregated server's update over our weight group (joined on the first call): the plan as one 'update'
-    command, then each bucket flattened and broadcast on the group, bucket k+1 gathered and packed while bucket k is
-    on the wire. With `wait=False` the server's acknowledgement is left unread in the returned `Pending`.
-    Returns the bytes sent and that `Pending`."""
-    _join_group(engine)
-    done = engine.send_command(Command.UPDATE, plan_to_wire(plan))
-    nbytes, pending, n_sent = 0, None, 0
-    for bucket, metas in zip(buckets, plan):
-        names = [n for n, _ in bucket]
-        if names != [m.name for m in metas]:
-            raise RolloutError(f"bucket {n_sent} does not match the announced plan: {names[:3]} vs "
-                               f"{[m.name for m in metas][:3]}")
-        buf = pack_bucket([t for _, t in bucket], metas)
-        if pending is not None:
-            pending.wait()  # overlap: gather/pack bucket k+1 while bucket k is on the wire
-        pending = engine.group.broadcast(buf)
-        nbytes += buf.numel()
-        n_sent += 1
-    if pending is not None:
-        pending.wait()
-    if n_sent != len(plan):
-        raise RolloutError(f"sent {n_sent} buckets but announced {len(plan)}")
-    if wait:
-        done.result()
-    return nbytes, done
-
-
-def _join_group(engine: RolloutServer) -> None:
-    """The weight group of `engine` and its server's workers (rank 0 = this trainer rank, 1..N = the workers)."""
-    if engine.group is not None:
-        return
-    port, world = free_port(), 1 + engine.world
-    reply = engine.send_command(Command.INIT_GROUP, engine.host, port, world, engine.weight_backend, engine.timeout_s)
-    device = torch.device("cuda", torch.cuda.current_device()) if engine.weight_backend == "nccl" else None
-    engine.group = WeightGroup(engine.host, port, world, 0, engine.weight_backend, engine.timeout_s, device)
-    reply.result()
-
-
-def update_through_vllm_nccl(engine: RolloutServer, buckets, plan: BucketPlan, *,
-                             wait: bool = True) -> tuple[int, Pending]:
-    """`rollout.weight_transport vllm` on a disaggregated server (its own GPUs): the buckets go through vLLM's NCCL
-    weight-transfer engine (`NCCLWeightSender`; packed broadcasts of chunks of the largest bucket's size). The
-    first call joins the trainer (rank 0) and the server's workers (ranks 1..tp) in vLLM's NCCL group. A broadcast
-    completes only once the server received it, so the trainer waits until the server loaded every tensor; with
-    `wait=False` only the final 'wt_finish' (vLLM's `finish_weight_update`, then the prefix cache reset) is left
-    unread: the returned `Pending` reads it (the server answers in order, so a later command reads it first).
-    vLLM's NCCL group has no timeout: the call runs under `watchdog.exit_if_server_fails`, which ends this process
-    with a one-line error if the server exits or the call outlasts the client's timeout.
-    Returns the bytes sent and that `Pending`."""
-    def join(server: RolloutServer) -> tuple[ServersWeightClient, NCCLWeightSender]:
-        client = ServersWeightClient([server])
-        return client, NCCLWeightSender(client, host=server.host, port=free_port(), world_size=1 + server.world,
-                                        buffer_bytes=transfer_buffer_bytes(plan))
-
-    with exit_if_server_fails([engine.process], engine.timeout_s, "weight update of the disaggregated server"):
-        client, sender = engine.vllm_weight_transfer(join)
-        client.defer_finish, client.finished = not wait, None
-        sender.send(named_tensors_from_buckets(buckets, plan), plan)
-    nbytes = sum(bucket_nbytes(metas) for metas in plan)
-    done = client.finished
-    if wait:
-        return nbytes, Pending.done(slowest_load(done.result()))
-    return nbytes, Pending(lambda: slowest_load(done.result()))
 
 
 def slowest_load(replies: list) -> dict:

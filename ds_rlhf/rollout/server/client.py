@@ -13,13 +13,14 @@ A sync (only rank 0 talks to vLLM; other ranks drain the ZeRO-3 gathers):
   server -> rank 0: ("ok", None)          after vLLM's prefix cache was reset
 The server answers every command in the order it came, so replies are read in that order (`send_command` returns a
 `Pending` per command; reading one reads and keeps those before it). That lets a single-rank trainer hand weights
-over without waiting (`update_weight_buckets_later`): its next generation request queues behind the load, and the
+over without waiting (`weights.send(wait=False)`): its next generation request queues behind the load, and the
 load's acknowledgement is read, at the latest, when that generation is collected.
-The weight group (rank 0 = trainer rank 0, 1..N = vLLM workers) is created on the first sync
-(`calls.update_through_group`). With
-`rollout.weight_transport vllm` vLLM's own NCCL weight-transfer engine replaces it (`calls.update_through_vllm_nccl`,
-the same ranks; the server's engine is built with `weight_transfer_config={"backend": "nccl"}`). Server errors come
-back as RolloutError with the server's traceback; a dead server is reported with its exit code.
+How the weights move is the client's transport (`weights`), chosen once when it connects from
+`transports.TRANSPORTS` by the weight backend and `rollout.weight_transport` (or by name, `transport=`): our weight
+group (rank 0 = trainer rank 0, 1..N = vLLM workers, created on the first sync), vLLM's NCCL weight-transfer engine
+over the same ranks (the server's engine is built with `weight_transfer_config={"backend": "nccl"}`), or on a
+sidecar a CUDA-IPC buffer. Server errors come back as RolloutError with the server's traceback; a dead server is
+reported with its exit code.
 """
 
 from __future__ import annotations
@@ -27,31 +28,23 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ds_rlhf.distributed import multi_rank
 from ds_rlhf.rollout.base import (
-    BucketPlan,
     Pending,
     RolloutEngine,
     RolloutError,
     RolloutSample,
     RolloutTicket,
     SamplingSpec,
-    TensorMeta,
-)
-from ds_rlhf.rollout.server.calls import (
-    update_through_group,
-    update_through_ipc,
-    update_through_vllm_ipc,
-    update_through_vllm_nccl,
 )
 from ds_rlhf.rollout.server.process import ServerProcess
 from ds_rlhf.rollout.server.protocol import ERROR, Command
 from ds_rlhf.rollout.server.rank_relay import gather_to_owner, scatter_from_owner
-from ds_rlhf.rollout.weight_group import WeightGroup
+from ds_rlhf.rollout.server.transports import transport_class, transport_name
 
 
 class ConnectionLost(RolloutError):
@@ -66,28 +59,21 @@ class RemoteVLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, devices: Sequence[int] | None = None, weight_backend: str | None = None,
                  timeout_s: float = 600.0, startup_timeout_s: float = 900.0, bucket_bytes: int = 1 << 30,
                  log_path: str | None = None, host: str = "127.0.0.1", process: ServerProcess | None = None,
-                 **engine_kwargs) -> None:
+                 transport: str | None = None, **engine_kwargs) -> None:
         super().__init__()
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
         self.weight_backend = weight_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         # own: our IPC buffer / weight group; vllm: vLLM's weight-transfer engine, CUDA IPC on the sidecar, NCCL on
-        # other GPUs (the server's LLM is built with it: the keywords go to 'start' with the other engine keywords)
-        self.weight_transport = engine_kwargs.get("weight_transport", "own")
-        if self.weight_transport == "vllm":
-            if self.weight_backend not in ("ipc", "nccl"):
-                raise RolloutError(f"rollout.weight_transport=vllm uses vLLM's CUDA-IPC or NCCL weight transfer, "
-                                   f"which need CUDA (weights over {self.weight_backend} here): use "
-                                   "--rollout.weight_transport own")
-            engine_kwargs["weight_transfer_backend"] = self.weight_backend
-        self.group: WeightGroup | None = None  # our weight group to a disaggregated server (calls.py)
+        # other GPUs; `transport` names a registered one (`transports.TRANSPORTS`) instead
+        choice = engine_kwargs.get("weight_transport", "own")
+        self.transport = transport or transport_name(self.weight_backend, choice)
+        chosen = transport_class(self.transport, self.weight_backend, choice)
+        engine_kwargs.update(chosen.engine_kwargs(self.weight_backend))  # to 'start' with the other engine keywords
         self._in_flight = False
         self._generation: Pending | None = None  # the reply to the generation in flight
         self._unread: deque[Pending] = deque()  # replies not read yet, oldest first (the server answers in order)
         self._lost: ConnectionLost | None = None  # set once the connection broke: no later reply can be trusted
-        self._ipc_buf: torch.Tensor | None = None
-        self._ipc_owed: Pending | None = None  # the last IPC update's replies, when not awaited (`calls.py`)
-        self._wt_client = self._wt_sender = None  # vLLM's NCCL weight transfer, joined on the first sync (`calls.py`)
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
@@ -101,8 +87,8 @@ class RemoteVLLMEngine(RolloutEngine):
             info = box[0]
         if "error" in info:
             raise RolloutError(info["error"])
-        self._dtype = getattr(torch, info["dtype"].removeprefix("torch."))
         self.world = info["world"]
+        self.weights = chosen(self, getattr(torch, info["dtype"].removeprefix("torch.")))
         self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"],
                              vllm_options=info.get("options"))
 
@@ -174,15 +160,15 @@ class RemoteVLLMEngine(RolloutEngine):
                 if state[0] == "error":
                     raise state[1]
                 return state[1]
-            head._state = state
-            if reply._state is not None:  # failed with the connection, while an earlier reply was read
-                raise reply._state[1]
+            head.fill(state)
+            if reply.ready:  # failed with the connection, while an earlier reply was read
+                reply.result()
         raise RolloutError("no reply is pending for that command (read already, or sent to another server)")
 
     def _lose(self, error: ConnectionLost) -> None:
         self._lost = error
         while self._unread:
-            self._unread.popleft()._state = ("error", error)
+            self._unread.popleft().fill(("error", error))
 
     def _call(self, *msg):
         return self.send_command(*msg).result()
@@ -198,39 +184,9 @@ class RemoteVLLMEngine(RolloutEngine):
         return scatter_from_owner(self._d, self.owner, lambda: run(items))
 
     @property
-    def weight_dtype(self) -> torch.dtype:
-        return self._dtype
-
-    # ---- for the weight updates of `calls.py` -----------------------------------------------------------------
-    @property
     def process(self) -> subprocess.Popen | None:
         """The server process (None on ranks > 0 and once closed)."""
         return self._proc
-
-    def settle_owed(self) -> None:
-        """Read the replies of the last weight update handed over without waiting (`owe`), if still unread."""
-        owed, self._ipc_owed = self._ipc_owed, None
-        if owed is not None:
-            owed.result()
-
-    def owe(self, done: Pending) -> None:
-        """Keep `done`, the replies of a weight update handed over without waiting, for the next `settle_owed`."""
-        self._ipc_owed = done
-
-    def ipc_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """This engine's CUDA buffer for weights over CUDA IPC, of at least `nbytes`, and whether it is new (a larger
-        one replaced it, or there was none): then the servers have to map it."""
-        fresh = self._ipc_buf is None or self._ipc_buf.numel() < nbytes
-        if fresh:
-            self._ipc_buf = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-        return self._ipc_buf, fresh
-
-    def vllm_weight_transfer(self, join):
-        """vLLM's NCCL weight transfer to this server as `(client, sender)`: made by `join(self)` on the first call,
-        kept until `close`."""
-        if self._wt_sender is None:
-            self._wt_client, self._wt_sender = join(self)
-        return self._wt_client, self._wt_sender
 
     # ---- RolloutEngine ----------------------------------------------------------------------------------------
     @staticmethod
@@ -242,7 +198,7 @@ class RemoteVLLMEngine(RolloutEngine):
         rows, seconds, tokens = self._collective(
             (prompts, spec), lambda groups: self._per_rank(self._call(Command.GENERATE_MANY, groups)))
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds, tokens)
+        self.record_generate(samples, seconds, tokens)
         return samples
 
     def submit(self, prompts: list[list[int]], spec: SamplingSpec) -> RolloutTicket:
@@ -267,7 +223,7 @@ class RemoteVLLMEngine(RolloutEngine):
         run = (lambda: self._per_rank(reply.result())) if self.owner else None
         rows, seconds, tokens = scatter_from_owner(self._d, self.owner, run)
         samples = [RolloutSample(*s) for s in rows]
-        self._record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
+        self.record_generate(samples, seconds, tokens)  # the server's own time: with overlap the wait is less
         return samples
 
     @property
@@ -290,59 +246,6 @@ class RemoteVLLMEngine(RolloutEngine):
             return [flat[a:b] for a, b in zip(bounds, bounds[1:])]
 
         return self._collective(sequences, run)
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Bucket an arbitrary (name, tensor) stream here (held in memory), then ship it like a sync. Rank 0 only
-        sends; other ranks just consume their stream."""
-        buckets, size = [[]], 0
-        for name, t in named_tensors:
-            if not self.owner:
-                continue
-            t = t.to(self._dtype)
-            nbytes = t.numel() * t.element_size()
-            if buckets[-1] and size + nbytes > self.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((name, t))
-            size += nbytes
-        if self.owner:
-            self.update_weight_buckets(buckets)
-
-    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                              plan: BucketPlan | None = None) -> None:
-        self._update(buckets, plan, wait=True)
-
-    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                    plan: BucketPlan | None = None) -> Pending:
-        """Hands the buckets over and returns before the server acknowledges the last one (single rank only: with
-        several ranks a failure must reach every rank at once, so this waits as `update_weight_buckets` does)."""
-        if self.defers_replies:
-            return self._update(buckets, plan, wait=False)
-        self._update(buckets, plan, wait=True)
-        return Pending.done()  # the same (empty) acknowledgement on every rank: reports keep one set of keys
-
-    def _update(self, buckets, plan: BucketPlan | None, *, wait: bool) -> Pending:
-        if not self.owner:
-            if getattr(buckets, "zero3", True):
-                for _ in buckets:  # ZeRO-3 gathers are collective: take part, send nothing
-                    pass
-            return Pending.done()
-        if plan is None:
-            buckets = [b for b in buckets if b]
-            plan = [[TensorMeta(n, tuple(t.shape), self._dtype) for n, t in b] for b in buckets]
-        t0 = time.perf_counter()
-        if self.weight_backend == "ipc":
-            send = update_through_vllm_ipc if self.weight_transport == "vllm" else update_through_ipc
-            nbytes, done = send([self], buckets, plan, wait=wait)
-        elif self.weight_transport == "vllm":  # vLLM's NCCL weight-transfer engine
-            nbytes, done = update_through_vllm_nccl(self, buckets, plan, wait=wait)
-        else:  # our own weight group
-            nbytes, done = update_through_group(self, buckets, plan, wait=wait)
-        self._record_update(nbytes, time.perf_counter() - t0)
-        return done
-
-    def reset_cache(self) -> None:
-        """The server resets vLLM's prefix cache itself at the end of every update."""
 
     def sleep(self) -> None:
         if self.owner:
@@ -377,9 +280,8 @@ class RemoteVLLMEngine(RolloutEngine):
                 pass
 
     def close(self) -> None:
-        sender, self._wt_sender, self._wt_client = self._wt_sender, None, None
-        if sender is not None:
-            sender.close()
+        if self.weights is not None:
+            self.weights.detach()
         self.begin_close()
         if self._proc is not None:
             try:
@@ -388,8 +290,9 @@ class RemoteVLLMEngine(RolloutEngine):
                 self._proc.kill()
                 self._proc.wait()
             self._proc = None
-        self._ipc_buf = None
-        for attr in ("group", "_listener", "_log"):
+        if self.weights is not None:
+            self.weights.close()  # our weight group once the server's end is gone
+        for attr in ("_listener", "_log"):
             obj = getattr(self, attr)
             if obj is not None:
                 obj.close()

@@ -54,7 +54,8 @@ MESSAGES: dict[Command, Shape] = {
     Command.INIT_GROUP: Shape(("host", "port", "world_size", "backend", "timeout_s"),
                               "None: the vLLM workers joined our weight group"),
     Command.UPDATE: Shape(("wire_plan",), "{load_seconds}: every announced bucket received and loaded"),
-    Command.INIT_IPC: Shape(("rebuild",), "None: the trainer's CUDA buffer (`reduce_tensor` of it) is mapped"),
+    Command.INIT_IPC: Shape(("rebuild",), "None: the trainer's shared buffer is mapped (`reduce_tensor` of a CUDA "
+                                          "buffer, or a function and its arguments that map another)"),
     Command.UPDATE_IPC: Shape(("wire_plan",), "None: the one bucket in the shared buffer is loaded"),
     Command.UPDATE_DONE: Shape((), "{load_seconds}: this sync's loading time over IPC"),
     Command.WT_INIT: Shape(("init_info",), "None: vLLM's `init_weight_transfer_engine` returned"),

@@ -26,7 +26,7 @@ from ds_rlhf.rollout.server.protocol import ERROR, OK, Command
 from ds_rlhf.rollout.vllm_adapter import preload
 from ds_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 from ds_rlhf.rollout.vllm_mapping import update_info_nbytes
-from ds_rlhf.rollout.weight_group import bucket_nbytes, plan_from_wire, unpack_bucket
+from ds_rlhf.rollout.weights.group import bucket_nbytes, plan_from_wire, unpack_bucket
 
 
 class ServerSession:
@@ -57,7 +57,7 @@ class ServerSession:
 
     def _loaded(self, nbytes: int, t0: float) -> None:
         """Count one loaded part of a sync (the engine's update stats, this sync's loading time)."""
-        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        self.engine.weights.record(nbytes, time.perf_counter() - t0)
         self.load_seconds += time.perf_counter() - t0
 
     def _sync_done(self, extra_s: float = 0.0) -> dict:
@@ -70,13 +70,13 @@ class ServerSession:
         engine_kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
         engine = self.engine = VLLMRolloutEngine(model_path, **engine_kwargs)
         engine.placement = "disaggregated (server)"
-        return {"dtype": str(engine.weight_dtype), "world": tp, "version": engine.handle.version,
+        return {"dtype": str(engine.weights.dtype), "world": tp, "version": engine.handle.version,
                 "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
 
     def generate_many(self, groups) -> dict:
         t0 = time.perf_counter()
         results = self.engine.handle.generate_many(groups)
-        self.engine._record_generate([s for r in results for s in r], time.perf_counter() - t0)
+        self.engine.record_generate([s for r in results for s in r], time.perf_counter() - t0)
         seconds, tokens = self.engine.last_generate()
         return {"rows": [[tuple(vars(s).values()) for s in r] for r in results], "seconds": seconds, "tokens": tokens}
 
@@ -89,14 +89,15 @@ class ServerSession:
     def update(self, wire_plan) -> dict:
         t0 = time.perf_counter()
         self.engine.handle.receive_buckets(wire_plan)
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
                      for bucket in plan_from_wire(wire_plan) for m in bucket)
-        self.engine._record_update(nbytes, time.perf_counter() - t0)
+        self.engine.weights.record(nbytes, time.perf_counter() - t0)
         return {"load_seconds": time.perf_counter() - t0}
 
     def init_ipc(self, rebuild) -> None:
-        """The trainer's CUDA buffer, mapped into this process (sidecar on the same GPU)."""
+        """The trainer's shared buffer, mapped into this process by `rebuild` (a function and its arguments): its
+        CUDA buffer on a sidecar on the same GPU (`reduce_tensor`), or any other buffer a transport shares."""
         rebuild_fn, rebuild_args = rebuild
         self.ipc_buffer = rebuild_fn(*rebuild_args)
 
@@ -104,12 +105,13 @@ class ServerSession:
         t0 = time.perf_counter()
         metas = plan_from_wire(wire_plan)[0]
         self.engine.handle.load_weights(unpack_bucket(self.ipc_buffer[: bucket_nbytes(metas)], metas))
-        torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
+        if self.ipc_buffer.is_cuda:
+            torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
         self._loaded(bucket_nbytes(metas), t0)
 
     def update_done(self) -> dict:
         """Replies with this sync's loading time (every bucket's), then starts the next count."""
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         return self._sync_done()
 
     def wt_init(self, init_info: dict) -> None:  # vLLM's weight-transfer API (rollout.weight_transport vllm)
@@ -128,7 +130,7 @@ class ServerSession:
         """Replies with this sync's loading time (every chunk's and the finish's)."""
         t0 = time.perf_counter()
         self.engine.handle.transfer_finish()
-        self.engine.reset_cache()
+        self.engine.handle.reset_prefix_cache()
         return self._sync_done(time.perf_counter() - t0)
 
     def sleep(self) -> dict:

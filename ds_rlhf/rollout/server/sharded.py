@@ -11,11 +11,11 @@ processing: Python loops over the running requests, one thread per engine), not 
   `seeding="request"` every request keeps the seed it has on one engine, and with `seeding="batch"` each shard's call
   has its own seed that follows from the call alone (resume stays exact). Every server generates its shard at once;
   `collect` puts the samples back in prompt-major order. The engine's own time of the call is the slowest server's.
-- weights: over CUDA IPC each bucket is packed once into one shared buffer that every server loads from at the same
-  time (`calls.update_through_ipc`; with `rollout.weight_transport vllm`, vLLM's IPC engine's buffer, each chunk's
-  handle sent to every server: `calls.update_through_vllm_ipc`); other backends (gloo on CPU) send the buckets to
-  each server in turn.
-  `update_weight_buckets_later` / `logprobs_replicas_later` do not wait for the last replies (a sync with overlap: the
+- weights (`ShardedWeights`): over CUDA IPC each bucket is packed once into one shared buffer that every server
+  loads from at the same time (`transports.OwnIPC`; with `rollout.weight_transport vllm`, vLLM's IPC engine's
+  buffer, each chunk's handle sent to every server: `transports.VLLMIPC`); other backends (gloo on CPU) send the
+  buckets to each server in turn.
+  `weights.send(wait=False)` / `logprobs_replicas_later` do not wait for the last replies (a sync with overlap: the
   servers load and score the canary probe while the trainer goes on; the replies are read before the generation
   queued behind them).
 - `logprobs_replicas` (the sync canary): every server scores every sequence, and the canary checks each server's
@@ -31,9 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from ds_rlhf.rollout.base import (
     BucketPlan,
@@ -44,8 +42,9 @@ from ds_rlhf.rollout.base import (
     RolloutTicket,
     SamplingSpec,
     TensorMeta,
+    WeightTransport,
 )
-from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load, update_through_ipc, update_through_vllm_ipc
+from ds_rlhf.rollout.server.calls import all_of, send_all, slowest_load
 from ds_rlhf.rollout.server.client import RemoteVLLMEngine
 from ds_rlhf.rollout.server.protocol import Command
 
@@ -62,6 +61,46 @@ def shard_spec(spec: SamplingSpec, offset: int) -> SamplingSpec:
     return spec if spec.seed is None or offset == 0 else dataclasses.replace(spec, seed=spec.seed + offset * spec.n)
 
 
+class ShardedWeights(WeightTransport):
+    """Weights to every sidecar server. Where their transport `shares_device` (CUDA IPC: one buffer on the trainer's
+    GPU), the first server's transport sends each bucket once to all of them at the same time; otherwise (gloo on
+    CPU: each server has its own weight group) every bucket is held and sent to each server in turn through its
+    own transport. `check_idle` refuses a sync while a generation is in flight."""
+
+    def __init__(self, engines: Sequence[RemoteVLLMEngine], check_idle) -> None:
+        super().__init__()
+        self.engines, self.check_idle = engines, check_idle
+        self.dtype = engines[0].weights.dtype
+
+    def send(self, buckets, plan: BucketPlan | None = None, *, wait: bool = True) -> Pending:
+        self.check_idle()
+        t0 = time.perf_counter()
+        lead = self.engines[0].weights
+        if lead.shares_device and all(type(e.weights) is type(lead) for e in self.engines):
+            if plan is None:
+                buckets = [list(b) for b in buckets if b]
+                plan = [[TensorMeta(n, tuple(t.shape), self.dtype) for n, t in b] for b in buckets]
+            nbytes, done = lead.send_to(self.engines, buckets, plan, wait=wait)
+        else:
+            zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: copies
+            held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
+            owed = all_of([e.weights.send(held, plan, wait=False) for e in self.engines])
+            done = Pending(lambda: slowest_load(owed.result()))
+            if wait:
+                done.result()
+            nbytes = sum(t.numel() * t.element_size() for b in held for _, t in b)
+        self.record(nbytes, time.perf_counter() - t0)
+        return done
+
+    def load(self, named_tensors) -> None:
+        self.check_idle()
+        tensors = list(named_tensors)
+        t0 = time.perf_counter()
+        for e in self.engines:
+            e.weights.load(tensors)
+        self.record(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
+
+
 class ShardedRolloutEngine(RolloutEngine):
     backend = "vllm"
     placement = "sidecar"
@@ -70,15 +109,12 @@ class ShardedRolloutEngine(RolloutEngine):
         super().__init__()
         if not engines:
             raise ValueError("ShardedRolloutEngine needs at least one engine")
-        if any(e._d is not None for e in engines):
+        if not all(e.defers_replies for e in engines):  # a client that does not defer serves several ranks
             raise RolloutError("several sidecar engines serve one training rank; this run has several ranks")
         self.engines = list(engines)
+        self.weights = ShardedWeights(self.engines, self._check_idle)
         self._in_flight = False
         self._c.extra["engines"] = len(self.engines)  # each server's own stats (vLLM version too): stats()["engines"]
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return self.engines[0].weight_dtype
 
     @property
     def defers_replies(self) -> bool:
@@ -120,7 +156,7 @@ class ShardedRolloutEngine(RolloutEngine):
             seconds, tokens = max(seconds, call_s), tokens + call_tokens
         if failure is not None:
             raise failure
-        self._record_generate(samples, seconds, tokens)
+        self.record_generate(samples, seconds, tokens)
         return samples
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -133,43 +169,6 @@ class ShardedRolloutEngine(RolloutEngine):
     def logprobs_replicas_later(self, sequences: list[list[int]]) -> Pending:
         self._check_idle()
         return all_of(send_all(self.engines, Command.LOGPROBS, sequences))
-
-    # ---- weights ----------------------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._check_idle()
-        tensors = list(named_tensors)
-        t0 = time.perf_counter()
-        for e in self.engines:
-            e.update_weights(tensors)
-        self._record_update(sum(t.numel() * t.element_size() for _, t in tensors), time.perf_counter() - t0)
-
-    def update_weight_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                              plan: BucketPlan | None = None) -> None:
-        self._update(buckets, plan, wait=True)
-
-    def update_weight_buckets_later(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                    plan: BucketPlan | None = None) -> Pending:
-        return self._update(buckets, plan, wait=False)
-
-    def _update(self, buckets, plan: BucketPlan | None, *, wait: bool) -> Pending:
-        self._check_idle()
-        t0 = time.perf_counter()
-        if all(e.weight_backend == "ipc" for e in self.engines):  # a GPU sidecar (placement.py): one shared buffer
-            if plan is None:
-                buckets = [list(b) for b in buckets if b]
-                plan = [[TensorMeta(n, tuple(t.shape), self.weight_dtype) for n, t in b] for b in buckets]
-            send = update_through_vllm_ipc if self.engines[0].weight_transport == "vllm" else update_through_ipc
-            nbytes, done = send(self.engines, buckets, plan, wait=wait)
-        else:  # gloo on CPU: each server has its own weight group, so every bucket is held and sent to each in turn
-            zero3 = getattr(buckets, "zero3", False)  # gathered tensors are released after their bucket: copies
-            held = [[(n, t.clone() if zero3 else t) for n, t in b] for b in buckets]
-            owed = all_of([e.update_weight_buckets_later(held, plan) for e in self.engines])
-            done = Pending(lambda: slowest_load(owed.result()))
-            if wait:
-                done.result()
-            nbytes = sum(t.numel() * t.element_size() for b in held for _, t in b)
-        self._record_update(nbytes, time.perf_counter() - t0)
-        return done
 
     def _check_idle(self) -> None:
         if self._in_flight:

@@ -54,7 +54,7 @@ def _is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
 
-def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
     """The tensor's full shape (a 4-bit weight's [out, in], not its packed storage's)."""
     if _is_partitioned(p):
         return tuple(p.ds_shape)
@@ -77,7 +77,7 @@ def _gathered_bytes(p: torch.Tensor) -> int:
 
 
 @dataclass
-class _Entry:
+class Entry:
     """One output tensor: its name/shape, the parameters it is computed from, and how."""
 
     name: str
@@ -105,7 +105,7 @@ def _lora_parts(layer: nn.Module) -> tuple[list[tuple[torch.Tensor, torch.Tensor
 
 
 def collect_entries(module: nn.Module, name_map: Callable[[str], str | None] | None = None, *,
-                    merge_lora: bool = True) -> list[_Entry]:
+                    merge_lora: bool = True) -> list[Entry]:
     """Walk the module once: canonical names, tied weights once, LoRA layers as merged entries (`merge_lora=False`:
     their base weights alone, for an engine that applies the adapters itself)."""
     lora_layers = {n: m for n, m in module.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
@@ -139,14 +139,14 @@ def collect_entries(module: nn.Module, name_map: Callable[[str], str | None] | N
         p = params[pid]
         lora = lora_of.get(pid)
         extra = [t for a, b, _ in lora[0] for t in (a, b)] if lora else []
-        entries.append(_Entry(out, _full_shape(p), [p, *extra], lora))
+        entries.append(Entry(out, full_shape(p), [p, *extra], lora))
     return entries
 
 
-def plan_buckets(entries: list[_Entry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[_Entry]]:
+def plan_buckets(entries: list[Entry], bucket_bytes: int, dtype: torch.dtype | None) -> list[list[Entry]]:
     """Greedy in-order grouping: gathered bytes per bucket <= bucket_bytes (a larger single tensor goes alone);
     a bucket never mixes output dtypes, so it flattens into one buffer."""
-    buckets: list[list[_Entry]] = []
+    buckets: list[list[Entry]] = []
     size, cur_dtype = 0, None
     for e in entries:
         nbytes = sum(_gathered_bytes(p) for p in e.params)
@@ -165,7 +165,7 @@ class WeightBuckets:
 
     def __init__(self, engine_or_module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None,
                  name_map: Callable[[str], str | None] | None = None, merge_lora: bool = True,
-                 entries: list[_Entry] | None = None) -> None:
+                 entries: list[Entry] | None = None) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be positive")
         self.module = unwrap(engine_or_module)
@@ -206,7 +206,7 @@ class WeightBuckets:
                 yield out
                 del out
 
-    def _materialize(self, e: _Entry) -> torch.Tensor:
+    def _materialize(self, e: Entry) -> torch.Tensor:
         w = _value(e.params[0])
         out_dtype = self.dtype or _value_dtype(e.params[0])
         if e.lora:

@@ -33,7 +33,7 @@ from ds_rlhf.distributed import world
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.weight_gather import _Entry, _full_shape, hf_name
+from ds_rlhf.rollout.weights.gather import Entry, full_shape, hf_name
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -53,7 +53,7 @@ def active_adapter(module: nn.Module) -> str:
     return active[0]
 
 
-def adapter_entries(module: nn.Module) -> list[_Entry]:
+def adapter_entries(module: nn.Module) -> list[Entry]:
     """One entry per LoRA A / B weight of the active adapter, named as in peft's `adapter_model.safetensors`."""
     name = active_adapter(module)
     entries = []
@@ -67,7 +67,7 @@ def adapter_entries(module: nn.Module) -> list[_Entry]:
         prefix = f"base_model.model.{hf_name(layer_name)}"
         for part in ("lora_A", "lora_B"):
             w = getattr(layer, part)[name].weight
-            entries.append(_Entry(f"{prefix}.{part}.weight", _full_shape(w), [w]))
+            entries.append(Entry(f"{prefix}.{part}.weight", full_shape(w), [w]))
     return entries
 
 

@@ -5,7 +5,7 @@
 2. stream ZeRO-gathered buckets from the bridge into the engine (in-process load for colocated engines, one
    broadcast per bucket after one control message for disaggregated ones); ranks without an engine still drain the
    bucket iterator under ZeRO-3 because the gathers are collective;
-3. drop the engine's prefix cache (its KV was computed with the old weights);
+3. the engine's transport drops its prefix cache (its KV was computed with the old weights);
 4. wake the KV cache last;
 5. run the canary (all ranks), which raises SyncCanaryError when the engine does not match the trainer.
 Returns (and logs) seconds, bytes and GB/s of step 2, the bucket count, the largest gathered bucket and the canary
@@ -33,10 +33,10 @@ from collections.abc import Callable
 import torch
 
 from ds_rlhf.engines.models import unwrap
-from ds_rlhf.rollout import adapter_sync
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
-from ds_rlhf.rollout.canary import SyncCanary
-from ds_rlhf.rollout.weight_gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
+from ds_rlhf.rollout.weights import adapter_sync
+from ds_rlhf.rollout.weights.canary import SyncCanary
+from ds_rlhf.rollout.weights.gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,9 @@ class WeightSync:
                  mode: str = "merged", adapter_dir: str | None = None, send_base: bool | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown weight sync mode {mode!r}: expected one of {MODES}")
-        if mode == "adapter" and rollout is not None and not rollout.lora_enabled:
+        if rollout is not None and rollout.weights is None:
+            raise RolloutError(f"{type(rollout).__name__} has no weight transport (RolloutEngine.weights)")
+        if mode == "adapter" and rollout is not None and not rollout.weights.lora_enabled:
             raise RolloutError(f"WeightSync(mode='adapter') needs a rollout engine started with LoRA, but "
                                f"{type(rollout).__name__} has none (make_rollout_engine(..., lora={{'rank': r}}))")
         self.engine = engine
@@ -121,11 +123,9 @@ class WeightSync:
         return info
 
     def _settle(self, info: dict, t0: float) -> float:
-        """After the buckets went out: drop the engine's prefix cache, let our device copies finish (so they are
-        timed); records the seconds since `t0` and the rate in `info` (the canary's figures not yet) and returns
-        the seconds."""
-        if self.rollout is not None:
-            self.rollout.reset_cache()
+        """After the buckets went out (the engine's transport dropped its prefix cache): let our device copies
+        finish (so they are timed); records the seconds since `t0` and the rate in `info` (the canary's figures not
+        yet) and returns the seconds."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # device copies are asynchronous: time them to completion
         seconds = time.perf_counter() - t0
@@ -155,13 +155,13 @@ class WeightSync:
         return out
 
     def _dtype(self):
-        return self.rollout.weight_dtype if self.rollout is not None else None
+        return self.rollout.weights.dtype if self.rollout is not None else None
 
     def _stream(self, buckets: WeightBuckets, later: bool = False) -> Pending:
         """Buckets into the engine, or (no engine on this rank) drained for ZeRO-3's collective gathers. `later`:
         the engine may acknowledge after this returns (the `Pending` reads it); else it is read here."""
         if self.rollout is not None:
-            acknowledged = self.rollout.update_weight_buckets_later(buckets, plan=buckets.plan)
+            acknowledged = self.rollout.weights.send(buckets, buckets.plan, wait=not later)
             return acknowledged if later else Pending.done(acknowledged.result())
         if buckets.zero3:
             buckets.drain()
@@ -196,7 +196,7 @@ class WeightSync:
             if self._dirs is None:
                 self._dirs = adapter_sync.AdapterDir(self._adapter_dir, per_rank=True)
             path = self._dirs.write(self.adapter_version, tensors, adapter_sync.lora_config(module))
-            info["adapter_id"] = self.rollout.load_adapter(str(path))
+            info["adapter_id"] = self.rollout.weights.load_adapter(str(path))
             self._dirs.prune(keep=path)
         return {**info, "bytes": base_bytes + buckets.bytes, "adapter_bytes": buckets.bytes, "base_bytes": base_bytes,
                 "adapter_version": self.adapter_version, "buckets": len(buckets), "zero3": buckets.zero3,

@@ -117,7 +117,7 @@ class SyncCanary:
         t0 = time.perf_counter()
         ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
         replicas = rollout.logprobs_replicas_later([self.probe_ids]) if rollout is not None else None
-        dtype = getattr(rollout, "weight_dtype", None) if rollout is not None else None
+        dtype = rollout.weights.dtype if rollout is not None and rollout.weights is not None else None
         device_type = next(iter(unwrap(trainer_module).parameters())).device.type
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype, device_type)
         return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0, statistic(dtype))
