@@ -12,7 +12,7 @@ import pytest
 from ds_rlhf.config_keys import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL_SECTIONS = ("model", "data", "optim", "rollout", "rl", "dpo", "run")
+ALL_SECTIONS = ("model", "data", "optim", "rollout", "rl", "reward", "critic", "eval", "env", "dpo", "run")
 
 
 @pytest.mark.parametrize("command, argv, key, reader", [
