@@ -3,8 +3,8 @@
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
 bare key when it is unique among the command's sections (`--kl_coef 0.05`). An RL run's settings are in sections by
-role: `rl` (the algorithm), `reward`, `critic`, `eval`, `env`; their `rl.<name>` spellings (`rl.reward_fn`) read as
-the section's key with one note (`config_rl_names`). A training command reads only its
+role: `rl` (the algorithm), `reward`, `critic`, `eval`, `env`; their `rl.<name>` spellings read as the section's
+key with one note (`config_rl_names`). A training command reads only its
 trainer's sections (`config_keys.RECIPES`); another trainer's setting, a peer trainer's name without our meaning
 (`config_peers`) and unknown or misspelled keys are errors naming what to use, never silently ignored. A given setting
 that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved as
