@@ -27,8 +27,8 @@ from tests.recipes.test_rl_e2e import EXACT_KEYS, rl_args
 def test_eval_and_sample_keys_have_defaults_rules_and_help():
     cfg = Config()
     run = cfg.run
-    assert (cfg.eval.max_prompts, cfg.eval.samples, cfg.eval.greedy, cfg.eval.max_new_tokens, cfg.eval.k) == (0, 1, True,
-                                                                                                        0, "1")
+    ev = cfg.eval
+    assert (ev.max_prompts, ev.samples, ev.greedy, ev.max_new_tokens, ev.k) == (0, 1, True, 0, "1")
     assert (cfg.eval.threshold, cfg.eval.reward_fn, cfg.eval.best_metric, cfg.eval.best_mode) == (1.0, "", "", "max")
     assert (run.eval_every, run.eval_before_train, run.sample_log_every, run.sample_log_k) == (0, False, 0, 4)
     text = help_text()
