@@ -83,8 +83,8 @@ def test_lambdas_are_registered_weighed_and_called_by_the_reward_set():
     with RewardSet.from_spec(",".join(parts[1:]), workers=2, announce=None) as rewards:
         assert rewards.pool is None  # beside a file's functions in workers, the callables stay in this process
     named = api.RLTrainer.from_config(SETTINGS, reward_fns={"exact": trl_len, "exact ": trl_len},
-                                      reward_weights=[1, 0.25]).cfg.rl
-    assert named.reward_fn.split(",")[0].startswith("python:exact") and named.reward_weights == "1.0,0.25"
+                                      reward_weights=[1, 0.25]).cfg.reward
+    assert named.fn.split(",")[0].startswith("python:exact") and named.weights == "1.0,0.25"
 
 
 def test_a_non_callable_reward_and_reward_workers_are_refused_in_one_line():
