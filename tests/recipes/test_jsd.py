@@ -227,7 +227,7 @@ def test_a_jsd_micro_batch_too_big_for_the_gpu_is_refused_in_one_line(tmp_path):
 
 
 def test_help_explains_the_distillation_settings():
-    lines = {line.split()[0]: line for line in help_text().splitlines() if line.strip().startswith("--rl.")}
+    lines = {line.split()[0]: line for line in help_text().splitlines() if line.strip().startswith("--")}
     assert "# on-policy distillation: a teacher (dir or Hub id" in lines["--rl.teacher"]
     assert "`jsd` = DeepSpeed's generalized Jensen-Shannon" in lines["--rl.distill_loss"]
-    assert "reward = reward_model_weight * RM score" in lines["--reward.model_weight"]
+    assert "reward = reward.model_weight * RM score" in lines["--reward.model_weight"]
