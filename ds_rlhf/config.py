@@ -347,4 +347,7 @@ def help_text(cfg: Config | None = None, recipe: str | None = None) -> str:
         lines.append("[names of peer trainers read as these settings]")
         lines += [f"  --{key} ({peer.source}) = --{peer.alias}" for key, peer in config_peers.aliases(recipe)
                   if peer.alias.split(".")[0] in shown]
+    if "reward" in shown:
+        lines.append("(rl.<name> spellings: --rl.reward_fn, --rl.eval_k, --rl.environment, ... read as the reward, "
+                     "critic, eval and env keys with a note; the table: ds_rlhf/config_rl_names.py)")
     return "\n".join(lines)
