@@ -18,13 +18,13 @@ against seconds and against steps, both modes) into `--out`.
     ds-rlhf bench learn --model ... [same options]
 
 Multi-turn episodes with a tool: `--environment path.py:Name` (a path from the current directory or from the
-repository) runs the trainer with `rl.environment` instead of the reward files (synchronous by default; `--modes
+repository) runs the trainer with `env.name` instead of the reward files (synchronous by default; `--modes
 sync,async` also plays the next step's episodes while a step trains):
 
     python3 bench/learn.py --model X --task arithmetic --modes sync \
         --environment ds_rlhf/agent/examples/calculator.py:CalculatorEnv
 
-Each prompt then plays `--max-turns` turns at most (`rl.max_turns`), every turn up to `--max-new-tokens`; the
+Each prompt then plays `--max-turns` turns at most (`env.max_turns`), every turn up to `--max-new-tokens`; the
 stores are prepared as plain text (`--no-apply_chat_template`: the episode runner renders the chat prompt with the
 tools). The training reward and the held-out score are the environment's: for the calculator, 1 when the last
 number of the final answer (the turn without a tool call) equals the answer, so the exact match is the
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
-                    "with this environment (rl.environment), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
+                    "with this environment (env.name), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
     ap.add_argument("--max-turns", type=int, default=4, help="--environment: generated turns per episode")
     ap.add_argument("--warm-start-steps", type=int, default=0, help="--environment, arithmetic: SFT steps on "
                     "calculator demonstrations of the training stream before GRPO (0 = none)")
@@ -256,7 +256,7 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
            "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",
            "--run.save_every", "0", "--run.export_hf", "false", "--run.progress", "false",
            "--run.tensorboard", "false", "--run.sample_log_every", str(args.eval_every),
-           "--rl.algo", "grpo", "--rl.kl_coef", "0", *reward_args(args), "--rl.eval_max_prompts", str(args.eval_size),
+           "--rl.algo", "grpo", "--rl.kl_coef", "0", *reward_args(args), "--eval.max_prompts", str(args.eval_size),
            "--rl.prompts_per_step", str(args.prompts_per_step), "--rollout.n_samples", str(args.n_samples),
            "--rollout.max_new_tokens", str(args.max_new_tokens), "--rollout.temperature", "1.0",
            "--data.max_prompt_len", str(args.max_prompt_len), "--optim.lr", str(args.lr),
@@ -328,12 +328,12 @@ def reward_args(args) -> list[str]:
     """The reward files' functions, or with `--environment` the environment (its reward trains and scores)."""
     if args.environment:
         context = args.max_prompt_len + args.max_turns * (args.max_new_tokens + EPISODE_OBSERVATION_TOKENS)
-        return ["--rl.environment", args.environment, "--rl.max_turns", str(args.max_turns),
+        return ["--env.name", args.environment, "--env.max_turns", str(args.max_turns),
                 "--rollout.max_model_len", str(context)]
-    scoring = ["--rl.eval_reward_fn", f"{TASKS / 'rewards.py'}:eval_reward"]
+    scoring = ["--eval.reward_fn", f"{TASKS / 'rewards.py'}:eval_reward"]
     if not TRAIN_REWARDS[args.reward]:
         return scoring
-    return ["--rl.reward_fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}", *scoring]
+    return ["--reward.fn", f"{TASKS / 'rewards.py'}:{TRAIN_REWARDS[args.reward]}", *scoring]
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ built once on the GPU (meta device, `to_empty`, normal init, bf16) and saved as 
 when there). Its tokenizer is the offline tiny one (ids < 512; the model's vocabulary stays 128256, so the head
 costs what it costs on the real model). Data: random token rows of --seq-len (SFT / preference pairs) and prompts
 of --prompt-len (`bench_inputs.build_prompts`). Rewards: `bench/bench_rewards.py:distinct_ratio` by default (cheap,
-varies between samples), any `rl.reward_fn`, or `--reward rm` (the rm phase's export as `rl.reward_model`).
+varies between samples), any `reward.fn`, or `--reward rm` (the rm phase's export as `reward.model`).
 
 Results accumulate in WORKDIR/low_memory.json across invocations (one device command is limited to 10 minutes, so
 run the phases in separate commands on the same machine); each invocation writes the merged file to
@@ -117,8 +117,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="optimizer (SFT/RM) or RL steps per phase (default 3)")
     p.add_argument("--reward", default="bench",
                    help="RL reward: bench (bench/bench_rewards.py:distinct_ratio, in-process), rm (the rm phase's "
-                        "export as rl.reward_model: the rm phase then exports, and must run first), or any "
-                        "rl.reward_fn value (the random prompts have no ground truth: gsm8k-style rules fail)")
+                        "export as reward.model: the rm phase then exports, and must run first), or any "
+                        "reward.fn value (the random prompts have no ground truth: gsm8k-style rules fail)")
     p.add_argument("--seq-len", dest="seq_len", type=int, help="SFT row / preference response tokens (512; tiny 64)")
     p.add_argument("--batch", type=int, help="SFT rows / RM pairs per optimizer step, one micro-batch (8; tiny 4)")
     p.add_argument("--prompt-len", dest="prompt_len", type=int, help="RL prompt tokens (128; tiny 32)")
@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--extra", default="", help="extra CLI overrides for every phase, one string, e.g. "
                                                "--extra \"--model.quantize_base nf4\"")
     p.add_argument("--phase-extra", action="append", default=[], metavar="PHASE=ARGS",
-                   help="extra overrides for one phase, repeatable, e.g. --phase-extra \"ppo=--rl.critic_init actor\"")
+                   help="extra overrides for one phase, repeatable, e.g. --phase-extra \"ppo=--critic.init actor\"")
     p.add_argument("--tag", default="", help="name of this set of runs in the JSON (default: the shape); runs with "
                                              "a tag get their own run directories")
     p.add_argument("--phase-timeout", type=float, default=540,

@@ -53,11 +53,11 @@ def phase_argv(args, phase: str, model: Path, stores: dict, sizes: dict, run_dir
         if args.eager:
             a += ["--rollout.enforce_eager", "true"]
         if args.reward == "rm":
-            a += ["--rl.reward_model", str(Path(args.workdir) / "runs" / "rm" / "export")]
+            a += ["--reward.model", str(Path(args.workdir) / "runs" / "rm" / "export")]
         elif args.reward == "bench":
-            a += ["--rl.reward_fn", BENCH_REWARD, "--rl.reward_workers", "0"]
+            a += ["--reward.fn", BENCH_REWARD, "--reward.workers", "0"]
         else:
-            a += ["--rl.reward_fn", args.reward]
+            a += ["--reward.fn", args.reward]
     a += shlex.split(args.extra)
     for item in args.phase_extra:
         name, _, rest = item.partition("=")

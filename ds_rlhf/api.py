@@ -9,14 +9,14 @@ the sections its trainer reads, `config_keys.RECIPES`), so a mistake is the comm
 
 Reward functions given as callables (lambdas too) run in the trainer's process: each is registered under
 `python:NAME` (`rewards.loading.register`; NAME is the function's name, `lambda` for a lambda, or the key of a
-`{name: fn}` mapping) and appended to `rl.reward_fn`, so the run's config.json names it and the preflight, the
+`{name: fn}` mapping) and appended to `reward.fn`, so the run's config.json names it and the preflight, the
 reward stage and evaluation load it like a reward from a file. Its calling convention is detected from its
 signature (`rewards.calling.detect_style`: TRL's `(prompts, completions, **kwargs)`, ours `(prompt, response,
 ground_truth, metadata)` or batched `(prompts, responses, ...)`, verl's, OpenRLHF's) or declared, `(fn, "trl")`.
-Reward worker processes (`rl.reward_workers` > 0) cannot take them (a lambda cannot be pickled): refused in one
-line; beside the functions of a file in `rl.reward_fn`, which `rl.reward_workers -1` runs in workers, they run in
+Reward worker processes (`reward.workers` > 0) cannot take them (a lambda cannot be pickled): refused in one
+line; beside the functions of a file in `reward.fn`, which `reward.workers -1` runs in workers, they run in
 the trainer's process. `environment` is an environment class, a list of tool functions, or a TRL / OpenRLHF
-environment (what `rl.environment` loads from a file, `agent/adapters.py`), given as the object and registered the
+environment (what `env.name` loads from a file, `agent/adapters.py`), given as the object and registered the
 same way.
 
 `train()` raises a user's error as the exception it is, with its one-line message (`ConfigError`, a data, run
@@ -109,7 +109,7 @@ def reward_specs(reward_fns) -> list[str]:
         reward_fns = [reward_fns]
     if isinstance(reward_fns, str) or not isinstance(reward_fns, Mapping | Sequence):
         raise ConfigError(f"reward_fns is a {type(reward_fns).__name__}: give a list of callables (built-in rules and "
-                          "file.py:name go in rl.reward_fn)")
+                          "file.py:name go in reward.fn)")
     items = list(reward_fns.items()) if isinstance(reward_fns, Mapping) else list(enumerate(reward_fns))
     specs = []
     for key, item in items:
@@ -117,7 +117,7 @@ def reward_specs(reward_fns) -> list[str]:
         where = f"reward_fns[{key!r}]"
         if not callable(fn):
             raise ConfigError(f"{where} is a {type(fn).__name__} ({fn!r:.60}), not a callable: pass a function "
-                              "(built-in rules and file.py:name go in rl.reward_fn)")
+                              "(built-in rules and file.py:name go in reward.fn)")
         if style is not None and style not in STYLES:
             raise ConfigError(f"{where}: calling convention {style!r} is not one of {', '.join(STYLES)}")
         try:
@@ -130,43 +130,42 @@ def reward_specs(reward_fns) -> list[str]:
 
 
 def add_rewards(cfg: Config, reward_fns, reward_weights: Sequence[float] | None) -> None:
-    """Append the callables' specs to `rl.reward_fn` and set `rl.reward_weights`: `reward_weights` (one per reward
+    """Append the callables' specs to `reward.fn` and set `reward.weights`: `reward_weights` (one per reward
     function, the config's own first), else the config's weights with 1 for each callable."""
-    rl = cfg.rl
-    old = [p for p in rl.reward_fn.split(",") if p.strip()]
+    old = [p for p in cfg.reward.fn.split(",") if p.strip()]
     new = reward_specs(reward_fns) if reward_fns is not None else []
-    if new and rl.reward_workers > 0:
-        raise ConfigError(f"rl.reward_workers={rl.reward_workers} runs reward functions in worker processes, which "
+    if new and cfg.reward.workers > 0:
+        raise ConfigError(f"reward.workers={cfg.reward.workers} runs reward functions in worker processes, which "
                           "cannot take the callables of reward_fns (a lambda cannot be pickled): set "
-                          "rl.reward_workers 0, or give the function as rl.reward_fn path/to/file.py:name")
+                          "reward.workers 0, or give the function as reward.fn path/to/file.py:name")
     try:
         if reward_weights is not None:
             weights = parse_weights(list(reward_weights), len(old) + len(new))
-        elif new and rl.reward_weights:
-            weights = parse_weights(rl.reward_weights, len(old)) + [1.0] * len(new)
+        elif new and cfg.reward.weights:
+            weights = parse_weights(cfg.reward.weights, len(old)) + [1.0] * len(new)
         else:
             weights = None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"reward_weights: {exc}") from None
-    rl.reward_fn = ",".join([*old, *new])
+    cfg.reward.fn = ",".join([*old, *new])
     if weights is not None:
-        rl.reward_weights = ",".join(repr(w) for w in weights)
+        cfg.reward.weights = ",".join(repr(w) for w in weights)
 
 
 def add_environment(cfg: Config, environment) -> None:
-    """Set `rl.environment` to `environment` (a `file.py:Name` spec, or the object, registered as `python:NAME`)
+    """Set `env.name` to `environment` (a `file.py:Name` spec, or the object, registered as `python:NAME`)
     and load it once now, so an environment of no known shape is refused before the run starts."""
     if environment is None:
         return
-    if cfg.rl.environment:
-        raise ConfigError(f"rl.environment={cfg.rl.environment!r} is set in the config and environment= is given "
+    if cfg.env.name:
+        raise ConfigError(f"env.name={cfg.env.name!r} is set in the config and environment= is given "
                           "too: give one of them")
     if isinstance(environment, str):
-        cfg.rl.environment = environment
+        cfg.env.name = environment
     else:
         default = "tools" if isinstance(environment, list | tuple) else type(environment).__name__
-        cfg.rl.environment = register(_name(environment, default), environment)
-    load_environment(cfg.rl.environment)
+        cfg.env.name = register(_name(environment, default), environment)
+    load_environment(cfg.env.name)
 
 
 class _Trainer:
@@ -231,9 +230,9 @@ class RLTrainer(_Trainer):
     @classmethod
     def from_config(cls, cfg: ConfigLike, reward_fns=None, *, reward_weights: Sequence[float] | None = None,
                     environment=None) -> RLTrainer:
-        """`reward_fns`: callables (see the module doc), added to the config's `rl.reward_fn` if it names some;
+        """`reward_fns`: callables (see the module doc), added to the config's `reward.fn` if it names some;
         `reward_weights`: one per reward function (the config's first); `environment`: an environment object (or
-        a `file.py:Name` spec) for `rl.environment`."""
+        a `file.py:Name` spec) for `env.name`."""
         trainer = super().from_config(cfg)
         add_rewards(trainer.cfg, reward_fns, reward_weights)
         add_environment(trainer.cfg, environment)

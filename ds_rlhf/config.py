@@ -2,7 +2,9 @@
 
 A run's settings come from, in order: the schema's defaults, the entry point's defaults, a YAML/JSON file
 (`--config`), then `--key value` overrides on the command line. Keys are `section.key` (`--rl.kl_coef 0.05`) or the
-bare key when it is unique among the command's sections (`--kl_coef 0.05`). A training command reads only its
+bare key when it is unique among the command's sections (`--kl_coef 0.05`). An RL run's settings are in sections by
+role: `rl` (the algorithm), `reward`, `critic`, `eval`, `env`; their `rl.<name>` spellings read as the section's
+key with one note (`config_rl_names`). A training command reads only its
 trainer's sections (`config_keys.RECIPES`); another trainer's setting, a peer trainer's name without our meaning
 (`config_peers`) and unknown or misspelled keys are errors naming what to use, never silently ignored. A given setting
 that the ds_config file sets otherwise is an error (`config_precedence`). The resolved config is saved as
@@ -28,6 +30,7 @@ from ds_rlhf.algos.registry import ALL
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_rl import RLConfig
+from ds_rlhf.config_rl_sections import CriticConfig, EnvConfig, EvalConfig, RewardConfig
 from ds_rlhf.config_rules import check_cross_section
 from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's public names
     DataConfig,
@@ -49,6 +52,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     run: RunConfig = field(default_factory=RunConfig)
     ds_config: str = "ds_configs/zero2.json"
@@ -340,4 +347,7 @@ def help_text(cfg: Config | None = None, recipe: str | None = None) -> str:
         lines.append("[names of peer trainers read as these settings]")
         lines += [f"  --{key} ({peer.source}) = --{peer.alias}" for key, peer in config_peers.aliases(recipe)
                   if peer.alias.split(".")[0] in shown]
+    if "reward" in shown:
+        lines.append("(rl.<name> spellings: --rl.reward_fn, --rl.eval_k, --rl.environment, ... read as the reward, "
+                     "critic, eval and env keys with a note; the table: ds_rlhf/config_rl_names.py)")
     return "\n".join(lines)

@@ -2,22 +2,24 @@
 
 Each training command parses only the sections its trainer reads (`RECIPES`, found by what the recipes and their
 run machinery read from the config), so a setting of another trainer is refused in one line naming the trainer that
-reads it (`dpo.beta` in `train-ppo`). A key resolves, in order: our dotted or bare name within the recipe's
-sections, a peer trainer's name (`config_peers`: an alias, or a refusal with our setting of that meaning), a setting
-of another recipe (refused, naming it), else unknown with the closest names of the recipe's own.
+reads it (`dpo.beta` in `train-ppo`). A key resolves, in order: our dotted name within the recipe's sections, the
+`rl.<name>` spelling of a reward / critic / eval / env setting (`config_rl_names`: read as its section's key, with a
+note), our bare name (a field's name, unique among the recipe's sections and not a section's name), a peer trainer's
+name (`config_peers`: an alias, or a refusal with our setting of that meaning), a setting of another recipe
+(refused, naming it), else unknown with the closest names of the recipe's own.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from ds_rlhf import config_peers
+from ds_rlhf import config_peers, config_rl_names
 from ds_rlhf.errors import ConfigError
 
 # recipe (the command's name) -> the config sections its trainer reads; the top-level keys (ds_config, zero_stage,
 # offload, local_rank) belong to every recipe
 RECIPES: dict[str, tuple[str, ...]] = {
-    "train-ppo": ("model", "data", "optim", "rollout", "rl", "run"),
+    "train-ppo": ("model", "data", "optim", "rollout", "rl", "reward", "critic", "eval", "env", "run"),
     "train-sft": ("model", "data", "optim", "run"),
     "train-rm": ("model", "data", "optim", "run"),
     "train-dpo": ("model", "data", "optim", "dpo", "run"),
@@ -56,6 +58,10 @@ def _find(key: str, keys: Keys) -> str | None:
     if key in keys:
         return key
     bare = _bare(key, keys)
+    if bare and key in {section for section, _ in keys.values()}:
+        shown = ", ".join(f"--{k}" for k in [k for k in keys if k.startswith(f"{key}.")][:3])
+        raise ConfigError(f"--{key} names the [{key}] section: give one of its keys ({shown}, ...), or the dotted "
+                          f"key of the field: {' or '.join('--' + b for b in bare)}")
     if len(bare) > 1:
         raise ConfigError(f"ambiguous config key '{key}': use one of {', '.join(sorted(bare))}")
     return bare[0] if bare else None
@@ -81,6 +87,13 @@ def resolve(key: str, keys: Keys, recipe: str | None) -> tuple[str, str | None]:
     ConfigError when it is ambiguous, another trainer's, a peer name without an alias here, or unknown."""
     key = key.replace("-", "_")
     mine = scoped(keys, recipe)
+    if key in mine:
+        return key, None
+    spelled = config_rl_names.lookup(key)
+    if spelled is not None and (key == spelled[0] or _bare(key, mine) != [spelled[1]]):
+        if spelled[1] not in mine:
+            raise not_read(spelled[1], recipe or "", typed=key)
+        return spelled[1], config_rl_names.note_line(key, spelled[1])
     found = _find(key, mine)
     if found:
         return found, None

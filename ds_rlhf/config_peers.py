@@ -71,8 +71,8 @@ PEERS: dict[str, tuple[Peer, ...]] = {
                   _hint("TRL", "--dpo.loss in train-dpo; --rl.loss_agg in train-ppo")),
     # OpenRLHF (train_ppo_ray, train_sft, train_rm, train_dpo)
     "pretrain": (_alias("OpenRLHF", "model.path"),),
-    "reward_pretrain": (_alias("OpenRLHF", "rl.reward_model"),),
-    "critic_pretrain": (_alias("OpenRLHF", "rl.critic_path"),),
+    "reward_pretrain": (_alias("OpenRLHF", "reward.model"),),
+    "critic_pretrain": (_alias("OpenRLHF", "critic.path"),),
     "rollout_batch_size": (_hint("OpenRLHF", "--rl.prompts_per_step, prompts per step per rank (OpenRLHF's "
                                              "rollout_batch_size divided by the number of training ranks)"),),
     "train_batch_size": (
@@ -85,7 +85,7 @@ PEERS: dict[str, tuple[Peer, ...]] = {
     "generate_max_len": (_alias("OpenRLHF", "rollout.max_new_tokens"),),
     "prompt_max_len": (_hint("OpenRLHF", "--data.max_prompt_len (a longer prompt is refused or dropped)"),),
     "actor_learning_rate": (_alias("OpenRLHF", "optim.lr"),),
-    "critic_learning_rate": (_alias("OpenRLHF", "optim.critic_lr"),),
+    "critic_learning_rate": (_alias("OpenRLHF", "optim.critic_lr", PPO),),
     "max_epochs": (_alias("OpenRLHF", "rl.ppo_epochs", PPO), _alias("OpenRLHF", "run.epochs")),
     "advantage_estimator": (_hint("OpenRLHF", "--rl.algo (gae: ppo, group_norm: grpo, rloo: rloo, reinforce: "
                                               "reinforce_pp)"),),
@@ -113,9 +113,9 @@ PEERS: dict[str, tuple[Peer, ...]] = {
     "actor_rollout_ref.actor.entropy_coeff": (_alias("verl", "rl.entropy_coef"),),
     "actor_rollout_ref.actor.clip_ratio": (_hint("verl", "--rl.clip_low and --rl.clip_high"),),
     "actor_rollout_ref.actor.loss_agg_mode": (_alias("verl", "rl.loss_agg"),),
-    "critic.optim.lr": (_alias("verl", "optim.critic_lr"),),
-    "critic.model.path": (_alias("verl", "rl.critic_path"),),
-    "reward_model.model.path": (_alias("verl", "rl.reward_model"),),
+    "critic.optim.lr": (_alias("verl", "optim.critic_lr", PPO),),
+    "critic.model.path": (_alias("verl", "critic.path"),),
+    "reward_model.model.path": (_alias("verl", "reward.model"),),
     "algorithm.adv_estimator": (_hint("verl", "--rl.algo (gae: ppo, grpo, rloo, reinforce_plus_plus: "
                                               "reinforce_pp)"),),
     "algorithm.gamma": (_alias("verl", "rl.gamma"),),

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.config_rl import RLConfig
+from ds_rlhf.config_rl_sections import EnvConfig, EvalConfig
 from ds_rlhf.config_sections import DataConfig, ModelConfig, RolloutConfig, RunConfig
 from ds_rlhf.ds_config_file import load_ds_config
 from ds_rlhf.errors import ConfigError
@@ -21,6 +22,8 @@ class WholeConfig(Protocol):
     data: DataConfig
     rollout: RolloutConfig
     rl: RLConfig
+    eval: EvalConfig
+    env: EnvConfig
     run: RunConfig
     ds_config: str
     zero_stage: int
@@ -33,6 +36,7 @@ def check_cross_section(cfg: WholeConfig) -> None:
     _check_quantize_base(cfg)
     _check_rollout(cfg)
     _check_rl(cfg)
+    _check_env(cfg)
     _check_eval(cfg)
 
 
@@ -66,8 +70,8 @@ def _check_rollout(cfg: WholeConfig) -> None:
         if rl.dynamic_sampling:
             raise ConfigError(f"{where} with rl.dynamic_sampling: dynamic sampling regenerates whole groups in "
                               "rounds; use one of the two (--rollout.partial_tokens 0 or --rl.dynamic_sampling false)")
-        if rl.environment:
-            raise ConfigError(f"{where} with rl.environment: episodes already end each turn at a tool call; use "
+        if cfg.env.name:
+            raise ConfigError(f"{where} with env.name: episodes already end each turn at a tool call; use "
                               "--rollout.partial_tokens 0 with multi-turn episodes")
         if rl.mismatch == "off":
             raise ConfigError(f"{where} continues samples with newer weights; it needs the mismatch correction "
@@ -96,23 +100,39 @@ def _check_rl(cfg: WholeConfig) -> None:
         raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than the generation budget "
                           f"rollout.max_new_tokens={r.max_new_tokens} (the penalty starts at max_new_tokens - "
                           "overlong_buffer; 0 = off)")
-    if rl.environment and rl.episode_max_tokens > cfg.context_len():
-        raise ConfigError(f"rl.episode_max_tokens={rl.episode_max_tokens} is longer than the rollout context "
-                          f"of {cfg.context_len()} tokens; raise --rollout.max_model_len to at least it")
     samples = rl.prompts_per_step * r.n_samples
     if rl.mini_batch_size > samples:
         raise ConfigError(f"rl.mini_batch_size={rl.mini_batch_size} is larger than the {samples} rollouts of "
                           "a step per rank (rl.prompts_per_step x rollout.n_samples); 0 = all of them")
 
 
+def _check_env(cfg: WholeConfig) -> None:
+    """What multi-turn episodes (`env.name`) run with; the rest is refused here, one line each. Critic estimators
+    (PPO) run too: the critic's GAE and value loss read the action mask, so observation tokens get no advantage, no
+    value target and no value loss, and the GAE chain links the generated tokens across each observation
+    (algos/advantages.py)."""
+    env, rl = cfg.env, cfg.rl
+    if not env.name:
+        return
+    key = f"env.name={env.name!r}"
+    if rl.dynamic_sampling:
+        raise ConfigError(f"{key}: rl.dynamic_sampling is not supported with episodes; set --rl.dynamic_sampling false")
+    if rl.overlong_buffer:
+        raise ConfigError(f"{key}: rl.overlong_buffer measures a single response against rollout.max_new_tokens, "
+                          "not an episode; set --rl.overlong_buffer 0 (rl.overlong_mask drops truncated episodes)")
+    if env.max_tokens > cfg.context_len():
+        raise ConfigError(f"env.max_tokens={env.max_tokens} is longer than the rollout context of "
+                          f"{cfg.context_len()} tokens; raise --rollout.max_model_len to at least it")
+
+
 def _check_eval(cfg: WholeConfig) -> None:
-    r, rl, run = cfg.rollout, cfg.rl, cfg.run
+    r, ev, run = cfg.rollout, cfg.eval, cfg.run
     context = cfg.context_len()
-    if cfg.data.max_prompt_len + rl.eval_max_new_tokens > context:
-        raise ConfigError(f"rl.eval_max_new_tokens={rl.eval_max_new_tokens}: data.max_prompt_len + it exceeds "
-                          f"the rollout context of {context} tokens; raise --rollout.max_model_len")
-    if rl.best_metric and run.eval_every <= 0:
-        raise ConfigError(f"rl.best_metric={rl.best_metric!r} needs evaluations: set --run.eval_every N > 0")
+    if cfg.data.max_prompt_len + ev.max_new_tokens > context:
+        raise ConfigError(f"eval.max_new_tokens={ev.max_new_tokens}: data.max_prompt_len + it exceeds the rollout "
+                          f"context of {context} tokens; raise --rollout.max_model_len")
+    if ev.best_metric and run.eval_every <= 0:
+        raise ConfigError(f"eval.best_metric={ev.best_metric!r} needs evaluations: set --run.eval_every N > 0")
     if (run.eval_every > 0 or run.eval_before_train) and r.async_generation and r.max_staleness > 1:
         raise ConfigError("evaluation reports the weights of its step, but with rollout.async_generation and "
                           f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "

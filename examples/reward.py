@@ -1,4 +1,4 @@
-"""A reward function of your own for `--rl.reward_fn examples/reward.py:reward` (the quick start's REWARD).
+"""A reward function of your own for `--reward.fn examples/reward.py:reward` (the quick start's REWARD).
 
 Per sample: the prompt, the response, the row's ground truth (the prompts file's `answer`) and its metadata; returns
 a float (or a dict with `score` and extra metrics, each logged as `reward/<name>`).

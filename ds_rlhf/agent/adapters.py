@@ -1,6 +1,6 @@
 """Environments written for TRL or OpenRLHF, played by the episode runner as ds_rlhf environments.
 
-`load_environment("path/to/file.py:Name")` (what `--rl.environment` loads) takes, besides a ds_rlhf environment
+`load_environment("path/to/file.py:Name")` (what `--env.name` loads) takes, besides a ds_rlhf environment
 class or a list of tool functions (`environment.py`):
 
 - TRL `GRPOTrainer(environment_factory=Name)`: a class built with no arguments whose public methods are the tools

@@ -227,5 +227,5 @@ def environment_factory(obj, spec: str) -> Callable[[], Any]:
 def load_environment(spec: str) -> Callable[[], Any]:
     """`path/to/file.py:Name` -> a factory making one environment per episode. `Name`: an environment class
     (reset/step), or a list or tuple of tool functions (a `ToolEnvironment` over them). `adapters.load_environment`
-    (what `--rl.environment` uses) also takes environments written for TRL or OpenRLHF."""
+    (what `--env.name` uses) also takes environments written for TRL or OpenRLHF."""
     return environment_factory(load_object(spec), spec)

@@ -27,7 +27,7 @@ own timeout.
 An observation turn larger than `max_observation_bytes` (UTF-8) is not tokenized or appended: the episode ends
 ("oversized", with a report). A step that raises ends its episode ("error"), except one whose reward is a bool or a
 string (`BadRewardError`): that stops the runner. `BAD_ENDS` are these three ends;
-the RL loop applies `rl.on_bad_tool` to such episodes.
+the RL loop applies `env.on_bad_tool` to such episodes.
 
 Output (`Episode`): `token_ids`; `loss_mask` (1 on generated tokens, 0 on prompt and observation tokens);
 `logprobs` aligned with them (the rollout log-prob on generated tokens, 0.0 elsewhere); per-step rewards and their
@@ -238,7 +238,7 @@ def _describe(exc: BaseException) -> str:
 
 
 class BadToolError(UserInputError):
-    """An episode its environment failed, under `rl.on_bad_tool fail` (one line: the episode, its report and what
+    """An episode its environment failed, under `env.on_bad_tool fail` (one line: the episode, its report and what
     to change)."""
 
 

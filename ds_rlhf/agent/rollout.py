@@ -1,4 +1,4 @@
-"""The episode rollout mode of an RL run (`rl.environment`): a `RolloutService` whose batch is multi-turn episodes.
+"""The episode rollout mode of an RL run (`env.name`): a `RolloutService` whose batch is multi-turn episodes.
 
 `EpisodeRolloutService.generate(rows, spec)` plays `spec.n` episodes per prompt row with the rollout engine
 (`episode.py:EpisodeRunner`, token in / token out; each turn samples with `spec`, `n` = 1) and returns one
@@ -10,12 +10,12 @@ group:
 - `logprobs`: the rollout log-prob of each generated token, 0.0 on observation tokens;
 - `loss_mask`: 1 on generated tokens, 0 on observation tokens (the trajectory multiplies its action mask by it, so
   the policy loss, the KL and the entropy read generated tokens only);
-- `finish_reason`: "length" when a budget ended the episode (`rl.max_turns`, `rl.episode_max_tokens`), else
+- `finish_reason`: "length" when a budget ended the episode (`env.max_turns`, `env.max_tokens`), else
   "stop" (so `rl.overlong_mask` drops truncated episodes' loss weight);
 - `episode`: the environment's reward (the sum of its step rewards), each step's reward (`turn_rewards`), the
   episode's turns, tool-calling turns, truncation and end, whether the environment failed it (`bad`: a step
-  raised, passed `rl.env_step_timeout` or returned an oversized observation) and its `reports`, which the reward
-  stage turns into the sample's reward (`rl.on_bad_tool` for bad ones), the `episode/...` metrics and the sample
+  raised, passed `env.step_timeout` or returned an oversized observation) and its `reports`, which the reward
+  stage turns into the sample's reward (`env.on_bad_tool` for bad ones), the `episode/...` metrics and the sample
   log's record.
 
 What the environment's `reset(row)` gets (`environment_row`): the store row's columns (`ground_truth`,
@@ -25,9 +25,9 @@ with `--no-apply_chat_template`) and `answer` (the ground truth), unless the ext
 
 Held-out evaluation plays its episodes through `play(rows, spec)`, the same runner on the same engine.
 
-The runner plays in lockstep rounds by default (`rl.episode_rounds lockstep`, `EpisodeRunner(lockstep=True)`): a
+The runner plays in lockstep rounds by default (`env.rounds lockstep`, `EpisodeRunner(lockstep=True)`): a
 batch's episodes follow from the step's seed, the weights and the rows, not from how long the environment's steps
-took, so a resumed run plays exactly the episodes an uninterrupted one would. `rl.episode_rounds continuous` starts
+took, so a resumed run plays exactly the episodes an uninterrupted one would. `env.rounds continuous` starts
 a round as soon as any step has ended (no barrier per turn: a slow tool holds back only its own episode), at the
 price of that reproducibility.
 
@@ -86,8 +86,8 @@ def episode_sample(ep: Episode, prompt_index: int, sample_index: int) -> Rollout
 class EpisodeRolloutService(RolloutService):
     """`RolloutService` whose `generate` plays episodes (module docstring). `tokenizer`: the run's; `env_factory`:
     `environment.load_environment(...)`'s result; `max_turns` / `max_total_tokens`: each episode's budgets;
-    `step_timeout`: seconds per environment call (`rl.env_step_timeout`, 0 = none); `lockstep`: the runner's rounds
-    (`rl.episode_rounds`: True = lockstep, False = continuous); everything else as `RolloutService`."""
+    `step_timeout`: seconds per environment call (`env.step_timeout`, 0 = none); `lockstep`: the runner's rounds
+    (`env.rounds`: True = lockstep, False = continuous); everything else as `RolloutService`."""
 
     def __init__(self, *args, tokenizer, env_factory: Callable[[], Any], max_turns: int, max_total_tokens: int,
                  max_workers: int = 8, step_timeout: float = 0.0, lockstep: bool = True, **kwargs) -> None:
@@ -130,6 +130,6 @@ class EpisodeRolloutService(RolloutService):
         for ep in episodes:
             if ep.prompt_length == 0:  # the environment's reset raised or timed out: there is no prompt to train on
                 error = next((r["error"] for r in ep.reports if r.get("turn") == 0), "no first message")
-                raise RuntimeError(f"rl.environment: the environment could not start an episode for prompt row "
+                raise RuntimeError(f"env.name: the environment could not start an episode for prompt row "
                                    f"{ep.index // n} ({error})")
         return episodes, [episode_sample(ep, ep.index // n, ep.index % n) for ep in episodes]

@@ -33,7 +33,7 @@ Per call (`Sandbox`), on Linux, each where the kernel allows it (`sandbox_confin
   read and dropped, and the observation says how much was cut.
 
 A protection the kernel refuses is a `RuntimeWarning` naming it and why (`SandboxResult.unavailable`), and the
-fallback above takes its place; one named in `Sandbox.require` (or `rl.sandbox_require`, "strict" = all of
+fallback above takes its place; one named in `Sandbox.require` (or `env.sandbox_require`, "strict" = all of
 `PROTECTIONS`) refuses the call instead (`SandboxUnprotected`, an error; the RL run checks at start).
 `Sandbox.disable` turns mechanisms off for a tool that cannot run under them.
 
@@ -75,7 +75,7 @@ from ds_rlhf.errors import ConfigError
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 RESULT = ".ds_rlhf_result.json"
-# what `Sandbox.require` / `rl.sandbox_require` can name (the keys of `SandboxResult.protections` they check)
+# what `Sandbox.require` / `env.sandbox_require` can name (the keys of `SandboxResult.protections` they check)
 PROTECTIONS = ("pid_ns", "net_ns", "mount_ns", "nproc_limit", "fs_write", "unix_sockets")
 _DEFAULT_REQUIRE: list[tuple[str, ...]] = [()]
 
@@ -134,7 +134,7 @@ class Sandbox:
     imported afresh in every call's process, under its limits: keep its imports light), `run_code(code)` executes
     Python source (its printed output is the result). `max_processes`: processes the call may have at once;
     `require`: protections (`PROTECTIONS`, or "strict" for all) whose absence refuses the call instead of a
-    warning, None = the process default (`require_protections`, set by `rl.sandbox_require`); `disable`:
+    warning, None = the process default (`require_protections`, set by `env.sandbox_require`); `disable`:
     mechanisms not to use (`PROTECTIONS`, "seccomp", "landlock", "cgroup") for a tool that cannot run under them."""
 
     timeout_s: float = 10.0
@@ -206,7 +206,7 @@ class Sandbox:
         protections, unavailable = outcome.get("protections", {}), outcome.get("unavailable", {})
         if status == "unprotected":
             raise SandboxUnprotected(f"the tool sandbox cannot give the required protections here: {error} "
-                                     "(drop them from Sandbox.require / rl.sandbox_require to run with a warning)")
+                                     "(drop them from Sandbox.require / env.sandbox_require to run with a warning)")
         _warn(unavailable)
         if status == "memory":
             error = f"ran out of memory (limit {self.memory_mb} MiB)"
@@ -252,7 +252,7 @@ class Sandbox:
 
 
 class SandboxUnprotected(ConfigError):
-    """A protection in `Sandbox.require` / `rl.sandbox_require` is not available on this machine."""
+    """A protection in `Sandbox.require` / `env.sandbox_require` is not available on this machine."""
 
 
 class _Output:
@@ -298,7 +298,7 @@ def _warn(unavailable: dict) -> None:
 
 
 def parse_require(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """`Sandbox.require` / `rl.sandbox_require` as protection names: "" = none, "strict" = all of
+    """`Sandbox.require` / `env.sandbox_require` as protection names: "" = none, "strict" = all of
     `PROTECTIONS`, else a comma list (or sequence) of them."""
     names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
     if names == ["strict"]:
@@ -310,7 +310,7 @@ def parse_require(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def require_protections(value: str | tuple[str, ...]) -> tuple[str, ...]:
-    """Set the protections every `Sandbox` without its own `require` must have (`rl.sandbox_require`); with any,
+    """Set the protections every `Sandbox` without its own `require` must have (`env.sandbox_require`); with any,
     check them now with one call, raising `SandboxUnprotected` where this machine cannot give them."""
     _DEFAULT_REQUIRE[0] = required = parse_require(value)
     if required:

@@ -1,6 +1,6 @@
 """Where a model or tokenizer comes from: one function turns what a user typed into a local directory.
 
-Accepted specs (`--model.path`, `--model.tokenizer`, `--rl.reward_model`, `--rl.critic_path`, prep's `--tokenizer`):
+Accepted specs (`--model.path`, `--model.tokenizer`, `--reward.model`, `--critic.path`, prep's `--tokenizer`):
 
 - a local directory (a Hugging Face model directory with config.json, or a peft adapter directory);
 - a Hugging Face Hub id, `org/name` or `org/name@revision` (a branch, tag or commit), read through

@@ -1,6 +1,6 @@
 """A model's head must fit its role: a reward model holds a trained `score` head, a policy a causal LM head.
 
-`AutoModelForSequenceClassification.from_pretrained` on a causal LM (an SFT export given as `rl.reward_model`)
+`AutoModelForSequenceClassification.from_pretrained` on a causal LM (an SFT export given as `reward.model`)
 succeeds with a randomly initialised `score` head, and the run would train on noise. `check_reward_model_dir`
 refuses such a directory from its safetensors index or headers, without loading a weight (cheap enough for
 preflight); `RewardModel.from_pretrained` also refuses a load whose `missing_keys` name the head.
@@ -50,7 +50,7 @@ def _safetensors_keys(model_dir: Path) -> list[str] | None:
 
 def check_reward_model_dir(path: str | Path) -> None:
     """Refuse (ConfigError) a reward model directory whose weights hold no trained `score` head, e.g. a causal LM
-    (an SFT export) given as `rl.reward_model`: loaded as a sequence classifier it would get a randomly initialised
+    (an SFT export) given as `reward.model`: loaded as a sequence classifier it would get a randomly initialised
     head and score noise. Reads only the safetensors index or headers; a peft adapter directory (`model.share_base`)
     is checked by `engines.shared_reward`, a directory without safetensors weights when it is loaded
     (`RewardModel.from_pretrained`)."""
@@ -110,4 +110,4 @@ def check_causal_lm_dir(path: str | Path, key: str, role: str) -> None:
     if why is not None:
         raise ConfigError(f"{key}={str(path)!r} is a reward model (a sequence-classification head: {why}), not a "
                           f"causal LM, so it cannot be the {role}: it would generate with a random LM head; pass a "
-                          "causal LM (a base model or an SFT / RL export), and a reward model as --rl.reward_model")
+                          "causal LM (a base model or an SFT / RL export), and a reward model as --reward.model")

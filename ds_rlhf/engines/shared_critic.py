@@ -78,7 +78,7 @@ def score_head(path: str | Path, hidden_size: int) -> nn.Linear:
         file = adapter if prefix else path / weight_map.get(key, "model.safetensors")
         if not file.exists():
             raise ValueError(f"{path} has no safetensors weights: the shared critic reads the value head from a "
-                             "*ForSequenceClassification checkpoint's 'score' there (or use --rl.critic_init actor)")
+                             "*ForSequenceClassification checkpoint's 'score' there (or use --critic.init actor)")
         with safe_open(str(file), framework="pt") as f:
             if prefix + key in set(f.keys()):  # a safetensors handle has no __contains__
                 tensors[key.removeprefix("score.")] = f.get_tensor(prefix + key).float()
@@ -86,7 +86,7 @@ def score_head(path: str | Path, hidden_size: int) -> nn.Linear:
     if weight is None or tuple(weight.shape) != (1, hidden_size):
         found = "no score.weight" if weight is None else f"score.weight of shape {tuple(weight.shape)}"
         raise ValueError(f"{path}: the shared critic's value head needs a score.weight of shape (1, {hidden_size}) "
-                         f"(the actor's hidden size), found {found}: use --rl.critic_init actor for a fresh head")
+                         f"(the actor's hidden size), found {found}: use --critic.init actor for a fresh head")
     head = nn.Linear(hidden_size, 1, bias="bias" in tensors)
     head.load_state_dict(tensors)
     return head

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from ds_rlhf.config_rl_names import in_sections
 from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
 from ds_rlhf.engines.engine_io import excluded_frozen, write_export
 from ds_rlhf.engines.model_source import resolve_model_path
@@ -105,11 +106,12 @@ def _tag_dir(engine_dir: Path) -> Path | None:
 
 
 def run_config(step_dir: Path | None) -> dict:
-    """The run's saved config (run_dir/config.json, two levels above checkpoints/step_X), or {} when absent."""
+    """The run's saved config (run_dir/config.json, two levels above checkpoints/step_X), or {} when absent; keys
+    saved in their `rl.<name>` spelling read in their own sections (`config_rl_names.in_sections`)."""
     path = step_dir.parent.parent / "config.json" if step_dir is not None else None
     if path is None or not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    return in_sections(json.loads(path.read_text()))
 
 
 def verify(step_dir: Path | None) -> str:
@@ -163,11 +165,11 @@ def build_module(role: str, cfg: dict, model_path: str):
             apply_seqcls_lora(model.model, lora)
         return model
     if role == "critic":
-        rl = cfg.get("rl", {})  # as rl_build._critic_source
-        source = rl.get("critic_path") or rl.get("reward_model") or model_path
-        init = rl.get("critic_init", "auto")
+        critic, reward = cfg.get("critic", {}), cfg.get("reward", {})  # as rl_build._critic_source
+        source = critic.get("path") or reward.get("model") or model_path
+        init = critic.get("init", "auto")
         if init == "auto":
-            init = "reward" if (rl.get("critic_path") or rl.get("reward_model")) and source != model_path else "actor"
+            init = "reward" if (critic.get("path") or reward.get("model")) and source != model_path else "actor"
         return CriticModel.from_pretrained(resolve_model_path(source), init, dtype="fp32", attn_impl="eager",
                                            lora=lora)
     return load_causal_lm(model_path, dtype="fp32", attn_impl="eager", lora=lora)

@@ -38,7 +38,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                                          "safetensors directory with fixed-up special tokens"),
     "export": ("ds_rlhf.entrypoints.export:main", "a DeepSpeed checkpoint (any ZeRO stage, LoRA merged or as an "
                                                   "adapter) -> Hugging Face directory"),
-    "serve-rm": ("ds_rlhf.entrypoints.serve_rm:main", "serve a reward model over HTTP for --rl.reward_fn "
+    "serve-rm": ("ds_rlhf.entrypoints.serve_rm:main", "serve a reward model over HTTP for --reward.fn "
                                                       "http://host:port/score (several runs share one)"),
     "autotune": ("ds_rlhf.ops.autotune:main", "fastest micro-batch tokens / vLLM memory / async settings, "
                                                 "measured with short trial runs within a time budget"),

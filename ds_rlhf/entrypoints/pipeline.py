@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
                               "--optim.batch_size", "32", "--optim.micro_batch_size", "32", *common], logs)
     rl_cmd = [*entry, "train-ppo", "--model.path", str(out / "sft" / "export"),
               "--data.train", str(stores["prompts"]), "--run.output_dir", str(out / "rl"),
-              "--run.steps", str(args.rl_steps), "--rl.algo", args.algo, "--rl.reward_fn", "math_shaped",
+              "--run.steps", str(args.rl_steps), "--rl.algo", args.algo, "--reward.fn", "math_shaped",
               "--rl.prompts_per_step", "16", "--rollout.n_samples", "8", "--rollout.max_new_tokens", "24",
               "--optim.lr", "2e-4", "--optim.micro_batch_size", "64", *common]
     if args.algo == "ppo":
-        rl_cmd += ["--rl.critic_path", str(out / "rm" / "export"), "--optim.critic_lr", "1e-3"]
+        rl_cmd += ["--critic.path", str(out / "rm" / "export"), "--optim.critic_lr", "1e-3"]
     times["rl"] = _run("rl", rl_cmd, logs)
     _summary(args, out, logs, times, t_start)

@@ -1,5 +1,5 @@
 """`ds-rlhf serve-rm MODEL_DIR`: serve a reward model over HTTP, so several RL runs share one copy of it
-(`--rl.reward_fn http://HOST:PORT/score` in each run).
+(`--reward.fn http://HOST:PORT/score` in each run).
 
 The protocol is the remote reward protocol of ds_rlhf/rewards/remote.py (OpenRLHF's): POST any path with JSON
 `{"query": [prompt + response text, ...], ...}` and get `{"rewards": [float, ...]}`, one per text, in order (the
@@ -157,7 +157,7 @@ def read_body(handler: BaseHTTPRequestHandler, limits: Limits) -> bytes:
     size = int(given[0])
     if size > limits.max_request_bytes:
         raise Refused(413, f"the request is {size} bytes, more than this server's cap of {limits.max_request_bytes} "
-                           "(--max-request-mb): send fewer texts per request (rl.reward_http_batch)")
+                           "(--max-request-mb): send fewer texts per request (reward.http_batch)")
     deadline = time.monotonic() + limits.request_timeout
     chunks, left = [], size
     try:
@@ -281,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split(": ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Example: ds-rlhf serve-rm runs/rm/export --port 8000 --device cuda\n"
-                                       "         ds-rlhf train-ppo ... --rl.reward_fn http://127.0.0.1:8000/score")
+                                       "         ds-rlhf train-ppo ... --reward.fn http://127.0.0.1:8000/score")
     p.add_argument("model_dir", help="a reward model directory (`ds-rlhf export` of an RM run, or any "
                                      "*ForSequenceClassification model with one label)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine "

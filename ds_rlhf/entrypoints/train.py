@@ -32,7 +32,7 @@ Examples:
   ds-rlhf train-rm --model.path runs/sft/export --data.train runs/data/preferences   (the installed command)
   deepspeed --num_gpus 8 launch/train_rm.py --ds_config ds_configs/zero3.json --model.path runs/sft/export \\
       --data.train /data/hh_rlhf_store
-The export (run_dir/export) is train_ppo.py's --rl.reward_model and the critic's initialisation.
+The export (run_dir/export) is train_ppo.py's --reward.model and the critic's initialisation.
 """
 
 DPO_DOC = """Direct preference optimisation of the policy on a `preference` store: no reward model, no rollouts.
@@ -53,10 +53,10 @@ The export (run_dir/export) is a causal LM: train_ppo.py's --model.path, or the 
 PPO_DOC = """Train a policy with RL (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++) on a prompt store, rollouts from vLLM.
 
 Examples:
-  python launch/train_ppo.py --data.train runs/data/prompts --rl.reward_fn gsm8k
-  ds-rlhf train-ppo --data.train runs/data/prompts --rl.reward_fn gsm8k          (the same, as the installed command)
+  python launch/train_ppo.py --data.train runs/data/prompts --reward.fn gsm8k
+  ds-rlhf train-ppo --data.train runs/data/prompts --reward.fn gsm8k          (the same, as the installed command)
   deepspeed --num_gpus 8 launch/train_ppo.py --ds_config ds_configs/zero3.json --model.path /models/qwen2-7b \\
-      --data.train /data/gsm8k_prompts --rl.algo grpo --rl.reward_fn gsm8k
+      --data.train /data/gsm8k_prompts --rl.algo grpo --reward.fn gsm8k
 """
 
 SFT_DEFAULTS = {"optim": {"lr": 1e-5}, "run": {"output_dir": "runs/sft", "steps": 0, "epochs": 1},

@@ -61,9 +61,9 @@ def role_sources(cfg, kind: str) -> dict[str, str]:
         return {"reward": cfg.model.path}
     out = {"actor": cfg.model.path}
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
-        out["critic"] = rl.critic_path or rl.reward_model or cfg.model.path
+        out["critic"] = cfg.critic.path or cfg.reward.model or cfg.model.path
     if rl.uses_reference():  # the teacher (on-policy distillation) is the reference when set
         out["reference"] = rl.teacher or cfg.model.path
-    if rl.reward_model:
-        out["reward"] = rl.reward_model
+    if cfg.reward.model:
+        out["reward"] = cfg.reward.model
     return out

@@ -7,7 +7,7 @@ estimate); this module adds what an RL step holds on top of them:
 
 - roles as the trainer builds them: the actor; a critic when the algorithm needs one
   (`ADVANTAGE_ESTIMATORS[algo].meta["critic"]`); a frozen reference when `rl.kl_coef` or `rl.kl_target` > 0; a
-  frozen reward model when `rl.reward_model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
+  frozen reward model when `reward.model` is set. Frozen roles follow `engines.builder.frozen_config` (ZeRO-1/2
   become a full replica, ZeRO-3 stays partitioned). With `model.share_base` (and LoRA) the reference, the critic
   and a LoRA RM adapter of the actor's base run on the actor's base (`plan_shared.py`): the reference holds
   no weights, the critic and that RM only their adapters and heads, each plus its activations. With

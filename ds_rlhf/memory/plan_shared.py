@@ -6,7 +6,7 @@
   on a view of the actor's base. Its weights, gradients and Adam states are those of the adapters and the head only,
   at the critic's ZeRO stage and offload; its activations are a critic's of the actor's shape (forward + backward).
   With `model.quantize_base` there is still nothing of a base to count: the base is the actor's (planned there);
-- the reward model, when `rl.reward_model` is a LoRA SEQ_CLS adapter directory of the actor's `model.path`
+- the reward model, when `reward.model` is a LoRA SEQ_CLS adapter directory of the actor's `model.path`
   (`engines/shared_reward.py:shared_reward_refusal`, the rule the trainer uses, which reads only the adapter's
   config and its safetensors header): its adapters + trained score head, frozen, counted from the adapter file's
   tensor shapes (what peft loads), plus a no-grad forward of the actor's shape. Any other RM keeps its own row.
@@ -34,11 +34,11 @@ def shares_base(cfg) -> bool:
 
 
 def shared_reward_adapter(cfg, stage: int) -> str | None:
-    """The resolved `rl.reward_model` path when the trainer will run it on the actor's base (`model.share_base` and
+    """The resolved `reward.model` path when the trainer will run it on the actor's base (`model.share_base` and
     `shared_reward_refusal` accepts it at ZeRO stage `stage`), else None."""
-    if not (shares_base(cfg) and cfg.rl.reward_model):
+    if not (shares_base(cfg) and cfg.reward.model):
         return None
-    path = resolve_model_path(cfg.rl.reward_model)
+    path = resolve_model_path(cfg.reward.model)
     return path if shared_reward_refusal(path, resolve_model_path(cfg.model.path), stage) is None else None
 
 

@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_rlhf.config_rl_names import in_sections
 from ds_rlhf.ops.report_plots import render_plots, value
 from ds_rlhf.ops.report_sections import health_html, samples_html
 from ds_rlhf.run.environment import doctor_json, run_checks
@@ -116,7 +117,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
     config = {}
     if (run_dir / "config.json").is_file():
         try:
-            config = json.loads((run_dir / "config.json").read_text())
+            config = in_sections(json.loads((run_dir / "config.json").read_text()))
         except ValueError:
             config = {}
     checkpoints = [step_of(p) for p in complete_checkpoints(checkpoints_dir(run_dir))]
@@ -189,7 +190,7 @@ def config_html(config: dict) -> str:
     if not config:
         return "<p>no config.json in the run directory</p>"
     brief = []
-    for section, keys in (("model", ("path", "dtype")), ("rl", ("algo", "kl_coef", "reward_fn", "reward_model")),
+    for section, keys in (("model", ("path", "dtype")), ("rl", ("algo", "kl_coef")), ("reward", ("fn", "model")),
                           ("rollout", ("backend", "placement", "n_samples", "max_new_tokens")),
                           ("run", ("steps", "output_dir"))):
         for k in keys:

@@ -215,7 +215,7 @@ def critic_micro_step(critic, mb: Trajectory, cfg: Config, share: float) -> dict
     aggregation."""
     values = micro_values(critic, mb, cfg)
     loss, metrics = value_loss(values, mb.values, mb.returns, mb.action_mask,
-                               clip=cfg.rl.value_clip or None, agg=critic_agg(cfg))
+                               clip=cfg.critic.value_clip or None, agg=critic_agg(cfg))
     out = {f"critic/{k}": v for k, v in {**metrics, "loss": loss.detach()}.items()}
     scaled, finite = finite_or_zero(loss * share, values)
     if not finite:

@@ -2,7 +2,7 @@
 
 Scores rollout samples with the reward model or the reward function(s), applies the bad-reward policy (fail /
 zero / drop, see `rewards.py`) and, to multi-turn episodes the environment failed, the bad-tool policy
-(`rl.on_bad_tool`: fail / zero / drop), computes the reward metrics, then shapes the scores (DAPO's soft overlong
+(`env.on_bad_tool`: fail / zero / drop), computes the reward metrics, then shapes the scores (DAPO's soft overlong
 penalty, `rl.overlong_buffer`). `ScoredBatch.raw_scores` keeps the unshaped ones (dynamic sampling tests their
 spread; the `reward/...` metrics describe them); `ScoredBatch.scores` are the shaped ones the update trains on. It
 builds nothing: the reward model (a frozen DeepSpeed engine) is built with the other roles in `rl_build.py` and
@@ -104,9 +104,9 @@ def episode_stats(samples: list[RolloutSample]) -> dict:
     per episode, the share of turns that called a tool, the share a budget truncated, the environment's mean
     reward and mean per-step reward (`turn_reward_mean`, over every environment step that returned), the share
     that ended on an error (an environment or reset that raised), the share the environment failed (`bad_frac`:
-    raised, passed `rl.env_step_timeout` or returned an oversized observation: what `rl.on_bad_tool` applies to),
+    raised, passed `env.step_timeout` or returned an oversized observation: what `env.on_bad_tool` applies to),
     and the shares with at least one report of a failed tool call or step (`tool_error_frac`: raised, crashed, or
-    a sandbox limit or deadline) and of a timeout (`tool_timeout_frac`: the sandbox's or `rl.env_step_timeout`).
+    a sandbox limit or deadline) and of a timeout (`tool_timeout_frac`: the sandbox's or `env.step_timeout`).
     Empty for none."""
     eps = [s.episode for s in samples if s.episode is not None]
     if not eps:
@@ -136,18 +136,18 @@ def bad_episode(sample: RolloutSample) -> bool:
 
 
 class RewardStage:
-    """Scores rollout samples with reward functions, the reward model, or both (`rl.reward_model_weight` x the RM
+    """Scores rollout samples with reward functions, the reward model, or both (`reward.model_weight` x the RM
     score + the functions' weighted sum), and applies the bad-reward policy to the functions' rewards.
 
-    A multi-turn episode (`rl.environment`) brings its environment's reward (`RolloutSample.episode["reward"]`):
+    A multi-turn episode (`env.name`) brings its environment's reward (`RolloutSample.episode["reward"]`):
     it is the sample's reward, with the reward functions' and the reward model's scores added when those are set
-    too. An episode the environment failed (`bad_episode`) is handled by `rl.on_bad_tool`: `fail` stops the run
+    too. An episode the environment failed (`bad_episode`) is handled by `env.on_bad_tool`: `fail` stops the run
     with its report, `zero` scores it 0 (every part of its reward), `drop` leaves it out of the step."""
 
     def __init__(self, ctx: RunContext, *, fn: RewardSet | RewardFn | None = None, model=None):
-        if fn is None and model is None and not ctx.cfg.rl.teacher and not ctx.cfg.rl.environment:
+        if fn is None and model is None and not ctx.cfg.rl.teacher and not ctx.cfg.env.name:
             raise ValueError("RewardStage needs a reward function, a reward model or both (or rl.teacher, or "
-                             "rl.environment)")
+                             "env.name)")
         self.ctx, self.fn, self.model = ctx, fn, model
         self._rule: ScoreRule | None = None  # the reward model's score rule, from ctx.tokenizer at the first scoring
         self.bad_total = 0
@@ -160,14 +160,14 @@ class RewardStage:
         if self.fn is not None:
             items = reward_items(samples, rows, texts, lambda s, row: f"step{step}/rank{self.ctx.dist.rank}/row"
                                  f"{row.get('row_id')}/sample{s.sample_index}")
-            report = score_samples(self.fn, items, self.ctx.cfg.rl.on_bad_reward)
+            report = score_samples(self.fn, items, self.ctx.cfg.reward.on_bad)
             scores, keep, bad, components = list(report.scores), report.keep, report.bad, report.components
         scores, model_scores = self.combined(samples, scores if report is not None else None)
         keep = self._bad_tool_policy(samples, rows, keep)
         self._stop_if_all_bad(bad, len(samples))
         self.bad_total += len(bad)
         for sample_id, reason in bad[:3]:
-            print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.rl.on_bad_reward})")
+            print(f"[reward] bad reward for {sample_id}: {reason} (policy {self.ctx.cfg.reward.on_bad})")
         exact = self._exact_match(samples, texts, rows)
         kept = [s for s, k in zip(samples, keep) if k]
         kept_scores = [v for v, k in zip(scores, keep) if k]
@@ -192,43 +192,43 @@ class RewardStage:
     def combined(self, samples: list[RolloutSample],
                  fn_scores: list[float] | None) -> tuple[list[float], list[float] | None]:
         """The sequence reward training gives each sample, from its reward functions' scores (`fn_scores`, None
-        without functions): plus the reward model's score (x `rl.reward_model_weight` beside functions), plus an
+        without functions): plus the reward model's score (x `reward.model_weight` beside functions), plus an
         episode's environment reward (`RolloutSample.episode["reward"]`). Returns it and the reward model's scores
         (None without a reward model). Held-out evaluation of episodes scores with it too (`rl_eval.evaluate`)."""
         scores = list(fn_scores) if fn_scores is not None else [0.0] * len(samples)
         model_scores = None
         if self.model is not None:
             model_scores = self._model_scores(samples)
-            weight = self.ctx.cfg.rl.reward_model_weight if fn_scores is not None else 1.0
+            weight = self.ctx.cfg.reward.model_weight if fn_scores is not None else 1.0
             scores = [v + weight * m for v, m in zip(scores, model_scores)]
         if any(s.episode is not None for s in samples):  # the environment's reward, plus the above when set
             scores = [v + (s.episode["reward"] if s.episode is not None else 0.0) for v, s in zip(scores, samples)]
-            scores = [0.0 if bad_episode(s) else v for v, s in zip(scores, samples)]  # rl.on_bad_tool zero / drop
+            scores = [0.0 if bad_episode(s) else v for v, s in zip(scores, samples)]  # env.on_bad_tool zero / drop
         return scores, model_scores
 
     def _bad_tool_policy(self, samples: list[RolloutSample], rows: list[dict], keep: list[bool]) -> list[bool]:
-        """`rl.on_bad_tool` on the episodes the environment failed: `fail` raises `BadToolError` with the first
+        """`env.on_bad_tool` on the episodes the environment failed: `fail` raises `BadToolError` with the first
         one's report, `drop` takes them out of `keep` (every sample bad: stop, nothing to train on), `zero` keeps
         them (`combined` scored them 0)."""
         bad = [i for i, s in enumerate(samples) if bad_episode(s)]
         if not bad:
             return keep
-        policy = self.ctx.cfg.rl.on_bad_tool
+        policy = self.ctx.cfg.env.on_bad_tool
         s = samples[bad[0]]
         reports = [r for r in s.episode.get("reports", []) if r.get("status") in (*TOOL_FAILURES, "oversized")]
         why = (f"episode {s.sample_index} of prompt row {rows[s.prompt_index].get('row_id')} ended "
                f"'{s.episode['end']}'" + (f" ({reports[-1].get('error')})" if reports else ""))
         if policy == "fail":
-            raise BadToolError(f"rl.environment={self.ctx.cfg.rl.environment}: {why}; {len(bad)} such episode(s) "
-                               "this step (rl.on_bad_tool fail): fix the environment, raise --rl.env_step_timeout, "
-                               "or set --rl.on_bad_tool zero or drop")
-        print(f"[episode] {len(bad)} episode(s) failed by the environment, e.g. {why} (rl.on_bad_tool {policy})")
+            raise BadToolError(f"env.name={self.ctx.cfg.env.name}: {why}; {len(bad)} such episode(s) "
+                               "this step (env.on_bad_tool fail): fix the environment, raise --env.step_timeout, "
+                               "or set --env.on_bad_tool zero or drop")
+        print(f"[episode] {len(bad)} episode(s) failed by the environment, e.g. {why} (env.on_bad_tool {policy})")
         if policy == "drop":
             keep = [k and i not in bad for i, k in enumerate(keep)]
             if not any(keep):
-                raise BadToolError(f"rl.environment={self.ctx.cfg.rl.environment}: every episode of this step "
-                                   f"failed in the environment, e.g. {why}: nothing to train on (rl.on_bad_tool "
-                                   "drop); fix the environment or raise --rl.env_step_timeout")
+                raise BadToolError(f"env.name={self.ctx.cfg.env.name}: every episode of this step "
+                                   f"failed in the environment, e.g. {why}: nothing to train on (env.on_bad_tool "
+                                   "drop); fix the environment or raise --env.step_timeout")
         return keep
 
     def _shape(self, samples, raw: list[float]) -> tuple[list[float], dict]:

@@ -1,6 +1,6 @@
 """The RL recipe: the loop (`RLTrainer`: `run.steps` steps, checkpoints every `run.save_every` steps and at the end,
 exact resume from `run.resume`, metrics averaged over ranks and logged; held-out evaluation before training and
-every `run.eval_every` steps, the best checkpoint by `rl.best_metric`, a few samples every `run.sample_log_every`
+every `run.eval_every` steps, the best checkpoint by `eval.best_metric`, a few samples every `run.sample_log_every`
 steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHITECTURE.md's table follows:
     1  rollout      prompt rows -> RolloutBatch (`rollout/service.py:RolloutService.batch`: in lockstep, or one
                     step ahead)
@@ -103,7 +103,7 @@ class RLTrainer:
                        else FixedKLController(rl.kl_coef))
         self.evaluation = (RunEvaluation(self.ctx, self.parts.reward.fn, episode_scores=self.parts.reward.combined)
                            if rl_eval_on(cfg) else None)
-        self.best = BestCheckpointTracker(rl.best_metric, rl.best_mode) if rl.best_metric else None
+        self.best = BestCheckpointTracker(cfg.eval.best_metric, cfg.eval.best_mode) if cfg.eval.best_metric else None
         self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
         self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
@@ -225,11 +225,11 @@ class RLTrainer:
         return self.evaluation is not None and every > 0 and self.step % every == 0
 
     def _new_best(self, metrics: dict) -> bool:
-        """Whether this step's evaluation is the best so far by `rl.best_metric` (then this step is saved)."""
+        """Whether this step's evaluation is the best so far by `eval.best_metric` (then this step is saved)."""
         if self.best is None or not any(k.startswith("eval/") for k in metrics):
             return False
         if self.best.metric_key not in metrics and self.best.best_step is None:
-            self.ctx.print(f"[rl] warning: rl.best_metric={self.best.metric_key!r} is not among the eval metrics "
+            self.ctx.print(f"[rl] warning: eval.best_metric={self.best.metric_key!r} is not among the eval metrics "
                            f"({', '.join(sorted(k for k in metrics if k.startswith('eval/')))}): no best checkpoint")
         return self.best.update(self.step, metrics)
 

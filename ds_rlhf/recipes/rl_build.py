@@ -63,7 +63,7 @@ class RLParts:
     loader_iter: Iterator[list[dict]]
     reward: RewardStage
     owns_rollout: bool = True
-    environment: Callable[[], Any] | None = None  # rl.environment: makes one environment per episode
+    environment: Callable[[], Any] | None = None  # env.name: makes one environment per episode
 
     def engines_to_checkpoint(self) -> dict[str, Engine]:
         """The trained engines (frozen ones are rebuilt from their model paths)."""
@@ -87,10 +87,10 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
-    functions = reward_functions(cfg, announce=ctx.print) if rl.reward_fn else None
-    environment = load_environment(rl.environment) if rl.environment else None  # its file imports here, early
+    functions = reward_functions(cfg, announce=ctx.print) if cfg.reward.fn else None
+    environment = load_environment(cfg.env.name) if cfg.env.name else None  # its file imports here, early
     if environment is not None:  # every tool Sandbox's required protections, checked with one call before any model
-        require_protections(rl.sandbox_require)
+        require_protections(cfg.env.sandbox_require)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,
                                   gpus_on_node=physical_gpu_count())
@@ -222,29 +222,28 @@ def _prompt_rows(ctx: RunContext, store) -> list[int] | None:
 def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> RewardSet:
     """The run's reward function(s), started before any model is built: a user file that fails to import, or a
     worker pool that cannot start, stops the run in seconds."""
-    rl = cfg.rl
-    workers = rl.reward_workers
+    workers = cfg.reward.workers
     if workers < 0:  # built-in rules are ours and cannot hang; user code runs in workers with a timeout
-        workers = 2 if user_code_specs(rl.reward_fn) else 0
+        workers = 2 if user_code_specs(cfg.reward.fn) else 0
     try:
-        return RewardSet.from_spec(rl.reward_fn, rl.reward_weights or None, workers=workers,
-                                   timeout=rl.reward_timeout, mp_context=rl.reward_mp_context,
-                                   import_timeout=rl.reward_import_timeout, announce=announce,
-                                   http_batch=rl.reward_http_batch, http_max_reply_mb=rl.reward_max_reply_mb)
+        return RewardSet.from_spec(cfg.reward.fn, cfg.reward.weights or None, workers=workers,
+                                   timeout=cfg.reward.timeout, mp_context=cfg.reward.mp_context,
+                                   import_timeout=cfg.reward.import_timeout, announce=announce,
+                                   http_batch=cfg.reward.http_batch, http_max_reply_mb=cfg.reward.max_reply_mb)
     except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
         hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
                 "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")
-        raise ConfigError(redact_urls(f"rl.reward_fn={rl.reward_fn!r} cannot be loaded: {type(exc).__name__}: "
+        raise ConfigError(redact_urls(f"reward.fn={cfg.reward.fn!r} cannot be loaded: {type(exc).__name__}: "
                                       f"{exc}{hint}")) from None
 
 
 def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:
-    """Reward functions, the reward model, or both (their scores added under `rl.reward_model_weight` and
-    `rl.reward_weights`). The reward model is a frozen engine of its own, or with `model.share_base` and an RM that
+    """Reward functions, the reward model, or both (their scores added under `reward.model_weight` and
+    `reward.weights`). The reward model is a frozen engine of its own, or with `model.share_base` and an RM that
     is a LoRA adapter of the actor's base, its adapters + score head on that base (`engines/shared_reward.py`)."""
-    if not ctx.cfg.rl.reward_model:
+    if not ctx.cfg.reward.model:
         return RewardStage(ctx, fn=functions)  # neither (rl.teacher alone): every score 0, the KL term teaches
-    path = resolve_model_path(ctx.cfg.rl.reward_model, "rl.reward_model")
+    path = resolve_model_path(ctx.cfg.reward.model, "reward.model")
     ds_config = ctx.ds_config(role="reward", micro_batch_size=_micro_size(ctx.cfg), lr=0.0, total_steps=1,
                               frozen=True)
     if ctx.cfg.model.share_base:
@@ -288,19 +287,18 @@ def _build_critic(ctx: RunContext, actor: Engine, ds_config: dict, model_opts: d
         return build_critic(critic_path, ds_config, init_from=init, **model_opts)
     head_from = critic_path if init == "reward" else None
     head = (f"the value head is {critic_path}'s score head (its backbone is not loaded)" if head_from else
-            "the value head is fresh (rl.critic_init=actor)")
+            "the value head is fresh (critic.init=actor)")
     ctx.print(f"[rl] model.share_base: the critic is LoRA adapters + a value head on the actor's base, no copy "
               f"of its own; {head}")
     return build_shared_critic(actor, ds_config, lora=model_opts["lora"], head_from=head_from)
 
 
 def _critic_source(ctx: RunContext) -> tuple[str, str]:
-    rl = ctx.cfg.rl
-    path = rl.critic_path or rl.reward_model or ctx.model_path
-    init = rl.critic_init
+    path = ctx.cfg.critic.path or ctx.cfg.reward.model or ctx.model_path
+    init = ctx.cfg.critic.init
     if init == "auto":
-        init = "reward" if (rl.critic_path or rl.reward_model) and path != ctx.model_path else "actor"
-    key = "rl.critic_path" if rl.critic_path else "rl.reward_model" if rl.reward_model else "model.path"
+        init = "reward" if (ctx.cfg.critic.path or ctx.cfg.reward.model) and path != ctx.model_path else "actor"
+    key = "critic.path" if ctx.cfg.critic.path else "reward.model" if ctx.cfg.reward.model else "model.path"
     return resolve_model_path(path, key), init
 
 

@@ -19,11 +19,11 @@ correct, "correct" meaning reward >= `threshold`):
   `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0), `eval/response_len_mean`,
   `eval/truncated_frac`, `eval/seconds`.
 
-Multi-turn episodes (`rl.environment`): `generate` is the episode service's (`rollout_schedule.eval_generate`),
+Multi-turn episodes (`env.name`): `generate` is the episode service's (`rollout_schedule.eval_generate`),
 so each sample is one episode played with the run's environment on the same engine and weights, `n` episodes per
 prompt (greedy: one), and its score is what training gives it (`episode_scores`: the reward stage's `combined`,
 the environment's reward plus the reward functions' and the reward model's scores where the run has them; the
-functions are `rl.eval_reward_fn` when set). Overall they add `eval/episode/turns_mean` (generated turns per
+functions are `eval.reward_fn` when set). Overall they add `eval/episode/turns_mean` (generated turns per
 episode), `eval/episode/tool_call_rate` (turns that called a tool / generated turns) and
 `eval/episode/truncated_frac` (episodes a budget ended). The estimators and the tallies are `eval_metrics.py`.
 
@@ -36,7 +36,7 @@ per-source sums, so every rank returns the same metrics over the whole eval set.
 `RolloutEngine.generate`: every rank calls it at the same step. `load_eval_rows` gives every rank the same number
 of rows (padding with repeats that are generated but not counted) so that no rank calls `generate` with nothing.
 
-In a run: `RunEvaluation` holds what the `rl.eval_*` settings configure (rows, reward, sampling) and the trainer
+In a run: `RunEvaluation` holds what the `eval.*` settings configure (rows, reward, sampling) and the trainer
 (`rl.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
 The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`, importable from here) is
 `best_checkpoint.py`.
@@ -226,30 +226,29 @@ def _episode_rewards(samples: list[RolloutSample], counted_at: list[int], fn_rew
 
 # ---- evaluation as an RL run configures it ---------------------------------------------------------------------
 def eval_reward_fn(cfg, training_fn: RewardSet | Callable | None) -> tuple[RewardSet | Callable | None, bool]:
-    """The eval reward: a RewardSet from `rl.eval_reward_fn` (started here; the bool says the caller must close
-    it), else the training reward stage's functions `training_fn` (not ours to close). With `rl.environment` and
+    """The eval reward: a RewardSet from `eval.reward_fn` (started here; the bool says the caller must close
+    it), else the training reward stage's functions `training_fn` (not ours to close). With `env.name` and
     neither, None: episodes are scored by their environment's reward (and the reward model where the run has one)."""
-    rl = cfg.rl
-    if not rl.eval_reward_fn:
-        if training_fn is None and rl.environment:
+    if not cfg.eval.reward_fn:
+        if training_fn is None and cfg.env.name:
             return None, False
         if training_fn is None:
-            raise ConfigError("evaluation with rl.reward_model needs a reward function: set --rl.eval_reward_fn")
+            raise ConfigError("evaluation with reward.model needs a reward function: set --eval.reward_fn")
         return training_fn, False
 
-    workers = rl.reward_workers if rl.reward_workers >= 0 else (2 if user_code_specs(rl.eval_reward_fn) else 0)
+    workers = cfg.reward.workers if cfg.reward.workers >= 0 else (2 if user_code_specs(cfg.eval.reward_fn) else 0)
     try:
-        return RewardSet.from_spec(rl.eval_reward_fn, workers=workers, timeout=rl.reward_timeout,
-                                   mp_context=rl.reward_mp_context, import_timeout=rl.reward_import_timeout,
-                                   http_batch=rl.reward_http_batch, http_max_reply_mb=rl.reward_max_reply_mb), True
+        return RewardSet.from_spec(cfg.eval.reward_fn, workers=workers, timeout=cfg.reward.timeout,
+                                   mp_context=cfg.reward.mp_context, import_timeout=cfg.reward.import_timeout,
+                                   http_batch=cfg.reward.http_batch, http_max_reply_mb=cfg.reward.max_reply_mb), True
     except Exception as exc:  # noqa: BLE001 - the user's file: one line, naming the setting
-        raise ConfigError(redact_urls(f"rl.eval_reward_fn={rl.eval_reward_fn!r} cannot be loaded: "
+        raise ConfigError(redact_urls(f"eval.reward_fn={cfg.eval.reward_fn!r} cannot be loaded: "
                                       f"{type(exc).__name__}: {exc}")) from None
 
 
 class RunEvaluation:
     """Held-out evaluation of an RL run: its eval rows (`data.eval`, this rank's shard, loaded once), its reward
-    (`eval_reward_fn`) and its `rl.eval_*` settings; `run(engine)` evaluates whatever weights the engine holds.
+    (`eval_reward_fn`) and its `eval.*` settings; `run(engine)` evaluates whatever weights the engine holds.
 
     The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
     weights; responses stop at the training rollouts' stop ids (`rollout.stops.run_stop_token_ids`). `close()`
@@ -259,18 +258,17 @@ class RunEvaluation:
 
     def __init__(self, ctx, training_fn: RewardSet | Callable | None, episode_scores: EpisodeScores | None = None):
         cfg, dist = ctx.cfg, ctx.dist
-        rl = cfg.rl
-        self.rows = load_eval_rows(cfg.data.eval, ctx.tokenizer, rl.eval_max_prompts, rank=dist.rank,
+        self.rows = load_eval_rows(cfg.data.eval, ctx.tokenizer, cfg.eval.max_prompts, rank=dist.rank,
                                    world_size=dist.world_size, max_prompt_len=cfg.data.max_prompt_len,
                                    overlong=cfg.data.overlong_prompts)
         self.tokenizer = ctx.tokenizer
         self.reward, self._owns_reward = eval_reward_fn(cfg, training_fn)
         self.episode_scores = episode_scores
-        self.options = dict(samples_per_prompt=rl.eval_samples, greedy=rl.eval_greedy,
-                            max_new_tokens=rl.eval_max_new_tokens or cfg.rollout.max_new_tokens,
-                            temperature=rl.eval_temperature, top_p=rl.eval_top_p,
+        self.options = dict(samples_per_prompt=cfg.eval.samples, greedy=cfg.eval.greedy,
+                            max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                            temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
                             seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003,
-                            k_values=tuple(rl.eval_ks()), threshold=rl.eval_threshold, on_bad_reward="zero",
+                            k_values=tuple(cfg.eval.ks()), threshold=cfg.eval.threshold, on_bad_reward="zero",
                             stop_token_ids=run_stop_token_ids(ctx))
 
     def run(self, engine: RolloutEngine, generate: GenerateRows | None = None) -> dict[str, float]:

@@ -2,7 +2,7 @@
 end-of-turn token of the run's tokenizer (`engines/rm_scoring.py`), the position RL scoring and the export read too.
 
 loss = -log sigmoid(r(chosen) - r(rejected) - margin)  (Ouyang et al. 2022, eq. 1; margin as in Llama 2).
-The export is a sequence-classification checkpoint, so `train_ppo.py` loads it as `--rl.reward_model` and as the
+The export is a sequence-classification checkpoint, so `train_ppo.py` loads it as `--reward.model` and as the
 critic's initialisation. With `model.lora_rank` the run also writes run_dir/export_adapter: the RM as a peft LoRA
 SEQ_CLS adapter of its `model.path`, which `--model.share_base true` runs on the actor's base without a copy.
 """
@@ -104,7 +104,7 @@ class RewardModelTask:
         if ctx.cfg.model.lora_rank > 0:
             export_reward_adapter(engine, ctx.tokenizer, adapter, Path(ctx.model_path).resolve())
             ctx.print(f"[rm] LoRA adapters + score head of {ctx.model_path} exported to {adapter} (for "
-                      f"--model.share_base true --rl.reward_model {adapter})")
+                      f"--model.share_base true --reward.model {adapter})")
         elif ctx.dist.is_main and adapter.exists():  # an earlier LoRA run's adapter is not this model
             shutil.rmtree(adapter)
 

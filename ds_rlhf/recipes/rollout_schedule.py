@@ -5,7 +5,7 @@
 - `release_trainer_memory`: the trainer's roles' cached device memory, freed before a sleeping colocated engine
   wakes its weights for a sync.
 - `rollout_service`: the run's service, built from the parts and the config; `eval_generate`: what held-out
-  evaluation generates with (the episode service's episodes with `rl.environment`).
+  evaluation generates with (the episode service's episodes with `env.name`).
 - `dynamic_batch`: DAPO's dynamic sampling, which needs the rewards.
 
 Dynamic sampling (`rl.dynamic_sampling`, DAPO; synchronous mode only, `config_rules` refuses it with async
@@ -79,27 +79,27 @@ def release_trainer_memory(parts: RLParts) -> None:
 
 def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> RolloutService:
     """The run's `RolloutService` over `parts.rollout` and `parts.sync`: prompts from `parts.loader_iter` (read at
-    each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `rl.environment`
+    each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `env.name`
     an `agent/rollout.py:EpisodeRolloutService`, whose batches are multi-turn episodes; with
     `rollout.partial_tokens` a `rollout/partial.py:PartialRolloutService` (partial rollouts)."""
-    r, rl = ctx.cfg.rollout, ctx.cfg.rl
+    r = ctx.cfg.rollout
     args = (parts.rollout, parts.sync)
     kwargs = dict(prompts=lambda: next(parts.loader_iter), spec=partial(sampling_spec, ctx),
                   total_steps=ctx.cfg.run.steps, timer=timer, release_memory=partial(release_trainer_memory, parts),
                   asynchronous=r.async_generation, max_staleness=r.max_staleness, overlap_sync=r.overlap_sync,
                   sleeps=sleeps_between_phases(ctx))
-    if parts.environment is not None:  # rl.environment: the batch is multi-turn episodes
+    if parts.environment is not None:  # env.name: the batch is multi-turn episodes
         return EpisodeRolloutService(*args, tokenizer=ctx.tokenizer, env_factory=parts.environment,
-                                     max_turns=rl.max_turns, step_timeout=rl.env_step_timeout,
-                                     lockstep=rl.episode_rounds == "lockstep",
-                                     max_total_tokens=rl.episode_max_tokens or ctx.cfg.context_len(), **kwargs)
+                                     max_turns=ctx.cfg.env.max_turns, step_timeout=ctx.cfg.env.step_timeout,
+                                     lockstep=ctx.cfg.env.rounds == "lockstep",
+                                     max_total_tokens=ctx.cfg.env.max_tokens or ctx.cfg.context_len(), **kwargs)
     if r.partial_tokens:
         return PartialRolloutService(*args, chunk=r.partial_tokens, **kwargs)
     return RolloutService(*args, **kwargs)
 
 
 def eval_generate(service: RolloutService) -> GenerateRows | None:
-    """What held-out evaluation generates with (`rl_eval.RunEvaluation.run`): with `rl.environment` the episode
+    """What held-out evaluation generates with (`rl_eval.RunEvaluation.run`): with `env.name` the episode
     service's `play` (episodes with the run's environment on the same engine), else None (the engine's single
     turns)."""
     return service.play if isinstance(service, EpisodeRolloutService) else None

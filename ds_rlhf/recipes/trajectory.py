@@ -175,7 +175,7 @@ def _step_rewards(samples: list[RolloutSample], p_lens: np.ndarray, width: int) 
 def turn_reward_positions(sample: RolloutSample) -> list[tuple[int, float]]:
     """(response index, reward) of each nonzero per-step reward of an episode: step k's reward at the last token of
     generated turn k (the k-th run of loss mask 1). Empty for a single turn, an episode the environment failed
-    (`episode["bad"]`: `rl.on_bad_tool` scored or dropped it whole) or one whose turns do not match its steps."""
+    (`episode["bad"]`: `env.on_bad_tool` scored or dropped it whole) or one whose turns do not match its steps."""
     episode = sample.episode
     if episode is None or episode.get("bad") or not episode.get("turn_rewards") or sample.loss_mask is None:
         return []

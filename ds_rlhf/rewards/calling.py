@@ -36,7 +36,7 @@ class BadRewardError(RuntimeError):
 
 class Refused(str):
     """The reason for a value whose type is not a reward (a bool, a string): the function itself is wrong, not one
-    sample, so `scoring` stops the run under any `rl.on_bad_reward`."""
+    sample, so `scoring` stops the run under any `reward.on_bad`."""
 
 
 def detect_style(fn: Callable) -> str:
@@ -171,7 +171,7 @@ def wrong_type(value) -> str | None:
 def reward_number(value, who: str) -> float:
     """An environment's reward as float: BadRewardError naming `who` for a bool or a string (a type no reward
     has: refused, whatever the policy), ValueError for any other value that is not a real number finite in
-    float32 (the episode's failure: `rl.on_bad_tool`)."""
+    float32 (the episode's failure: `env.on_bad_tool`)."""
     refused = wrong_type(value)
     if refused is not None:
         raise BadRewardError(f"{who} {refused}")

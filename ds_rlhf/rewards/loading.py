@@ -1,7 +1,7 @@
 """Finding a reward function from its spec: a built-in name, `path/to/file.py:function_name`, or the URL of a
 reward server (`http://host:port/path`, see remote.py).
 
-A user file imported in this process (`rl.reward_workers 0`) may change the working directory as it is imported:
+A user file imported in this process (`reward.workers 0`) may change the working directory as it is imported:
 the spec's path is made absolute before the import (`absolute_spec`), and the working directory is put back after
 it, with a warning, so the run's relative paths (its output directory, data, the next reward file) still hold.
 

@@ -180,13 +180,13 @@ class RewardPool:
                 self._replace(w)
             elif not w.ready and now >= w.started + self.start_timeout:
                 raise RuntimeError(f"reward module(s) {self._modules()} did not finish importing in "
-                                   f"{self.start_timeout:g}s (rl.reward_import_timeout): make the import faster "
+                                   f"{self.start_timeout:g}s (reward.import_timeout): make the import faster "
                                    "(no downloads or heavy set-up at module level) or raise that setting")
             elif not w.ready and not self._noted and self.announce is not None \
                     and now >= w.started + self.note_after:
                 self._noted = True
                 self.announce(f"[reward] importing reward module(s) {self._modules()} ... (waiting up to "
-                              f"{self.start_timeout:g}s, rl.reward_import_timeout)")
+                              f"{self.start_timeout:g}s, reward.import_timeout)")
 
     def _modules(self) -> str:
         """The user files the workers import (the specs' `path.py` parts), or the built-in names."""

@@ -1,6 +1,6 @@
-"""A remote reward: a reward model or verifier behind HTTP, named by its URL in `rl.reward_fn`.
+"""A remote reward: a reward model or verifier behind HTTP, named by its URL in `reward.fn`.
 
-`--rl.reward_fn http://host:port/path` (or `https://...`, also inside a comma list with weights:
+`--reward.fn http://host:port/path` (or `https://...`, also inside a comma list with weights:
 `gsm8k,http://host:port/score`) scores each batch of samples by POSTing it as JSON. The protocol is OpenRLHF's
 remote reward model protocol, so a server written for OpenRLHF (its `serve_rm`, `{"query": ...}` -> `{"rewards":
 ...}`) works unchanged, and `ds-rlhf serve-rm` serves ours:
@@ -14,15 +14,15 @@ remote reward model protocol, so a server written for OpenRLHF (its `serve_rm`, 
            "extra_logs": {name: [float, ...]}   per-item metrics, logged as reward/remote/<name> (never
                                                 the reward: a log named `score` is logged as `extra_score`)
 
-A batch is sent as requests of at most `batch_size` items (`rl.reward_http_batch`), several at once (`PARALLEL`
-threads). Each request takes at most `timeout` seconds in all (`rl.reward_timeout`: connecting, sending and the
-whole reply, however slowly it comes), and a reply may be at most `max_reply_bytes` (`rl.reward_max_reply_mb`;
+A batch is sent as requests of at most `batch_size` items (`reward.http_batch`), several at once (`PARALLEL`
+threads). Each request takes at most `timeout` seconds in all (`reward.timeout`: connecting, sending and the
+whole reply, however slowly it comes), and a reply may be at most `max_reply_bytes` (`reward.max_reply_mb`;
 a larger one is refused without being read whole); see bounded_http.py. A connection error, a timeout, an HTTP 429
 or 5xx is retried after 0.5, 1 and 2 s (`RETRY_DELAYS`). What still fails, a redirect (3xx: reported with its
 `Location`, never followed, as a POST must not turn into a GET), a reply over the cap, and a reply that is not that
 JSON (not a list of numbers, or a list of the wrong length), raises `RemoteRewardError` naming the URL, the HTTP
 status or error, and the setting to change; the reward set reports it per sample as a bad reward, so
-`rl.on_bad_reward` applies (`fail` stops the run with that line). After a stop signal (bounded_http.interrupt)
+`reward.on_bad` applies (`fail` stops the run with that line). After a stop signal (bounded_http.interrupt)
 a request has a few seconds left and is not retried; then it raises `Interrupted`. URLs in messages have their
 secrets masked (ds_rlhf/redaction.py).
 
@@ -50,8 +50,8 @@ from ds_rlhf.rewards.bounded_http import DeadlineExceeded, ReplyTooLarge, make_c
 
 SCHEMES = ("http://", "https://")
 URL_SCHEME = re.compile(r"^\s*([a-zA-Z][a-zA-Z0-9+.-]*)://")
-DEFAULT_BATCH = 64  # items per request (rl.reward_http_batch)
-DEFAULT_MAX_REPLY_MB = 64  # a reply's size cap (rl.reward_max_reply_mb)
+DEFAULT_BATCH = 64  # items per request (reward.http_batch)
+DEFAULT_MAX_REPLY_MB = 64  # a reply's size cap (reward.max_reply_mb)
 ERROR_BODY_BYTES = 1 << 16  # what preflight reads of a GET's page
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # seconds before each retry
 PARALLEL = 4  # requests in flight at once for one batch
@@ -153,18 +153,18 @@ class RemoteReward:
             reply = request(self.client(), "POST", self.url, content=data, timeout=self.timeout,
                             max_bytes=self.max_reply_bytes, headers={"Content-Type": "application/json"})
         except DeadlineExceeded as exc:
-            raise _Retryable(str(exc), "raise rl.reward_timeout, or lower rl.reward_http_batch") from None
+            raise _Retryable(str(exc), "raise reward.timeout, or lower reward.http_batch") from None
         except ReplyTooLarge as exc:
-            raise RemoteRewardError(f"remote reward {self.shown}: {exc} (rl.reward_max_reply_mb; lower "
-                                    "rl.reward_http_batch, or raise the cap if the server's replies are this big)") \
+            raise RemoteRewardError(f"remote reward {self.shown}: {exc} (reward.max_reply_mb; lower "
+                                    "reward.http_batch, or raise the cap if the server's replies are this big)") \
                 from None
         except httpx.TimeoutException:
             raise _Retryable(f"no reply within {self.timeout:g}s",
-                             "raise rl.reward_timeout, or lower rl.reward_http_batch") from None
+                             "raise reward.timeout, or lower reward.http_batch") from None
         except (httpx.HTTPError, OSError) as exc:
             what = "cannot connect" if isinstance(exc, (httpx.ConnectError, ConnectionError)) else "the request failed"
             raise _Retryable(f"{what} ({redact_urls(str(exc)) or type(exc).__name__})",
-                             "is the reward server running? check the URL in rl.reward_fn") from None
+                             "is the reward server running? check the URL in reward.fn") from None
         if reply.status == 200:
             return reply.body
         detail = _snippet(reply.body)
@@ -172,11 +172,11 @@ class RemoteReward:
         if 300 <= reply.status < 400:
             raise RemoteRewardError(f"remote reward {self.shown}: HTTP {reply.status} {reply.reason}, a redirect to "
                                     f"{redact_urls(reply.location or '(no Location)')} (requests are not "
-                                    "redirected: put the final URL in rl.reward_fn)")
+                                    "redirected: put the final URL in reward.fn)")
         if reply.status == 429 or reply.status >= 500:
             raise _Retryable(what, "check the reward server's log")
         raise RemoteRewardError(f"remote reward {self.shown}: {what} (the server refused the request: check the "
-                                "URL's path in rl.reward_fn and that the server speaks the protocol: "
+                                "URL's path in reward.fn and that the server speaks the protocol: "
                                 f"{PROTOCOL})")
 
     def _parse(self, raw: bytes, n: int) -> list:
@@ -241,7 +241,7 @@ def check_remote(url: str, timeout: float = PROBE_TIMEOUT_S) -> None:
         if 300 <= reply.status < 400:
             raise ValueError(f"remote reward {shown}: the server answered HTTP {reply.status}, a redirect to "
                              f"{redact_urls(reply.location or '(no Location)')}: requests are not redirected, put "
-                             "the final URL in rl.reward_fn")
+                             "the final URL in reward.fn")
         return
     raise ValueError(f"remote reward {shown}: {what} to a GET with a {timeout:g}s timeout: start the reward "
                      "server (e.g. ds-rlhf serve-rm MODEL_DIR --port N) or fix the URL")

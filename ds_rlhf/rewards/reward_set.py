@@ -52,9 +52,9 @@ def parse_weights(weights: str | Sequence[float] | None, count: int) -> list[flo
     try:
         values = [float(w) for w in (weights.split(",") if isinstance(weights, str) else weights)]
     except ValueError:
-        raise ValueError(f"rl.reward_weights={weights!r} is not a comma-separated list of numbers") from None
+        raise ValueError(f"reward.weights={weights!r} is not a comma-separated list of numbers") from None
     if len(values) != count:
-        raise ValueError(f"rl.reward_weights={weights!r}: {len(values)} reward weight(s) for {count} reward "
+        raise ValueError(f"reward.weights={weights!r}: {len(values)} reward weight(s) for {count} reward "
                          "function(s): give one weight per function")
     return values
 

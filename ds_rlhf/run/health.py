@@ -59,7 +59,7 @@ ZERO_STD_KEY = "reward/frac_zero_std"  # share of prompt groups whose samples' r
 # policy_collapse: the share of groups whose samples all scored the same, on average over the reward's last half-window
 COLLAPSE_EQUAL_GROUPS = 0.75
 NO_SIGNAL_CAUSE = ("no learning signal: the weights do not change; likely the reward function never fires (check "
-                   "rl.reward_fn), the responses miss the answer format it parses (see samples.jsonl: "
+                   "reward.fn), the responses miss the answer format it parses (see samples.jsonl: "
                    "--run.sample_log_every), or it reads the wrong key (ground_truth in the prompt store)")
 COLLAPSE_TRY = ("try rl.scale_rewards batch (the default: `group` scales a partial credit's groups up to a right "
                 "answer's) or none (Dr.GRPO), a lower optim.lr, or rl.entropy_coef > 0")

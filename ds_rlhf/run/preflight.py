@@ -112,20 +112,20 @@ def check_rl_eval(cfg: Config) -> None:
         raise ConfigError(f"{why} evaluates on held-out prompts: pass --data.eval <prompts store dir> "
                           f"(data_prep/{PREP_SCRIPTS['prompts']}), or turn evaluation off")
     check_prompt_store(cfg, "data.eval")
-    if cfg.rl.reward_model and not (cfg.rl.eval_reward_fn or cfg.rl.reward_fn or cfg.rl.environment):
-        raise ConfigError(f"{why} with rl.reward_model: evaluation scores with a reward function (pass@k needs a "
-                          "verifiable reward): set --rl.eval_reward_fn (gsm8k | math_shaped | file.py:func)")
+    if cfg.reward.model and not (cfg.eval.reward_fn or cfg.reward.fn or cfg.env.name):
+        raise ConfigError(f"{why} with reward.model: evaluation scores with a reward function (pass@k needs a "
+                          "verifiable reward): set --eval.reward_fn (gsm8k | math_shaped | file.py:func)")
 
 
 def check_reward(cfg: Config) -> None:
     rl = cfg.rl
-    if not rl.reward_fn and not rl.reward_model and not rl.teacher and not rl.environment:
-        raise ConfigError("no reward: set --rl.reward_fn (gsm8k | format | math_shaped | file.py:func) or "
-                          "--rl.reward_model <reward model dir or Hub id> (or --rl.environment file.py:Name)")
-    if rl.reward_fn:
-        _check_reward_spec("rl.reward_fn", rl.reward_fn, rl.reward_weights)
-    if rl.eval_reward_fn and rl_eval_on(cfg):
-        _check_reward_spec("rl.eval_reward_fn", rl.eval_reward_fn, "")
+    if not cfg.reward.fn and not cfg.reward.model and not rl.teacher and not cfg.env.name:
+        raise ConfigError("no reward: set --reward.fn (gsm8k | format | math_shaped | file.py:func) or "
+                          "--reward.model <reward model dir or Hub id> (or --env.name file.py:Name)")
+    if cfg.reward.fn:
+        _check_reward_spec("reward.fn", cfg.reward.fn, cfg.reward.weights)
+    if cfg.eval.reward_fn and rl_eval_on(cfg):
+        _check_reward_spec("eval.reward_fn", cfg.eval.reward_fn, "")
 
 
 def _check_reward_spec(key: str, spec: str, weights: str) -> None:
@@ -177,7 +177,7 @@ POLICY_ROLES = {"rl": "RL policy (and its reference)", "sft": "SFT model", "dpo"
 
 
 def check_model_sources(cfg: Config, kind: str = "rl") -> None:
-    """`model.path`, `model.tokenizer` and, in RL runs, `rl.reward_model` and `rl.critic_path` resolve to local
+    """`model.path`, `model.tokenizer` and, in RL runs, `reward.model` and `critic.path` resolve to local
     directories now (a Hub id not in the cache while offline, a path that is not a model directory: one line), so
     set-up and every role later get the same directories without surprises. A reward model must hold its trained
     score head (`engines/rm_head.py` reads the weight files' headers only); a policy, teacher or reference a causal
@@ -193,10 +193,10 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
         teacher = resolve_model_source(cfg.rl.teacher, "rl.teacher")
         check_causal_lm_dir(teacher, "rl.teacher", "teacher (the reference of the KL term)")
         check_teacher(cfg, teacher)
-    for key, spec in (("rl.reward_model", cfg.rl.reward_model), ("rl.critic_path", cfg.rl.critic_path)):
+    for key, spec in (("reward.model", cfg.reward.model), ("critic.path", cfg.critic.path)):
         if spec and not _is_tiny(spec):
             local = resolve_model_source(spec, key)
-            if key == "rl.reward_model":  # a causal LM would score with a random head: refused now, in one line
+            if key == "reward.model":  # a causal LM would score with a random head: refused now, in one line
                 check_reward_model_dir(local)
 
 
@@ -254,10 +254,10 @@ def rollout_context(cfg: Config) -> tuple[str, int]:
     else:
         need = (f"data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + {r.max_new_tokens} = "
                 f"{context}", context)
-    if rl_eval_on(cfg) and data.max_prompt_len + cfg.rl.eval_max_new_tokens > need[1]:
-        total = data.max_prompt_len + cfg.rl.eval_max_new_tokens
-        need = (f"data.max_prompt_len + rl.eval_max_new_tokens = {data.max_prompt_len} + "
-                f"{cfg.rl.eval_max_new_tokens} = {total}", total)
+    if rl_eval_on(cfg) and data.max_prompt_len + cfg.eval.max_new_tokens > need[1]:
+        total = data.max_prompt_len + cfg.eval.max_new_tokens
+        need = (f"data.max_prompt_len + eval.max_new_tokens = {data.max_prompt_len} + "
+                f"{cfg.eval.max_new_tokens} = {total}", total)
     return need
 
 
@@ -267,15 +267,15 @@ def check_context(cfg: Config) -> None:
     model's limit, instead of vLLM's refusal after the models have loaded."""
     what, need = rollout_context(cfg)
     roles = [("model.path", cfg.model.path)]
-    roles += [(key, spec) for key, spec in (("rl.reward_model", cfg.rl.reward_model),
-                                            ("rl.critic_path", cfg.rl.critic_path)) if spec and not _is_tiny(spec)]
+    roles += [(key, spec) for key, spec in (("reward.model", cfg.reward.model),
+                                            ("critic.path", cfg.critic.path)) if spec and not _is_tiny(spec)]
     for key, spec in roles:
         local = resolve_model_source(spec, key)  # `tiny` is built here, as set-up would build it
         limit = model_context(local)
         if limit is not None and need > limit[1]:
             raise ConfigError(f"{what} tokens exceed the context of {key}={spec!r} ({limit[0]}={limit[1]} in "
                               f"{Path(local) / 'config.json'}): lower --data.max_prompt_len or "
-                              "--rollout.max_new_tokens (and --rollout.max_model_len, --rl.eval_max_new_tokens when "
+                              "--rollout.max_new_tokens (and --rollout.max_model_len, --eval.max_new_tokens when "
                               f"set) so the sum is at most {limit[1]}")
 
 

@@ -20,7 +20,7 @@ and may carry `prompt_index` (int: the prompt's position in the step's batch, i.
 logger then adds `group` = "<step>/<prompt_index>", one id per prompt and step, so the samples of one group can be
 collected and compared (e.g. their rewards, which decide the group-relative advantages).
 
-A multi-turn episode's row (`rl.environment`) also carries `episode_fields`: `turns`, its whole response as a list
+A multi-turn episode's row (`env.name`) also carries `episode_fields`: `turns`, its whole response as a list
 of `{"role": "assistant" | "tool", "text": ...}`, one per run of generated (loss mask 1: assistant) or observation
 (loss mask 0: tool) tokens, each decoded from its token ids with special tokens kept, so the texts joined are the
 response exactly as the model read and wrote it (a tool turn holds the chat template's framing around the tool's

@@ -1,6 +1,6 @@
 """`FlakyCalculatorEnv`: the calculator environment, except that the step of an episode on "9 - 4" hangs (until
 `RELEASE` is set, at most 120 s) and the step of an episode on "6 * 7" raises. Loaded by path
-(`--rl.environment this_file:FlakyCalculatorEnv`)."""
+(`--env.name this_file:FlakyCalculatorEnv`)."""
 
 from __future__ import annotations
 

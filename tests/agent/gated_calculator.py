@@ -1,7 +1,7 @@
 """`GatedCalculatorEnv`: the calculator environment, except that the steps of every episode after the first
 `FREE` (counted by `reset` calls, in order) wait for `GATE` to be set; `waiting` counts the steps waiting there.
 A test can so hold a later batch's episodes in the middle of being played. Loaded by path
-(`--rl.environment this_file:GatedCalculatorEnv`); the state is the class's."""
+(`--env.name this_file:GatedCalculatorEnv`); the state is the class's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`PacedCalculatorEnv`: the calculator environment whose steps take a random while (jitter seeded from the OS, so
 an episode batch's steps finish in a different order on every run). With `STEP_MARKER` set in the environment, each
 step first appends a line to that file and then sleeps a second: a test reading the file knows when episodes are
-being played and can kill the run in the middle of them. Loaded by path (`--rl.environment this_file:Name`)."""
+being played and can kill the run in the middle of them. Loaded by path (`--env.name this_file:Name`)."""
 
 from __future__ import annotations
 

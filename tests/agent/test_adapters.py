@@ -1,5 +1,5 @@
 """Environments written for TRL (`environment_factory`, `tools=`) and OpenRLHF (`AgentExecutor` / `AgentInstance`,
-the older `step` function), loaded the way `--rl.environment` loads them and played by the episode runner against
+the older `step` function), loaded the way `--env.name` loads them and played by the episode runner against
 a scripted policy: observations, rewards and done flags arrive as each framework's contract says."""
 
 from __future__ import annotations
@@ -251,10 +251,10 @@ def test_unmappable_shapes_are_refused_in_one_line(tmp_path, module, name, words
 
 def test_rl_environment_trains_on_a_trl_environment(tiny_model_path, tiny_tokenizer, arithmetic_store, dist_single,
                                                     tmp_path):
-    """`--rl.environment file.py:TRLCalculator` in a GRPO step: every episode calls the class's calculator method,
+    """`--env.name file.py:TRLCalculator` in a GRPO step: every episode calls the class's calculator method,
     then answers; `get_reward` (the tool's result equals the row's answer) is the episode's reward."""
     args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
-    args[args.index("--rl.environment") + 1] = write(tmp_path, "trl_calc.py", TRL_CALCULATOR) + ":TRLCalculator"
+    args[args.index("--env.name") + 1] = write(tmp_path, "trl_calc.py", TRL_CALCULATOR) + ":TRLCalculator"
     engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
     (h,) = RLTrainer(parse_config(args), rollout=engine).train()
     assert h["episode/turns_mean"] == pytest.approx(2.0) and h["episode/tool_call_rate"] == pytest.approx(0.5)

@@ -1,5 +1,5 @@
-"""Environments that hang, raise or flood: `rl.env_step_timeout` ends a hung reset / step's episode and the runner
-goes on (the hung thread abandoned), an oversized observation ends its episode, `rl.on_bad_tool` fail / zero / drop
+"""Environments that hang, raise or flood: `env.step_timeout` ends a hung reset / step's episode and the runner
+goes on (the hung thread abandoned), an oversized observation ends its episode, `env.on_bad_tool` fail / zero / drop
 does what it says, and each episode's reports and per-step rewards reach the metrics and samples.jsonl."""
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def episode_sample(i: int, end: str, turn_rewards: list[float], reports: list[di
 
 
 def stage(tiny_tokenizer, policy: str) -> RewardStage:
-    cfg = parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", "--rl.on_bad_tool", policy])
+    cfg = parse_config(["--env.name", "env.py:Env", "--rollout.n_samples", "2", "--env.on_bad_tool", policy])
     ctx = SimpleNamespace(cfg=cfg, tokenizer=tiny_tokenizer, print=print,
                           dist=SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), is_main=True))
     return RewardStage(ctx)
@@ -220,19 +220,19 @@ def test_on_bad_tool_fail_stops_with_one_line_naming_the_episode_and_the_setting
     assert isinstance(caught.value, UserInputError) and "\n" not in message  # cli.py prints it as one line
     assert re.search(r"episode 0 of prompt row 11 ended 'timeout' \(step: StepTimeout: no result within 1 s\)",
                      message)
-    assert "--rl.env_step_timeout" in message and "--rl.on_bad_tool zero or drop" in message
+    assert "--env.step_timeout" in message and "--env.on_bad_tool zero or drop" in message
     scored_batch(tiny_tokenizer, "fail", ["done", "done"])  # no failed episode: nothing raised
 
 
 def test_reports_and_turn_rewards_reach_metrics_and_the_sample_log(tiny_model_path, tiny_tokenizer,
                                                                    arithmetic_store, dist_single, tmp_path):
     """Calculator episodes where "9 - 4" hangs its step and "6 * 7" raises (flaky_calculator.py), under
-    rl.env_step_timeout 1 and rl.on_bad_tool zero: the run trains on, and each step's metrics and records say
+    env.step_timeout 1 and env.on_bad_tool zero: the run trains on, and each step's metrics and records say
     which episodes failed and how."""
     engine = ScriptedAnswers(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
     args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
-    args[args.index("--rl.environment") + 1] = FLAKY
-    history = RLTrainer(parse_config([*args, "--rl.env_step_timeout", "1", "--run.sample_log_every", "1",
+    args[args.index("--env.name") + 1] = FLAKY
+    history = RLTrainer(parse_config([*args, "--env.step_timeout", "1", "--run.sample_log_every", "1",
                                       "--run.sample_log_k", "4"]), rollout=engine).train()
     records = read_samples(tmp_path / "run")
     assert len(history) == 2 and len(records) == 8
@@ -261,11 +261,11 @@ def test_reports_and_turn_rewards_reach_metrics_and_the_sample_log(tiny_model_pa
 
 def test_the_settings_are_in_help_and_a_wrong_value_is_one_line():
     text = help_text(Config())
-    assert "--rl.env_step_timeout 60.0" in text and "--rl.on_bad_tool 'zero'" in text
-    with pytest.raises(ConfigError, match="rl.on_bad_tool"):
-        parse_config(["--rl.on_bad_tool", "ignore"])
-    with pytest.raises(ConfigError, match="rl.env_step_timeout"):
-        parse_config(["--rl.env_step_timeout", "-1"])
+    assert "--env.step_timeout 60.0" in text and "--env.on_bad_tool 'zero'" in text
+    with pytest.raises(ConfigError, match="env.on_bad_tool"):
+        parse_config(["--env.on_bad_tool", "ignore"])
+    with pytest.raises(ConfigError, match="env.step_timeout"):
+        parse_config(["--env.step_timeout", "-1"])
 
 
 def test_each_steps_reward_sits_at_its_turns_last_token_and_the_rest_on_the_last():

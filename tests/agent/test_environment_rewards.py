@@ -1,5 +1,5 @@
 """An environment's reward is a real number: a bool or a string stops the episode runner with one line naming the
-environment (whatever `rl.on_bad_tool` says); a value not finite in float32 (1e300) ends its episode as failed."""
+environment (whatever `env.on_bad_tool` says); a value not finite in float32 (1e300) ends its episode as failed."""
 
 from __future__ import annotations
 

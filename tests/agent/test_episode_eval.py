@@ -1,4 +1,4 @@
-"""Sampled held-out evaluation of episodes: k > 1 episodes per prompt (`rl.eval_greedy false`, `rl.eval_samples`),
+"""Sampled held-out evaluation of episodes: k > 1 episodes per prompt (`eval.greedy false`, `eval.samples`),
 played by the episode service on the prompt store's rows and scored by the environment, give pass@k and mean@k
 over episodes equal to the values computed by hand from which episodes the environment scored 1."""
 

@@ -1,4 +1,4 @@
-"""Exact resume of an episode run (`rl.environment`) killed with SIGKILL while a step's episodes are being played:
+"""Exact resume of an episode run (`env.name`) killed with SIGKILL while a step's episodes are being played:
 every logged metric of every step (the wall-time ones aside) and the sample log's transcripts equal those of an
 uninterrupted run with the same seed, bit for bit. The environment's steps take a random while (OS-seeded jitter,
 `paced_calculator.py`), so the episodes' steps finish in a different order in every run: the batch must not depend
@@ -37,7 +37,7 @@ def not_the_computation(key: str) -> bool:
 
 def run_args(model, store, out, extra=()):
     args = episode_args(model, store, out, STEPS)
-    args[args.index("--rl.environment") + 1] = PACED
+    args[args.index("--env.name") + 1] = PACED
     return [*args, "--run.save_every", str(SAVE_AT), "--run.sample_log_every", "1", *extra]
 
 

@@ -23,7 +23,7 @@ def test_episodes_on_a_vllm_server_engine(mode, tiny_model_path, tiny_tokenizer,
     env_file = tmp_path / "two_turns.py"
     env_file.write_text(TWO_TURNS)
     argv = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
-    argv[argv.index("--rl.environment") + 1] = f"{env_file}:TwoTurns"
+    argv[argv.index("--env.name") + 1] = f"{env_file}:TwoTurns"
     argv[argv.index("--rollout.backend") + 1] = "vllm"
     argv += ["--rollout.placement", "sidecar", "--rollout.sidecar_engines", "1",
              "--rollout.async_generation", str(mode == "async").lower(), "--run.sample_log_every", "1"]

@@ -49,7 +49,7 @@ def test_grpo_on_calculator_episodes_raises_the_tool_call_rate_and_the_reward(
         tool_caller, multiplication_store, dist_single, tmp_path):
     args = ["--model.path", str(tool_caller), "--data.train", str(multiplication_store),
             "--run.output_dir", str(tmp_path / "run"), "--run.steps", str(STEPS), "--run.seed", "0",
-            "--rl.algo", "grpo", "--rl.environment", CALCULATOR, "--rl.max_turns", "3",
+            "--rl.algo", "grpo", "--env.name", CALCULATOR, "--env.max_turns", "3",
             "--rl.prompts_per_step", "4", "--rollout.n_samples", "8", "--rollout.max_new_tokens", "24",
             "--rollout.max_model_len", "320", "--rollout.backend", "hf", "--optim.lr", LR,
             "--optim.micro_batch_size", "32", "--run.progress", "false", "--run.tensorboard", "false",

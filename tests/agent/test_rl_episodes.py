@@ -1,4 +1,4 @@
-"""Multi-turn episodes in the RL loop (`rl.environment`): a GRPO run on the calculator environment with the tiny
+"""Multi-turn episodes in the RL loop (`env.name`): a GRPO run on the calculator environment with the tiny
 model and the HF engine; the mask that reaches the loss is 0 exactly on observation tokens; the trained ids are the
 ids the engine generated and the runner recorded."""
 
@@ -82,7 +82,7 @@ RIGHT = {"12 * 3", "7 + 5"}  # ScriptedAnswers answers these two of the four que
 
 def episode_args(model, store, out, steps):
     return ["--model.path", str(model), "--data.train", str(store), "--run.output_dir", str(out),
-            "--run.steps", str(steps), "--rl.algo", "grpo", "--rl.environment", CALCULATOR, "--rl.max_turns", "3",
+            "--run.steps", str(steps), "--rl.algo", "grpo", "--env.name", CALCULATOR, "--env.max_turns", "3",
             "--rl.prompts_per_step", "2", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "12",
             "--rollout.max_model_len", "400", "--rollout.backend", "hf", "--optim.lr", "1e-3",
             "--optim.micro_batch_size", "4", "--run.progress", "false", "--run.tensorboard", "false",
@@ -104,7 +104,7 @@ def test_grpo_on_calculator_episodes_logs_episode_metrics(tiny_model_path, tiny_
         assert 2 <= h["episode/turns_mean"] <= 3, h
         assert 1 / 3 <= h["episode/tool_call_rate"] <= 1, h
         assert 0 <= h["episode/truncated_frac"] <= 1 and h["episode/error_frac"] == 0, h
-        assert h["reward/mean"] == pytest.approx(h["episode/reward_mean"])  # no rl.reward_fn: the env's reward
+        assert h["reward/mean"] == pytest.approx(h["episode/reward_mean"])  # no reward.fn: the env's reward
         assert h["rollout/samples"] == 4 and "actor/loss" in h and "actor/entropy" in h
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "episode/turns_mean" in m] == [1, 2]
@@ -152,8 +152,8 @@ def test_held_out_evaluation_plays_greedy_episodes_scored_as_training(reward_fn,
     args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
     args += ["--data.eval", str(arithmetic_store), "--run.eval_before_train", "true", "--run.eval_every", "1"]
     if reward_fn:  # its score is added to the environment's, in training and in evaluation alike
-        args += ["--rl.reward_fn", f"{ROOT / 'tests' / 'agent' / 'agent_helpers.py'}:{reward_fn}",
-                 "--rl.reward_workers", "0"]
+        args += ["--reward.fn", f"{ROOT / 'tests' / 'agent' / 'agent_helpers.py'}:{reward_fn}",
+                 "--reward.workers", "0"]
     history = RLTrainer(parse_config(args), rollout=engine).train()
     greedy = [spec for spec in engine.specs if spec.temperature == 0.0]
     assert greedy and all(spec.n == 1 for spec in greedy)  # the evaluation's turns, one episode per prompt
@@ -247,17 +247,17 @@ def test_ppo_on_episodes_runs_gae_over_the_generated_tokens_and_logs_the_critic(
 
 @pytest.mark.parametrize("extra, message", [
     (["--rl.dynamic_sampling", "true"], "rl.dynamic_sampling is not supported with episodes"),
-    (["--rl.episode_max_tokens", "5000"], "rl.episode_max_tokens=5000 is longer than the rollout context"),
+    (["--env.max_tokens", "5000"], "env.max_tokens=5000 is longer than the rollout context"),
 ])
 def test_what_episodes_cannot_run_with_is_refused_at_parse_time(extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", *extra])
+        parse_config(["--env.name", "env.py:Env", "--rollout.n_samples", "2", *extra])
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_episodes_parse_with_critic_and_critic_free_estimators(algo):
-    cfg = parse_config(["--rl.environment", "env.py:Env", "--rollout.n_samples", "2", "--rl.algo", algo])
-    assert cfg.rl.algo == algo and cfg.rl.environment == "env.py:Env"
+    cfg = parse_config(["--env.name", "env.py:Env", "--rollout.n_samples", "2", "--rl.algo", algo])
+    assert cfg.rl.algo == algo and cfg.env.name == "env.py:Env"
 
 
 GATED = f"{Path(__file__).parent / 'gated_calculator.py'}:GatedCalculatorEnv"
@@ -269,7 +269,7 @@ def test_async_episodes_are_played_while_the_step_before_trains(tiny_model_path,
     played in the background (held at their first step by the gated environment), so the trainer trains on step 0
     meanwhile; step 1 trains on them one step stale, with the weights they were played with."""
     args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
-    args[args.index("--rl.environment") + 1] = GATED
+    args[args.index("--env.name") + 1] = GATED
     trainer = RLTrainer(parse_config([*args, "--rollout.async_generation", "true", "--rl.mismatch", "tis"]),
                         rollout=make_engine(tiny_model_path, tiny_tokenizer))
     env, service = trainer.parts.environment, trainer.service
@@ -334,8 +334,8 @@ def test_episode_rounds_continuous_does_not_wait_for_a_slow_step(rounds, tiny_mo
 
     engine = Recording(str(tiny_model_path), dtype="float32", batch_size=8, tokenizer=tiny_tokenizer)
     argv = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
-    argv[argv.index("--rl.environment") + 1] = f"{env_file}:SlowFirst"
-    history = RLTrainer(parse_config([*argv, "--rl.episode_rounds", rounds]), rollout=engine).train()
+    argv[argv.index("--env.name") + 1] = f"{env_file}:SlowFirst"
+    history = RLTrainer(parse_config([*argv, "--env.rounds", rounds]), rollout=engine).train()
     assert len(history) == 1 and history[0]["episode/error_frac"] == 0
     # four episodes open with a calculator call; the slow one's step still runs when the fast ones' steps are done
     assert engine.sizes[0] == 4, engine.sizes
@@ -370,7 +370,7 @@ def test_episodes_on_the_colocated_vllm_engine(mode, tiny_model_path, arithmetic
     env_file = tmp_path / "two_turns.py"
     env_file.write_text(TWO_TURNS)
     argv = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 2)
-    argv[argv.index("--rl.environment") + 1] = f"{env_file}:TwoTurns"
+    argv[argv.index("--env.name") + 1] = f"{env_file}:TwoTurns"
     argv[argv.index("--rollout.backend") + 1] = "vllm"
     argv += ["--rollout.async_generation", str(mode == "async").lower(), "--run.sample_log_every", "1"]
     history = RLTrainer(parse_config(argv), rollout=vllm_colocated).train()

@@ -303,8 +303,8 @@ def test_required_protections_are_checked_at_once():
 
 def test_rl_sandbox_require_is_checked_before_any_model_loads(tiny_model_path, arithmetic_store, dist_single,
                                                                tmp_path):
-    assert "--rl.sandbox_require ''" in help_text(Config())
+    assert "--env.sandbox_require ''" in help_text(Config())
     args = episode_args(tiny_model_path, arithmetic_store, tmp_path / "run", 1)
     with pytest.raises(ConfigError, match="sandbox protection 'everything' is not one of pid_ns"):
-        RLTrainer(parse_config([*args, "--rl.sandbox_require", "everything"]))
+        RLTrainer(parse_config([*args, "--env.sandbox_require", "everything"]))
     require_protections("")

@@ -1,5 +1,5 @@
 """The Python API's settings and inputs (`ds_rlhf/api.py`), without a model: the forms `cfg` takes, the reward
-callables (registered, added to `rl.reward_fn`, loaded and called by the reward machinery), the environment object,
+callables (registered, added to `reward.fn`, loaded and called by the reward machinery), the environment object,
 and its one-line refusals. The README's notebook cell runs end to end in tests/api/test_notebook_cell.py."""
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def test_every_form_of_cfg_reads_the_same_settings(form, tmp_path):
     got = trainer.cfg
     assert (got.model.path, got.data.train, got.rl.algo, got.rl.kl_coef) == ("tiny", "stores/prompts", "rloo", 0.02)
     if form == "Config":
-        assert cfg.to_dict() == before and cfg.rl.reward_fn == ""  # the caller's Config is copied, not changed
+        assert cfg.to_dict() == before and cfg.reward.fn == ""  # the caller's Config is copied, not changed
     else:
         assert got.run.output_dir == "runs/ppo"  # the command's defaults (train-ppo) apply under the given settings
-    assert got.rl.reward_fn.startswith("python:trl_len") and load_reward_fn(got.rl.reward_fn) is trl_len
+    assert got.reward.fn.startswith("python:trl_len") and load_reward_fn(got.reward.fn) is trl_len
 
 
 def test_a_recipe_reads_only_its_sections_and_the_other_trainers_exist():
@@ -69,23 +69,22 @@ def test_a_recipe_reads_only_its_sections_and_the_other_trainers_exist():
 def test_lambdas_are_registered_weighed_and_called_by_the_reward_set():
     calls = []
     trainer = api.RLTrainer.from_config(
-        {**SETTINGS, "rl.reward_fn": "gsm8k", "rl.reward_weights": "2"},
+        {**SETTINGS, "reward.fn": "gsm8k", "reward.weights": "2"},
         reward_fns=[lambda prompt, response, truth, meta: calls.append(response) or 1.0,
                     (lambda prompts, completions, **kw: [0.5 for _ in completions], "trl")])
-    rl = trainer.cfg.rl
-    parts = rl.reward_fn.split(",")
+    parts = trainer.cfg.reward.fn.split(",")
     assert parts[0] == "gsm8k" and parts[1].startswith("python:lambda") and parts[2].endswith("@trl")
-    assert rl.reward_weights == "2.0,1.0,1.0"  # the config's weight for its own function, 1 for each callable
+    assert trainer.cfg.reward.weights == "2.0,1.0,1.0"  # the config's weight for its own function, 1 for each callable
     check_reward(trainer.cfg)  # the preflight accepts the in-process specs (no file to find)
-    with RewardSet.from_spec(rl.reward_fn, rl.reward_weights, workers=0, announce=None) as rewards:
+    with RewardSet.from_spec(trainer.cfg.reward.fn, trainer.cfg.reward.weights, workers=0, announce=None) as rewards:
         assert rewards.styles == ["sample", "sample", "trl"]
         outcomes = rewards.evaluate([{"prompt": "1+1?", "response": "#### 2", "ground_truth": "2", "metadata": {}}])
     assert [o[0][0] for o in outcomes] == [1.0, 1.0, 0.5] and calls == ["#### 2"]
     with RewardSet.from_spec(",".join(parts[1:]), workers=2, announce=None) as rewards:
         assert rewards.pool is None  # beside a file's functions in workers, the callables stay in this process
     named = api.RLTrainer.from_config(SETTINGS, reward_fns={"exact": trl_len, "exact ": trl_len},
-                                      reward_weights=[1, 0.25]).cfg.rl
-    assert named.reward_fn.split(",")[0].startswith("python:exact") and named.reward_weights == "1.0,0.25"
+                                      reward_weights=[1, 0.25]).cfg.reward
+    assert named.fn.split(",")[0].startswith("python:exact") and named.weights == "1.0,0.25"
 
 
 def test_a_non_callable_reward_and_reward_workers_are_refused_in_one_line():
@@ -93,8 +92,8 @@ def test_a_non_callable_reward_and_reward_workers_are_refused_in_one_line():
         api.RLTrainer.from_config(SETTINGS, reward_fns=[trl_len, "gsm8k"])
     assert one_line(exc).startswith("reward_fns[1] is a str ('gsm8k'), not a callable")
     with pytest.raises(ConfigError) as exc:
-        api.RLTrainer.from_config({**SETTINGS, "rl.reward_workers": 2}, reward_fns=[lambda p, c, **k: [0.0]])
-    assert one_line(exc).startswith("rl.reward_workers=2 runs reward functions in worker processes")
+        api.RLTrainer.from_config({**SETTINGS, "reward.workers": 2}, reward_fns=[lambda p, c, **k: [0.0]])
+    assert one_line(exc).startswith("reward.workers=2 runs reward functions in worker processes")
     with pytest.raises(ConfigError) as exc:
         api.RLTrainer.from_config(SETTINGS, reward_fns=[trl_len], reward_weights=[1, 2])
     assert "2 reward weight(s) for 1 reward function(s)" in one_line(exc)
@@ -124,10 +123,10 @@ class Counter:
 
 def test_an_environment_is_given_as_the_object():
     cfg = api.RLTrainer.from_config(SETTINGS, environment=CalculatorEnv).cfg
-    assert cfg.rl.environment.startswith("python:CalculatorEnv")
-    assert load_environment(cfg.rl.environment) is CalculatorEnv
+    assert cfg.env.name.startswith("python:CalculatorEnv")
+    assert load_environment(cfg.env.name) is CalculatorEnv
     cfg = api.RLTrainer.from_config(SETTINGS, environment=Counter).cfg
-    assert isinstance(load_environment(cfg.rl.environment)(), TRLEnvironment)
+    assert isinstance(load_environment(cfg.env.name)(), TRLEnvironment)
     check_reward(cfg)  # the environment's reward is the run's reward
     with pytest.raises(ConfigError) as exc:
         api.RLTrainer.from_config(SETTINGS, environment=CalculatorEnv())

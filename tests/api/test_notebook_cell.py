@@ -49,4 +49,4 @@ def test_the_readme_notebook_cell_trains_two_steps_with_a_lambda_reward(tiny_mod
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("reward/mean" in r for r in rows)
     assert [r["step"] for r in result.history] == [1, 2] and result.metrics["step"] == 2
-    assert json.loads((run / "config.json").read_text())["rl"]["reward_fn"].startswith("python:lambda")
+    assert json.loads((run / "config.json").read_text())["reward"]["fn"].startswith("python:lambda")

@@ -24,7 +24,7 @@ from tests.recipes.stores import prompt_store, rl_config
     (["--rollout.gpu_memory_utilization", "0"], "rollout.gpu_memory_utilization=0.0: must be > 0"),
     (["--rl.dual_clip", "0.5"], "dual-clip constant must be > 1"),
     (["--rl.mini_batch_size", "999"], "larger than the 32 rollouts"),
-    (["--rl.reward_fn", "gsm8k", "--rl.reward_model_weight", "0.5"], "rl.reward_model_weight=0.5 weighs the reward"),
+    (["--reward.fn", "gsm8k", "--reward.model_weight", "0.5"], "reward.model_weight=0.5 weighs the reward"),
     (["--zero_stage", "4"], "zero_stage=4: choose one of -1, 0, 1, 2, 3"),
     (["--rollout.max_model_len", "100", "--rollout.max_new_tokens", "128"], "rollout.max_model_len=100"),
     (["--data.rl_packing", "true"], "data.rl_packing=true packs each RL micro-batch up to a token budget"),
@@ -65,9 +65,9 @@ def test_rl_inputs_on_disk_are_checked_before_set_up(tmp_path, tiny_model_path):
     with pytest.raises(ConfigError, match="run.resume='/bad/ckpt': no such checkpoint directory"):
         check_rl_run(rl_config(tmp_path, store, "--run.resume", "/bad/ckpt"))
     with pytest.raises(ConfigError, match="reward function file not found: /no/reward.py"):
-        check_rl_run(rl_config(tmp_path, store, "--rl.reward_fn", "/no/reward.py:score"))
+        check_rl_run(rl_config(tmp_path, store, "--reward.fn", "/no/reward.py:score"))
     with pytest.raises(ConfigError, match="no reward"):
-        check_rl_run(rl_config(tmp_path, store, "--rl.reward_fn", ""))
+        check_rl_run(rl_config(tmp_path, store, "--reward.fn", ""))
     bad_ds = tmp_path / "ds.json"
     bad_ds.write_text("{\"zero_optimization\": ")
     with pytest.raises(ConfigError, match=f"{bad_ds} is not valid JSON"):
@@ -131,12 +131,12 @@ def test_file_rewards_run_in_a_worker_pool_by_default(tmp_path):
 
     path = tmp_path / "r.py"
     path.write_text("def f(prompt, response, ground_truth, metadata):\n    return 1.0\n")
-    user = reward_functions(parse_config(["--rl.reward_fn", f"{path}:f", "--rl.reward_timeout", "5"]))
+    user = reward_functions(parse_config(["--reward.fn", f"{path}:f", "--reward.timeout", "5"]))
     try:
         assert user.pool is not None
     finally:
         user.close()
-    assert reward_functions(parse_config(["--rl.reward_fn", "gsm8k"])).pool is None
+    assert reward_functions(parse_config(["--reward.fn", "gsm8k"])).pool is None
 
 
 def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
@@ -153,7 +153,7 @@ def test_a_step_where_every_reward_is_bad_stops_the_run_under_any_policy():
             return "x" * len(ids)
 
     for policy in ("zero", "drop"):
-        cfg = parse_config(["--rl.on_bad_reward", policy])
+        cfg = parse_config(["--reward.on_bad", policy])
         ctx = SimpleNamespace(cfg=cfg, tokenizer=Tok(), dist=SimpleNamespace(rank=0, device="cpu"))
         stage = RewardStage(ctx, fn=lambda p, r, g, m: float("nan"))
         samples = [RolloutSample(0, i, [1], [2, 3], [-1.0, -1.0], "stop") for i in range(4)]

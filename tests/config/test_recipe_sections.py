@@ -12,7 +12,7 @@ import pytest
 from ds_rlhf.config_keys import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL_SECTIONS = ("model", "data", "optim", "rollout", "rl", "dpo", "run")
+ALL_SECTIONS = ("model", "data", "optim", "rollout", "rl", "reward", "critic", "eval", "env", "dpo", "run")
 
 
 @pytest.mark.parametrize("command, argv, key, reader", [
@@ -24,7 +24,7 @@ ALL_SECTIONS = ("model", "data", "optim", "rollout", "rl", "dpo", "run")
     ("train-sft", ["--rl.kl_coef", "0.1"], "rl.kl_coef", "train-ppo"),
     ("train-sft", ["--dpo.beta", "0.1"], "dpo.beta", "train-dpo"),
     ("train-rm", ["--rollout.n_samples", "8"], "rollout.n_samples", "train-ppo"),
-    ("train-rm", ["--rl.reward_fn", "gsm8k"], "rl.reward_fn", "train-ppo"),
+    ("train-rm", ["--reward.fn", "gsm8k"], "reward.fn", "train-ppo"),
 ])
 def test_another_trainers_setting_is_one_error_naming_its_trainer(train_command, command, argv, key, reader):
     with pytest.raises(SystemExit) as exc:

@@ -48,10 +48,10 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_and_revisions_to_theirs(hub_ca
 
 def test_a_hub_id_not_cached_while_offline_is_one_line_saying_how_to_fetch_it(hub_cache):
     with pytest.raises(ModelSourceError) as info:
-        resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct", "rl.reward_model")
+        resolve_model_source("HuggingFaceTB/SmolLM2-135M-Instruct", "reward.model")
     text = str(info.value)
     assert "\n" not in text and isinstance(info.value, ConfigError)
-    assert text.startswith("rl.reward_model='HuggingFaceTB/SmolLM2-135M-Instruct': ")
+    assert text.startswith("reward.model='HuggingFaceTB/SmolLM2-135M-Instruct': ")
     assert "not in the Hugging Face cache " + str(hub_cache) in text
     assert "`hf download HuggingFaceTB/SmolLM2-135M-Instruct`" in text and "HF_HUB_CACHE" in text
     place_in_hub_cache(_model_dir(hub_cache.parent / "m"), hub_cache, REPO)  # cached at main only
@@ -85,8 +85,8 @@ def test_local_paths_that_are_not_model_directories_are_refused_in_one_line(tmp_
     }
     for spec, reason in cases.items():
         with pytest.raises(ModelSourceError, match=reason) as info:
-            resolve_model_source(spec, "rl.critic_path")
-        assert str(info.value).startswith(f"rl.critic_path={spec!r}") and "\n" not in str(info.value)
+            resolve_model_source(spec, "critic.path")
+        assert str(info.value).startswith(f"critic.path={spec!r}") and "\n" not in str(info.value)
     not_gguf = tmp_path / "model.Q4_K_M.gguf"
     not_gguf.write_bytes(b"PK\x03\x04")
     with pytest.raises(ConfigError, match=r"model.Q4_K_M.gguf is not a GGUF file \(it starts with") as info:
@@ -105,18 +105,18 @@ def test_preflight_resolves_model_tokenizer_reward_model_and_critic_hub_ids(hub_
     store = prompt_store(tmp_path, tiny_model_path, lengths=(4, 6))
     base = ["--data.train", str(store), "--run.output_dir", str(tmp_path / "run"), "--model.path", REPO,
             "--model.tokenizer", REPO]
-    check_rl_run(parse_config([*base, "--rl.reward_fn", "gsm8k"]))
-    check_rl_run(parse_config([*base, "--rl.reward_fn", "", "--rl.reward_model", "ds-rlhf-test/tiny-rm",
-                               "--rl.algo", "ppo", "--rl.critic_path", "ds-rlhf-test/tiny-rm"]))
-    for key in ("model.path", "model.tokenizer", "rl.reward_model", "rl.critic_path"):
-        argv = [*base, "--rl.reward_fn", "", "--rl.reward_model", "ds-rlhf-test/tiny-rm", "--rl.algo", "ppo",
+    check_rl_run(parse_config([*base, "--reward.fn", "gsm8k"]))
+    check_rl_run(parse_config([*base, "--reward.fn", "", "--reward.model", "ds-rlhf-test/tiny-rm",
+                               "--rl.algo", "ppo", "--critic.path", "ds-rlhf-test/tiny-rm"]))
+    for key in ("model.path", "model.tokenizer", "reward.model", "critic.path"):
+        argv = [*base, "--reward.fn", "", "--reward.model", "ds-rlhf-test/tiny-rm", "--rl.algo", "ppo",
                 f"--{key}", "ds-rlhf-test/not-cached"]
         with pytest.raises(ConfigError, match=f"^{key}='ds-rlhf-test/not-cached': .*hf download"):
             check_rl_run(parse_config(argv))
     # a teacher for on-policy distillation by Hub id: a cached one resolves, an uncached one is one line
-    check_rl_run(parse_config([*base, "--rl.reward_fn", "gsm8k", "--rl.teacher", REPO, "--rl.kl_coef", "1"]))
+    check_rl_run(parse_config([*base, "--reward.fn", "gsm8k", "--rl.teacher", REPO, "--rl.kl_coef", "1"]))
     with pytest.raises(ConfigError, match="^rl.teacher='ds-rlhf-test/not-cached': .*hf download"):
-        check_rl_run(parse_config([*base, "--rl.reward_fn", "gsm8k", "--rl.teacher", "ds-rlhf-test/not-cached",
+        check_rl_run(parse_config([*base, "--reward.fn", "gsm8k", "--rl.teacher", "ds-rlhf-test/not-cached",
                                    "--rl.kl_coef", "1"]))
     with pytest.raises(ConfigError, match="^model.path='ds-rlhf-test/not-cached'"):
         check_model_sources(parse_config(["--model.path", "ds-rlhf-test/not-cached"]), "sft")

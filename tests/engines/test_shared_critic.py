@@ -158,7 +158,7 @@ def test_shared_critic_exports_as_a_reward_model(tiny_model_path, dist_single, t
 
 
 def test_value_head_from_a_lora_rm_adapter_directory(tiny_model_path, tmp_path):
-    """rl.critic_init auto with a shared LoRA RM (a peft SEQ_CLS adapter dir, no model.safetensors): the value head
+    """critic.init auto with a shared LoRA RM (a peft SEQ_CLS adapter dir, no model.safetensors): the value head
     is the adapter's trained score head (peft stores it as base_model.model.score.*), not an error."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification

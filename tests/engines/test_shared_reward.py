@@ -97,7 +97,7 @@ def test_reward_stage_says_which_rm_it_built(tiny_model_path, tiny_reward_path, 
     for name, rm in (("adapter", rm_adapter), ("full", tiny_reward_path)):
         lines: list[str] = []
         cfg = parse_config(["--model.path", str(tiny_model_path), "--model.lora_rank", "8", "--model.share_base",
-                            "true", "--rl.reward_model", str(rm)])
+                            "true", "--reward.model", str(rm)])
         ctx = SimpleNamespace(cfg=cfg, model_path=str(tiny_model_path), print=lines.append,
                               ds_config=lambda **_: resolved("zero2", stage=0))
         module = _reward_stage(ctx, None, "sdpa", actor).model.module

@@ -120,7 +120,7 @@ def test_installed_wheel_runs_from_another_directory(tmp_path, tiny_model_path):
                                      max_operand=20)
     trained = run(venv / "bin" / "ds-rlhf", "train-ppo", "--model.path", "tiny", "--data.train", stores["prompts"],
                   "--rl.algo", "grpo", "--rollout.backend", "hf", "--run.output_dir", "run", "--run.steps", "2",
-                  "--rl.reward_fn", "math_shaped", "--rl.prompts_per_step", "4", "--rollout.n_samples", "2",
+                  "--reward.fn", "math_shaped", "--rl.prompts_per_step", "4", "--rollout.n_samples", "2",
                   "--rollout.max_new_tokens", "8", "--run.progress", "false", "--run.tensorboard", "false",
                   "--run.export_hf", "false", timeout=600)
     assert trained.returncode == 0, (trained.stdout + trained.stderr)[-4000:]
@@ -196,7 +196,7 @@ def test_wheel_with_its_dependencies_in_a_fresh_venv(tmp_path):
     prepped = run("prep-prompts", "--tokenizer", "tiny", "--input", prompts, "--output", work / "store", "--quiet")
     assert prepped.returncode == 0, prepped.stderr[-3000:]
     trained = run("train-ppo", "--model.path", "tiny", "--data.train", work / "store", "--rl.algo", "grpo",
-                  "--rl.reward_fn", "math_shaped", "--run.output_dir", "run", "--run.steps", "2",
+                  "--reward.fn", "math_shaped", "--run.output_dir", "run", "--run.steps", "2",
                   "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
                   "--run.export_hf", "false", timeout=1200)
     log = trained.stdout + trained.stderr

@@ -89,7 +89,7 @@ def test_actor_states_match_a_real_adamw_step(model):
 
 def test_roles_follow_the_algorithm():
     assert set(_roles(_plan("--rollout.backend", "hf"))) == {"actor", "rollout (HF)"}
-    ppo = _roles(_plan("--rl.algo", "ppo", "--rl.kl_coef", "0.05", "--rl.reward_model", "tiny",
+    ppo = _roles(_plan("--rl.algo", "ppo", "--rl.kl_coef", "0.05", "--reward.model", "tiny",
                        "--rollout.backend", "hf"))
     assert set(ppo) == {"actor", "critic", "reference", "reward", "rollout (HF)"}
     hidden = __import__("transformers").AutoConfig.from_pretrained(_tiny()).hidden_size
@@ -132,7 +132,7 @@ def test_lora_reward_model_trains_only_its_adapters_and_score_in_an_rm_run():
     assert lora.num_params > full.num_params and 0 < lora.grads < full.grads / 10
     assert "trainable" in lora.detail
     # in an RL run the reward model is frozen: LoRA settings (the actor's) add nothing to it
-    frozen = _roles(_plan("--zero_stage", "0", "--model.lora_rank", "4", "--rl.reward_model", "tiny"))["reward"]
+    frozen = _roles(_plan("--zero_stage", "0", "--model.lora_rank", "4", "--reward.model", "tiny"))["reward"]
     assert frozen.grads == 0 and frozen.num_params == full.num_params
 
 
@@ -238,10 +238,10 @@ def rm_adapter(tmp_path_factory):
 def test_share_base_lora_rm_adapter_holds_only_its_adapters_and_score(rm_adapter):
     path, trained = rm_adapter
     args = ("--model.lora_rank", "4", "--zero_stage", "2", "--rollout.backend", "hf", "--rl.kl_coef", "0")
-    shared_plan = _plan(*args, "--rl.reward_model", path, "--model.share_base", "true")
-    separate_plan = _plan(*args, "--rl.reward_model", path)  # no share_base: its own frozen model of the base
+    shared_plan = _plan(*args, "--reward.model", path, "--model.share_base", "true")
+    separate_plan = _plan(*args, "--reward.model", path)  # no share_base: its own frozen model of the base
     rm, sep = _roles(shared_plan)["reward"], _roles(separate_plan)["reward"]
-    full = _roles(_plan(*args, "--rl.reward_model", "tiny"))["reward"]  # a full RM of the same shape
+    full = _roles(_plan(*args, "--reward.model", "tiny"))["reward"]  # a full RM of the same shape
     assert rm.num_params == trained and rm.params == 4 * trained  # adapters + score head, fp32 plan
     assert rm.grads == rm.optimizer_states == rm.host == 0 and rm.activations == full.activations > 0
     assert "share_base" in rm.detail and "no base weights" in rm.detail
@@ -249,9 +249,9 @@ def test_share_base_lora_rm_adapter_holds_only_its_adapters_and_score(rm_adapter
     for phase in ("rollout", "train"):
         assert separate_plan.phases[phase] - shared_plan.phases[phase] == sep.params - rm.params, phase
     # what shared_reward.py keeps separate keeps its whole row: a full RM, or the adapter at ZeRO-3
-    full_shared = _roles(_plan(*args, "--rl.reward_model", "tiny", "--model.share_base", "true"))["reward"]
+    full_shared = _roles(_plan(*args, "--reward.model", "tiny", "--model.share_base", "true"))["reward"]
     assert full_shared == full
-    zero3 = _roles(_plan(*args[:2], "--zero_stage", "3", *args[4:], "--rl.reward_model", path,
+    zero3 = _roles(_plan(*args[:2], "--zero_stage", "3", *args[4:], "--reward.model", path,
                          "--model.share_base", "true"))["reward"]
     assert zero3.num_params == full.num_params and "share_base" not in zero3.detail
 

@@ -13,7 +13,7 @@ def test_phases_are_measured_and_an_unplanned_share_is_flagged_once(tiny_model_p
     import torch
 
     said = []
-    prof = MemoryProfiler(parse_config(["--model.path", str(tiny_model_path), "--rl.reward_fn", "gsm8k",
+    prof = MemoryProfiler(parse_config(["--model.path", str(tiny_model_path), "--reward.fn", "gsm8k",
                                         "--rollout.backend", "hf"]),
                           torch.device("cpu"), 1, announce=said.append)
     timer = PhaseTimer()
@@ -42,7 +42,7 @@ def test_profile_memory_in_an_rl_run(tiny_model_path, tmp_path):
     stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=32, n_sft=8, n_pref=8, seed=0,
                                      max_operand=9)
     cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(stores["prompts"]),
-                        "--run.output_dir", str(tmp_path / "run"), "--run.steps", "2", "--rl.reward_fn",
+                        "--run.output_dir", str(tmp_path / "run"), "--run.steps", "2", "--reward.fn",
                         "math_shaped", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
                         "--rollout.max_new_tokens", "8", "--rollout.backend", "hf", "--run.profile_memory", "true",
                         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])

@@ -125,7 +125,7 @@ def test_autotune_on_the_tiny_model_finishes_in_budget(tiny_model_path, tmp_path
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(yaml.safe_dump({"model": {"path": "tiny"}, "data": {"train": str(stores["prompts"])},
                                         "rollout": {"backend": "hf", "n_samples": 2, "max_new_tokens": 8},
-                                        "rl": {"reward_fn": "math_shaped", "prompts_per_step": 4}}))
+                                        "rl": {"prompts_per_step": 4}, "reward": {"fn": "math_shaped"}}))
     out = tmp_path / "tune"
     start = time.monotonic()
     code = autotune.main(["--config", str(run_yaml), "--budget", "3m", "--steps", "2", "--max-trials", "3",

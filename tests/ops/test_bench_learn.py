@@ -156,8 +156,8 @@ def test_tiny_calculator_episodes_run_writes_tool_calls_to_json_and_png(tmp_path
     assert [x["step"] for x in run["lengths"]] == [1]
     assert run["lengths"][0]["tool_call_rate"] == metrics[-1]["episode/tool_call_rate"]
     config = json.loads((tmp_path / "work_arithmetic" / "run_sync" / "config.json").read_text())
-    assert config["rl"]["environment"] == result["settings"]["environment"]
-    assert not config["rl"]["reward_fn"] and not config["rl"]["eval_reward_fn"]
+    assert config["env"]["name"] == result["settings"]["environment"]
+    assert not config["reward"]["fn"] and not config["eval"]["reward_fn"]
     samples = [json.loads(line) for line in (tmp_path / "work_arithmetic" / "run_sync" / "samples.jsonl").open()]
     assert samples and all(s["turns"][0]["role"] == "assistant" and s["reward"] == s["episode_reward"]
                            for s in samples)
@@ -175,9 +175,9 @@ def test_reward_none_trains_on_no_reward_and_still_scores_the_held_out_set(tmp_p
         return learn.trainer_args(learn.parse_args(["--tiny", *flags]), "tiny", stores, tmp_path / "run", "sync", False)
 
     plain, none = argv(), argv("--reward", "none", "--cfg", "rl.teacher=/t")
-    assert plain[plain.index("--rl.reward_fn") + 1].endswith("rewards.py:train_reward")
-    assert "--rl.reward_fn" not in none
-    assert none[none.index("--rl.eval_reward_fn") + 1].endswith("rewards.py:eval_reward")
+    assert plain[plain.index("--reward.fn") + 1].endswith("rewards.py:train_reward")
+    assert "--reward.fn" not in none
+    assert none[none.index("--eval.reward_fn") + 1].endswith("rewards.py:eval_reward")
     assert none[-2:] == ["--rl.teacher", "/t"]
 
 

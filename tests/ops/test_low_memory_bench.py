@@ -54,7 +54,7 @@ def test_phase_arguments_are_the_recipe_plus_valid_overrides(bench, tmp_path):
     sizes = dict(bench.RUN_SIZES["default"])
     stores = {k: tmp_path / k for k in ("sft", "preference", "prompts")}
     args = _args(bench, "reward", "rm", "extra", "--optim.weight_decay 0.01", "phase_extra",
-                 ["ppo=--rl.critic_init actor", "ppo=--rl.kl_coef 0.02", "grpo=--rl.kl_coef 0.02"],
+                 ["ppo=--critic.init actor", "ppo=--rl.kl_coef 0.02", "grpo=--rl.kl_coef 0.02"],
                  "vllm_util", 0.7, "eager", True)
     for phase in ("sft", "rm", "ppo", "grpo"):
         argv = bench.phase_argv(args, phase, tmp_path / "m", stores, sizes, tmp_path / phase, True, export_rm=True)
@@ -65,16 +65,16 @@ def test_phase_arguments_are_the_recipe_plus_valid_overrides(bench, tmp_path):
         if phase in ("ppo", "grpo"):
             assert cfg.rl.kl_coef == 0.02
             assert cfg.rl.algo == phase and cfg.rollout.max_new_tokens == sizes["new_tokens"]
-            assert cfg.rl.reward_model == "/tmp/wd/runs/rm/export" and not cfg.rl.reward_fn
+            assert cfg.reward.model == "/tmp/wd/runs/rm/export" and not cfg.reward.fn
             assert cfg.rollout.gpu_memory_utilization == 0.7 and cfg.rollout.enforce_eager
             assert cfg.run.profile_memory and cfg.rollout.sleep
-            assert cfg.rl.critic_init == ("actor" if phase == "ppo" else "auto")
+            assert cfg.critic.init == ("actor" if phase == "ppo" else "auto")
         else:
             assert cfg.data.train == str(stores["sft" if phase == "sft" else "preference"])
             assert cfg.run.export_hf == (phase == "rm")
     bench_reward = bench.phase_argv(_args(bench), "grpo", tmp_path, stores, sizes, tmp_path, False, False)
     cfg = parse_config(bench_reward)
-    assert cfg.rl.reward_fn.endswith("bench_rewards.py:distinct_ratio") and cfg.rl.reward_workers == 0
+    assert cfg.reward.fn.endswith("bench_rewards.py:distinct_ratio") and cfg.reward.workers == 0
 
 
 def test_plan_summary_and_failure_reasons(bench, tiny_model_path):

@@ -73,7 +73,7 @@ def make_kind_run(root: Path, kind: str) -> Path:
     root.mkdir(parents=True)
     config = {"run": {"steps": STEPS, "output_dir": str(root)}, "model": {"path": "tiny"}}
     if kind == "rl":
-        config["rl"] = {"algo": "grpo", "reward_fn": "math_shaped"}
+        config["rl"], config["reward"] = {"algo": "grpo"}, {"fn": "math_shaped"}
     (root / "config.json").write_text(json.dumps(config))
     logger = MetricsLogger(root, total_steps=STEPS, tensorboard=False, progress=False, desc=kind)
     samples = SampleLogger(root, 0, every=4, k=2) if kind == "rl" else None

@@ -102,7 +102,7 @@ def grpo_run(smollm2_path, smollm2_gsm8k_store, smollm2_tokenizer, tmp_path_fact
     tmp = tmp_path_factory.mktemp("smollm2_grpo")
     run = tmp / "run"
     args = ["--model.path", str(smollm2_path), "--data.train", str(smollm2_gsm8k_store), "--run.output_dir", str(run),
-            "--run.steps", str(STEPS), "--run.save_every", str(STEPS), "--rl.algo", "grpo", "--rl.reward_fn", "gsm8k",
+            "--run.steps", str(STEPS), "--run.save_every", str(STEPS), "--rl.algo", "grpo", "--reward.fn", "gsm8k",
             "--rl.prompts_per_step", "2", "--rollout.n_samples", "4", "--rollout.max_new_tokens", "64",
             "--rollout.backend", "vllm", "--data.max_prompt_len", "320", "--optim.lr", "1e-5",
             "--optim.micro_batch_size", "8", "--run.progress", "false", "--run.tensorboard", "false",

@@ -23,7 +23,7 @@ def test_the_converted_model_by_its_hub_id_runs_a_grpo_step(smollm2_path, smollm
     snapshot = place_in_hub_cache(smollm2_path, cache, HUB_ID)
     out = tmp_path / "run"
     args = ["--model.path", HUB_ID, "--data.train", str(smollm2_gsm8k_store), "--run.output_dir", str(out),
-            "--run.steps", "1", "--rl.algo", "grpo", "--rl.reward_fn", "gsm8k", "--rl.prompts_per_step", "2",
+            "--run.steps", "1", "--rl.algo", "grpo", "--reward.fn", "gsm8k", "--rl.prompts_per_step", "2",
             "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8", "--rollout.backend", "hf",
             "--data.max_prompt_len", "320", "--optim.micro_batch_size", "4", "--run.progress", "false",
             "--run.tensorboard", "false", "--run.export_hf", "false"]

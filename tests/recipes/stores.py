@@ -21,5 +21,5 @@ def prompt_store(tmp_path, tiny_model_path, name: str = "prompts", lengths=(4, 8
 
 
 def rl_config(tmp_path, train, *extra):
-    return parse_config(["--data.train", str(train), "--rl.reward_fn", "gsm8k", "--run.output_dir",
+    return parse_config(["--data.train", str(train), "--reward.fn", "gsm8k", "--run.output_dir",
                          str(tmp_path / "run"), *extra])

@@ -164,7 +164,7 @@ def test_the_jsd_loss_moves_the_student_toward_the_teacher(tiny_model_path, sft_
     reward.write_text("def digits(prompt, response, ground_truth, metadata):\n"
                       "    return sum(c.isdigit() for c in response) / max(len(response), 1)\n")
     common = ["--model.path", str(tiny_model_path), "--data.train", str(addition_stores["prompts"]),
-              "--rl.algo", "reinforce_pp", "--rl.reward_fn", f"{reward}:digits", "--run.steps", "24",
+              "--rl.algo", "reinforce_pp", "--reward.fn", f"{reward}:digits", "--run.steps", "24",
               "--rl.prompts_per_step", "8", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
               "--optim.lr", "3e-3", "--rollout.backend", "hf", "--run.progress", "false", "--run.tensorboard", "false",
               "--run.seed", "0"]
@@ -227,7 +227,7 @@ def test_a_jsd_micro_batch_too_big_for_the_gpu_is_refused_in_one_line(tmp_path):
 
 
 def test_help_explains_the_distillation_settings():
-    lines = {line.split()[0]: line for line in help_text().splitlines() if line.strip().startswith("--rl.")}
+    lines = {line.split()[0]: line for line in help_text().splitlines() if line.strip().startswith("--")}
     assert "# on-policy distillation: a teacher (dir or Hub id" in lines["--rl.teacher"]
     assert "`jsd` = DeepSpeed's generalized Jensen-Shannon" in lines["--rl.distill_loss"]
-    assert "reward = reward_model_weight * RM score" in lines["--rl.reward_model_weight"]
+    assert "reward = reward.model_weight * RM score" in lines["--reward.model_weight"]

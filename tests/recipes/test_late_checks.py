@@ -146,7 +146,7 @@ def test_rl_resume_refuses_a_corrupt_checkpoint_before_building_the_models(long_
     calls = []
     real = rl_build.build_parts
     monkeypatch.setattr(rl_build, "build_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(train), "--rl.reward_fn", "gsm8k",
+    cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(train), "--reward.fn", "gsm8k",
                         "--rollout.backend", "hf", "--run.output_dir", str(run), "--run.resume", "latest",
                         "--run.steps", "2"])
     with pytest.raises(CheckpointCorrupt, match=f"{victim}: sha256 differs"):

@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 
 def _args(out, model, stores):
     return ["launch/train_ppo.py", "--model.path", str(model), "--data.train", str(stores["prompts"]),
-            "--run.output_dir", str(out), "--run.steps", "2", "--rl.reward_fn", "math_shaped",
+            "--run.output_dir", str(out), "--run.steps", "2", "--reward.fn", "math_shaped",
             "--rl.prompts_per_step", "8", "--rollout.n_samples", "4", "--rollout.max_new_tokens", "16",
             "--run.progress", "false", "--run.tensorboard", "false"]
 

@@ -112,7 +112,7 @@ def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_sto
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
     cfg = _recipe("--model.path", llama8b, "--model.lora_rank", "0", "--model.share_base", "false",
                   "--offload", "false", "--data.train", str(addition_stores["prompts"]),
-                  "--rl.reward_fn", "math_shaped")
+                  "--reward.fn", "math_shaped")
     with pytest.raises(ConfigError) as err:
         rl_trainer.RLTrainer(cfg)  # on a machine without a GPU: planned for a GPU of exactly the cap
     msg = str(err.value)
@@ -122,7 +122,7 @@ def test_cap_refuses_a_plan_that_cannot_fit_before_loading(llama8b, addition_sto
         assert fix in msg, (fix, msg)
     # the same run with the recipe's settings passes the same check
     fits = _recipe("--model.path", llama8b, "--data.train", str(addition_stores["prompts"]),
-                   "--rl.reward_fn", "math_shaped")
+                   "--reward.fn", "math_shaped")
     assert check_memory_cap(fits, total_bytes=int(24 * GiB)).fits
     # vLLM's share of the cap too small for its weights: the vLLM setting is named
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
@@ -248,8 +248,8 @@ def test_adapter_sync_keeps_vllm_on_the_actor_every_step(addition_stores, lora_r
     from ds_rlhf.recipes.rl import RLTrainer
 
     cfg = parse_config(["--model.path", "tiny", "--data.train", str(addition_stores["prompts"]), "--run.output_dir",
-                        str(tmp_path), "--run.steps", "3", "--rl.algo", "grpo", "--rl.reward_fn",
-                        f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio", "--rl.reward_workers", "0",
+                        str(tmp_path), "--run.steps", "3", "--rl.algo", "grpo", "--reward.fn",
+                        f"{ROOT / 'bench' / 'bench_rewards.py'}:distinct_ratio", "--reward.workers", "0",
                         "--model.lora_rank", "8", "--model.lora_alpha", "16", "--rollout.lora_sync", "adapter",
                         "--rollout.sleep", "false", "--optim.lr", "1e-2", "--rl.prompts_per_step", "4",
                         "--rollout.n_samples", "4", "--rollout.max_new_tokens", "8", "--data.max_prompt_len", "64",

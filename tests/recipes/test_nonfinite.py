@@ -186,7 +186,7 @@ def test_a_run_whose_advantages_overflow_stops_in_one_line_or_skips_its_steps(ti
     reward.write_text("def huge(prompt, response, ground_truth, metadata):\n    return 3e38\n")
     run = tmp_path / "run"
     argv = ["--model.path", str(tiny_model_path), "--data.train", str(prompt_store(tmp_path, tiny_model_path)),
-            "--rl.reward_fn", f"{reward}:huge", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
+            "--reward.fn", f"{reward}:huge", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
             "--rollout.max_new_tokens", "4", "--run.steps", "2", "--rollout.backend", "hf", "--run.progress", "false",
             "--run.tensorboard", "false", "--run.output_dir", str(run)]
     with pytest.raises(SystemExit) as info:

@@ -36,8 +36,8 @@ def loss_stores(tiny_model_path, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_two_grpo_steps_with_each_policy_loss(name, loss_stores, dist_single, tmp_path):
     args = ["--model.path", "tiny", "--data.train", str(loss_stores["prompts"]), "--run.output_dir", str(tmp_path),
-            "--run.steps", "2", "--rl.algo", "grpo", "--rl.reward_fn", f"{__file__}:varied_reward",
-            "--rl.reward_workers", "0", "--rl.policy_loss", name, "--rl.ppo_epochs", "2",
+            "--run.steps", "2", "--rl.algo", "grpo", "--reward.fn", f"{__file__}:varied_reward",
+            "--reward.workers", "0", "--rl.policy_loss", name, "--rl.ppo_epochs", "2",
             "--rl.prompts_per_step", "4", "--rollout.n_samples", "4", "--rollout.max_new_tokens", "8",
             "--rollout.backend", "hf", "--rollout.temperature", "1.5", "--optim.lr", "1e-2",
             "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"]

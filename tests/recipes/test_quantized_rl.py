@@ -33,7 +33,7 @@ def test_ppo_with_an_nf4_shared_base(small_stores, dist_single, tmp_path):
     from ds_rlhf.recipes.rl import RLTrainer
 
     cfg = parse_config([*COMMON, "--data.train", str(small_stores["prompts"]), "--run.output_dir", str(tmp_path),
-                        "--run.steps", "2", "--rl.algo", "ppo", "--rl.reward_fn", "math_shaped", "--model.share_base",
+                        "--run.steps", "2", "--rl.algo", "ppo", "--reward.fn", "math_shaped", "--model.share_base",
                         "true", "--rl.kl_coef", "0.05", "--rl.prompts_per_step", "4", "--rollout.n_samples", "2",
                         "--rollout.max_new_tokens", "8", "--rollout.backend", "hf"])
     trainer = RLTrainer(cfg)

@@ -1,4 +1,4 @@
-"""A reward model and reward functions together: each sample's reward is `rl.reward_model_weight` x the RM's score
+"""A reward model and reward functions together: each sample's reward is `reward.model_weight` x the RM's score
 plus the functions' weighted sum, with each part logged."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def test_reward_is_the_weighted_sum_of_the_model_and_the_functions(tiny_model_pa
     (tmp_path / "r.py").write_text(CONSTANT)
     history = RLTrainer(parse_config([
         "--model.path", str(tiny_model_path), "--data.train", str(store), "--rl.algo", "ppo",
-        "--rl.reward_model", str(tiny_reward_path), "--rl.reward_model_weight", "0.5",
-        "--rl.reward_fn", f"{tmp_path / 'r.py'}:two", "--rl.reward_workers", "0",
+        "--reward.model", str(tiny_reward_path), "--reward.model_weight", "0.5",
+        "--reward.fn", f"{tmp_path / 'r.py'}:two", "--reward.workers", "0",
         "--run.output_dir", str(tmp_path / "run"), "--run.steps", "1", "--rl.prompts_per_step", "2",
         "--rollout.n_samples", "2", "--rollout.max_new_tokens", "4", "--rollout.backend", "hf",
         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])).train()
@@ -30,5 +30,5 @@ def test_reward_is_the_weighted_sum_of_the_model_and_the_functions(tiny_model_pa
 
 
 def test_a_reward_model_weight_without_both_rewards_is_refused():
-    with pytest.raises(ConfigError, match="rl.reward_model_weight=0.5 weighs the reward model against reward"):
-        parse_config(["--rl.reward_model", "/some/rm", "--rl.reward_model_weight", "0.5"])
+    with pytest.raises(ConfigError, match="reward.model_weight=0.5 weighs the reward model against reward"):
+        parse_config(["--reward.model", "/some/rm", "--reward.model_weight", "0.5"])

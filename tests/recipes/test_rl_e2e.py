@@ -24,7 +24,7 @@ EXACT_KEYS = ("reward/mean", "reward/std", "actor/loss", "actor/entropy", "actor
 
 def rl_args(out, model, stores, algo="grpo", steps=12, extra=()):
     return ["--model.path", str(model), "--data.train", str(stores["prompts"]), "--run.output_dir", str(out),
-            "--run.steps", str(steps), "--rl.algo", algo, "--rl.reward_fn", "math_shaped",
+            "--run.steps", str(steps), "--rl.algo", algo, "--reward.fn", "math_shaped",
             "--rl.prompts_per_step", "16", "--rollout.n_samples", "8", "--rollout.max_new_tokens", "24",
             "--optim.lr", "5e-4", "--optim.micro_batch_size", "64", "--run.progress", "false",
             "--run.tensorboard", "false", "--run.export_hf", "false", *extra]
@@ -62,13 +62,13 @@ def test_reward_model_export_drives_ppo(rm_run, sft_run, addition_stores, vllm_c
 
     rm_export = rm_run[0] / "export"
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "ppo", 2,
-                   ["--rl.reward_fn", "", "--rl.reward_model", str(rm_export)])
+                   ["--reward.fn", "", "--reward.model", str(rm_export)])
     trainer = RLTrainer(parse_config(args), rollout=vllm_colocated)
     assert Path(trainer.parts.reward.model.module.model.name_or_path) == rm_export
     history = trainer.train()
     assert len(history) == 2 and "critic/loss" in history[-1]
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["rl"]["reward_model"] == str(rm_export)
+    assert saved["reward"]["model"] == str(rm_export)
 
 
 def _launch(args, log):
@@ -163,7 +163,7 @@ def test_every_algorithm_trains_and_bad_rewards_are_dropped(algo, sft_run, addit
 
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(FLAKY_REWARD)
-    extra = ["--rl.reward_fn", f"{reward_file}:flaky", "--rl.on_bad_reward", "drop", "--rl.ppo_epochs", "2",
+    extra = ["--reward.fn", f"{reward_file}:flaky", "--reward.on_bad", "drop", "--rl.ppo_epochs", "2",
              "--rl.mini_batch_size", "64"]
     if algo == "dr_grpo":
         extra += ["--rl.loss_agg", "const-norm"]

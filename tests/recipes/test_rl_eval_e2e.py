@@ -26,38 +26,38 @@ from tests.recipes.test_rl_e2e import EXACT_KEYS, rl_args
 # ---- config ----------------------------------------------------------------------------------------------------
 def test_eval_and_sample_keys_have_defaults_rules_and_help():
     cfg = Config()
-    rl, run = cfg.rl, cfg.run
-    assert (rl.eval_max_prompts, rl.eval_samples, rl.eval_greedy, rl.eval_max_new_tokens, rl.eval_k) == (0, 1, True,
-                                                                                                        0, "1")
-    assert (rl.eval_threshold, rl.eval_reward_fn, rl.best_metric, rl.best_mode) == (1.0, "", "", "max")
+    run = cfg.run
+    ev = cfg.eval
+    assert (ev.max_prompts, ev.samples, ev.greedy, ev.max_new_tokens, ev.k) == (0, 1, True, 0, "1")
+    assert (cfg.eval.threshold, cfg.eval.reward_fn, cfg.eval.best_metric, cfg.eval.best_mode) == (1.0, "", "", "max")
     assert (run.eval_every, run.eval_before_train, run.sample_log_every, run.sample_log_k) == (0, False, 0, 4)
     text = help_text()
-    for key in ("rl.eval_max_prompts", "rl.eval_samples", "rl.eval_greedy", "rl.eval_temperature", "rl.eval_top_p",
-                "rl.eval_max_new_tokens", "rl.eval_k", "rl.eval_threshold", "rl.eval_reward_fn", "rl.best_metric",
-                "rl.best_mode", "run.eval_every", "run.eval_before_train", "run.sample_log_every",
+    for key in ("eval.max_prompts", "eval.samples", "eval.greedy", "eval.temperature", "eval.top_p",
+                "eval.max_new_tokens", "eval.k", "eval.threshold", "eval.reward_fn", "eval.best_metric",
+                "eval.best_mode", "run.eval_every", "run.eval_before_train", "run.sample_log_every",
                 "run.sample_log_k"):
         line = next(line for line in text.splitlines() if line.strip().startswith(f"--{key} "))
         assert "  # " in line, line  # every key carries its --help comment
-    cfg = parse_config(["--rl.eval_greedy", "false", "--rl.eval_samples", "4", "--rl.eval_k", "1, 4",
-                        "--run.eval_every", "2", "--rl.best_metric", "eval/pass@4", "--rl.best_mode", "min"])
-    assert cfg.rl.eval_ks() == [1, 4]
+    cfg = parse_config(["--eval.greedy", "false", "--eval.samples", "4", "--eval.k", "1, 4",
+                        "--run.eval_every", "2", "--eval.best_metric", "eval/pass@4", "--eval.best_mode", "min"])
+    assert cfg.eval.ks() == [1, 4]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rl.eval_k", "1,x"], "rl.eval_k='1,x': give a comma list of integers >= 1"),
-    (["--rl.eval_k", "0"], "rl.eval_k='0': give a comma list"),
-    (["--rl.eval_k", ""], "rl.eval_k='': give a comma list"),
-    (["--rl.eval_k", "1,4"], "k cannot exceed the 1 eval response"),
-    (["--rl.eval_greedy", "false", "--rl.eval_samples", "2", "--rl.eval_k", "4"], "k cannot exceed the 2 eval"),
-    (["--rl.eval_samples", "4"], "rl.eval_samples=4 with rl.eval_greedy true"),
-    (["--rl.eval_samples", "0"], "rl.eval_samples=0: must be >= 1"),
-    (["--rl.eval_temperature", "0"], "rl.eval_temperature=0.0: must be > 0"),
-    (["--rl.eval_top_p", "1.5"], "rl.eval_top_p=1.5: must be <= 1"),
-    (["--rl.eval_max_prompts", "-1"], "rl.eval_max_prompts=-1: must be >= 0"),
-    (["--rl.eval_max_new_tokens", "512"], "rl.eval_max_new_tokens=512: data.max_prompt_len + it exceeds"),
-    (["--rl.best_mode", "up"], "rl.best_mode='up': choose one of max, min"),
-    (["--rl.best_metric", "reward/mean", "--run.eval_every", "2"], "rl.best_metric='reward/mean': must be an eval"),
-    (["--rl.best_metric", "eval/pass@1"], "needs evaluations: set --run.eval_every"),
+    (["--eval.k", "1,x"], "eval.k='1,x': give a comma list of integers >= 1"),
+    (["--eval.k", "0"], "eval.k='0': give a comma list"),
+    (["--eval.k", ""], "eval.k='': give a comma list"),
+    (["--eval.k", "1,4"], "k cannot exceed the 1 eval response"),
+    (["--eval.greedy", "false", "--eval.samples", "2", "--eval.k", "4"], "k cannot exceed the 2 eval"),
+    (["--eval.samples", "4"], "eval.samples=4 with eval.greedy true"),
+    (["--eval.samples", "0"], "eval.samples=0: must be >= 1"),
+    (["--eval.temperature", "0"], "eval.temperature=0.0: must be > 0"),
+    (["--eval.top_p", "1.5"], "eval.top_p=1.5: must be <= 1"),
+    (["--eval.max_prompts", "-1"], "eval.max_prompts=-1: must be >= 0"),
+    (["--eval.max_new_tokens", "512"], "eval.max_new_tokens=512: data.max_prompt_len + it exceeds"),
+    (["--eval.best_mode", "up"], "eval.best_mode='up': choose one of max, min"),
+    (["--eval.best_metric", "reward/mean", "--run.eval_every", "2"], "eval.best_metric='reward/mean': must be an eval"),
+    (["--eval.best_metric", "eval/pass@1"], "needs evaluations: set --run.eval_every"),
     (["--run.sample_log_k", "0"], "run.sample_log_k=0: must be >= 1"),
     (["--run.sample_log_every", "-1"], "run.sample_log_every=-1: must be >= 0"),
     (["--run.eval_every", "2", "--rollout.async_generation", "true", "--rollout.max_staleness", "2"],
@@ -69,8 +69,8 @@ def test_eval_settings_are_refused_with_the_key(argv, message):
 
 
 def test_eval_max_new_tokens_fits_a_larger_context():
-    cfg = parse_config(["--rl.eval_max_new_tokens", "512", "--rollout.max_model_len", "768"])
-    assert cfg.rl.eval_max_new_tokens == 512
+    cfg = parse_config(["--eval.max_new_tokens", "512", "--rollout.max_model_len", "768"])
+    assert cfg.eval.max_new_tokens == 512
     parse_config(["--run.eval_every", "2", "--rollout.async_generation", "true"])  # max_staleness 1: fine
 
 
@@ -91,9 +91,9 @@ def test_preflight_checks_the_eval_store_when_eval_is_on(tmp_path, tiny_model_pa
     check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
                            "--data.max_prompt_len", "32", "--data.overlong_prompts", "drop"))
     check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out)))
-    with pytest.raises(ConfigError, match="rl.eval_reward_fn='/no/r.py:f': reward function file not found"):
+    with pytest.raises(ConfigError, match="eval.reward_fn='/no/r.py:f': reward function file not found"):
         check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(held_out),
-                         "--rl.eval_reward_fn", "/no/r.py:f"))
+                         "--eval.reward_fn", "/no/r.py:f"))
 
 
 def test_preflight_eval_store_of_another_kind_and_reward_model(tmp_path, tiny_model_path, tiny_reward_path):
@@ -105,11 +105,11 @@ def test_preflight_eval_store_of_another_kind_and_reward_model(tmp_path, tiny_mo
     sft = prep_gsm8k(src, tmp_path / "sft", str(tiny_model_path), kind="sft", progress=False).path
     with pytest.raises(ConfigError, match="data.eval=.* holds a 'sft' store; this run needs a 'prompts' store"):
         check_rl_run(rl_config(tmp_path, train, "--run.eval_every", "2", "--data.eval", str(sft)))
-    model = ["--rl.reward_fn", "", "--rl.reward_model", str(tiny_reward_path), "--run.eval_every", "2",
+    model = ["--reward.fn", "", "--reward.model", str(tiny_reward_path), "--run.eval_every", "2",
              "--data.eval", str(train)]
-    with pytest.raises(ConfigError, match="with rl.reward_model: .*set --rl.eval_reward_fn"):
+    with pytest.raises(ConfigError, match="with reward.model: .*set --eval.reward_fn"):
         check_rl_run(rl_config(tmp_path, train, *model))
-    check_rl_run(rl_config(tmp_path, train, *model, "--rl.eval_reward_fn", "gsm8k"))
+    check_rl_run(rl_config(tmp_path, train, *model, "--eval.reward_fn", "gsm8k"))
 
 
 # ---- the reward stage keeps texts and components; sample rows ----------------------------------------------------
@@ -122,7 +122,7 @@ class _Tok:
 
 
 def _ctx(on_bad="drop"):
-    cfg = parse_config(["--rl.on_bad_reward", on_bad])
+    cfg = parse_config(["--reward.on_bad", on_bad])
     return SimpleNamespace(cfg=cfg, tokenizer=_Tok(), dist=SimpleNamespace(rank=0, world_size=1,
                                                                            device=torch.device("cpu")))
 
@@ -212,8 +212,8 @@ def test_metrics_logger_exposes_its_writers(tmp_path):
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------
-EVAL_ARGS = ["--run.eval_every", "2", "--run.eval_before_train", "true", "--rl.eval_max_prompts", "24",
-             "--rl.best_metric", "eval/pass@1", "--run.sample_log_every", "1", "--run.sample_log_k", "3"]
+EVAL_ARGS = ["--run.eval_every", "2", "--run.eval_before_train", "true", "--eval.max_prompts", "24",
+             "--eval.best_metric", "eval/pass@1", "--run.sample_log_every", "1", "--run.sample_log_k", "3"]
 
 
 def _eval_args(stores):
@@ -225,8 +225,8 @@ def test_grpo_run_evaluates_keeps_the_best_and_logs_samples(sft_run, addition_st
     from ds_rlhf.recipes.rl import RLTrainer
 
     args = rl_args(tmp_path, sft_run[0] / "export", addition_stores, "grpo", 4,
-                   [*_eval_args(addition_stores), "--run.tensorboard", "true", "--rl.eval_greedy", "false",
-                    "--rl.eval_samples", "2", "--rl.eval_k", "1,2"])
+                   [*_eval_args(addition_stores), "--run.tensorboard", "true", "--eval.greedy", "false",
+                    "--eval.samples", "2", "--eval.k", "1,2"])
     history = RLTrainer(parse_config(args), rollout=vllm_colocated).train()
     assert len(history) == 4
     records = read_metrics(tmp_path)

@@ -1,5 +1,5 @@
 """A model's head must fit its role. A reward model must hold its trained score head: a causal LM (an SFT export)
-given as `rl.reward_model` would get a randomly initialised head and score noise. Refused in one line by preflight
+given as `reward.model` would get a randomly initialised head and score noise. Refused in one line by preflight
 (the weight files' headers only) and by the load itself; an RM run's starting model (`new_head=True`) still starts
 from a causal LM. A reward model export as the RL or DPO policy, the SFT model or `rl.teacher` would generate with a
 random LM head: refused in one line by preflight, before any model loads."""
@@ -35,11 +35,11 @@ def test_reward_model_without_a_trained_score_head_is_refused(tiny_model_path, t
 
 
 def test_preflight_refuses_a_causal_lm_as_the_reward_model(tiny_model_path, tiny_reward_path):
-    cfg = parse_config(["--model.path", str(tiny_model_path), "--rl.reward_model", str(tiny_model_path)])
+    cfg = parse_config(["--model.path", str(tiny_model_path), "--reward.model", str(tiny_model_path)])
     with pytest.raises(ConfigError, match="score") as info:
         check_model_sources(cfg, "rl")
     assert str(tiny_model_path) in str(info.value) and "\n" not in str(info.value)
-    check_model_sources(parse_config(["--model.path", str(tiny_model_path), "--rl.reward_model",
+    check_model_sources(parse_config(["--model.path", str(tiny_model_path), "--reward.model",
                                       str(tiny_reward_path)]), "rl")
 
 
@@ -54,7 +54,7 @@ def test_preflight_refuses_a_reward_model_as_the_policy(tiny_model_path, tiny_re
 
 
 def test_preflight_refuses_a_reward_model_as_the_teacher(tiny_model_path, tiny_reward_path):
-    argv = ["--model.path", str(tiny_model_path), "--rl.kl_coef", "1", "--rl.reward_fn", "gsm8k"]
+    argv = ["--model.path", str(tiny_model_path), "--rl.kl_coef", "1", "--reward.fn", "gsm8k"]
     with pytest.raises(ConfigError, match=rf"^rl.teacher='{tiny_reward_path}' is a reward model .* cannot be the "
                                           r"teacher \(the reference of the KL term\)"):
         check_model_sources(parse_config([*argv, "--rl.teacher", str(tiny_reward_path)]), "rl")

@@ -117,7 +117,7 @@ def test_grpo_with_the_lora_rm_adapter_on_a_shared_base(lora_rm, addition_stores
     cfg = parse_config([
         "--model.path", str(lora_rm["base"]), "--model.lora_rank", "8", "--model.share_base", "true",
         "--zero_stage", "2", "--data.train", str(addition_stores["prompts"]), "--run.output_dir", str(tmp_path),
-        "--run.steps", "2", "--rl.algo", "grpo", "--rl.reward_model", str(adapter), "--rl.eval_reward_fn",
+        "--run.steps", "2", "--rl.algo", "grpo", "--reward.model", str(adapter), "--eval.reward_fn",
         "math_shaped", "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
         "--rollout.backend", "hf", "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf",
         "false"])

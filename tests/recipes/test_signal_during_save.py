@@ -33,7 +33,7 @@ def test_sigterm_during_a_periodic_rl_save_stops_after_that_save(tiny_model_path
                                     max_operand=9)["prompts"]
     run = tmp_path / "run"
     trainer = RLTrainer(parse_config([
-        "--model.path", str(tiny_model_path), "--data.train", str(store), "--rl.reward_fn", "gsm8k",
+        "--model.path", str(tiny_model_path), "--data.train", str(store), "--reward.fn", "gsm8k",
         "--run.output_dir", str(run), "--run.steps", "5", "--run.save_every", "2", "--rl.prompts_per_step", "2",
         "--rollout.n_samples", "2", "--rollout.max_new_tokens", "4", "--rollout.backend", "hf",
         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"]))

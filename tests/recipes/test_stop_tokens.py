@@ -161,7 +161,7 @@ class RecordingEngine(RolloutEngine):
 def test_evaluation_stops_where_training_rollouts_stop(tiny_model_path, tmp_path):
     model = model_copy(tiny_model_path, tmp_path, eos_token_id=[2, 100])
     store = prompt_store(tmp_path, tiny_model_path)
-    ctx = SimpleNamespace(cfg=parse_config(["--data.eval", str(store), "--rl.reward_fn", "gsm8k"]),
+    ctx = SimpleNamespace(cfg=parse_config(["--data.eval", str(store), "--reward.fn", "gsm8k"]),
                           dist=SimpleNamespace(rank=0, world_size=1), tokenizer=tokenizer(tiny_model_path),
                           model_path=str(model))
     engine = RecordingEngine()

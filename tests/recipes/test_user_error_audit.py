@@ -80,7 +80,7 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     out = tmp / "runs"
 
     def ppo(name, *extra, store=prompts, model_path=model):
-        return ["train-ppo", *_tiny_run(model_path, store, out / name, "--rollout.backend", "hf", "--rl.reward_fn",
+        return ["train-ppo", *_tiny_run(model_path, store, out / name, "--rollout.backend", "hf", "--reward.fn",
                                         "gsm8k", *extra)]
 
     def sft_run(name, *extra, store=sft, model_path=model):
@@ -119,10 +119,10 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "model_path_does_not_exist": (ppo("r", model_path=tmp / "no_model"), "model.path"),
         "model_path_is_a_file": (ppo("s", model_path=a_file), str(a_file)),
         "model_hub_id_not_cached_offline": (ppo("ms", model_path="nobody-here/no-such-model"), "model.path"),
-        "reward_model_does_not_exist": (ppo("mr", "--rl.reward_model", str(tmp / "no_rm")), "rl.reward_model"),
+        "reward_model_does_not_exist": (ppo("mr", "--reward.model", str(tmp / "no_rm")), "reward.model"),
         "eval_store_does_not_exist": (ppo("ev", "--data.eval", str(tmp / "no_eval"), "--run.eval_every", "2"),
                                       "data.eval"),
-        "reward_weights_count_mismatch": (ppo("rw", "--rl.reward_weights", "1,2"), "rl.reward_weights"),
+        "reward_weights_count_mismatch": (ppo("rw", "--reward.weights", "1,2"), "reward.weights"),
         "output_dir_read_only": (ppo("ro", "--run.output_dir", "/sys/ds_rlhf_run"), "/sys/ds_rlhf_run"),
         "output_dir_behind_a_file": (ppo("bf", "--run.output_dir", str(a_file / "run")), "run.output_dir"),
         "tokenizer_path_does_not_exist": (ppo("t", "--model.tokenizer", str(tmp / "no_tok")), "model.tokenizer"),
@@ -138,10 +138,10 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "unknown_command_line_setting": (["train-sft", "--run.stepz", "3"], "stepz"),
         # algorithms and rewards
         "unknown_rl_algo": (["train-ppo", "--rl.algo", "ppo2"], "rl.algo"),
-        "unknown_reward_name": (ppo("x", "--rl.reward_fn", "gsm9k"), "gsm9k"),
-        "reward_file_does_not_exist": (ppo("y", "--rl.reward_fn", f"{tmp}/nope.py:score"), "nope.py"),
-        "reward_module_raises_at_import": (ppo("z", "--rl.reward_fn", f"{raising}:score"), "raising_reward.py"),
-        "reward_module_has_no_such_function": (ppo("aa", "--rl.reward_fn", f"{no_fn}:score"), "score"),
+        "unknown_reward_name": (ppo("x", "--reward.fn", "gsm9k"), "gsm9k"),
+        "reward_file_does_not_exist": (ppo("y", "--reward.fn", f"{tmp}/nope.py:score"), "nope.py"),
+        "reward_module_raises_at_import": (ppo("z", "--reward.fn", f"{raising}:score"), "raising_reward.py"),
+        "reward_module_has_no_such_function": (ppo("aa", "--reward.fn", f"{no_fn}:score"), "score"),
         # resume
         "resume_from_nothing": (sft_run("ab", "--run.resume", str(tmp / "no_ckpt")), "no_ckpt"),
         "resume_from_a_non_checkpoint_dir": (sft_run("ac", "--run.resume", str(not_ckpt)), str(not_ckpt)),

@@ -180,7 +180,7 @@ def test_an_output_dir_behind_a_file_is_one_line_on_the_command_line(tiny_model_
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     proc, _ = cli("train-ppo", "--model.path", str(tiny_model_path), "--data.train",
-                  str(prompt_store(tmp_path, tiny_model_path)), "--rl.reward_fn", "gsm8k", "--run.output_dir",
+                  str(prompt_store(tmp_path, tiny_model_path)), "--reward.fn", "gsm8k", "--run.output_dir",
                   str(blocker / "run"), "--rollout.backend", "hf")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -214,7 +214,7 @@ def test_a_tokenizer_mismatch_between_model_and_store_is_one_line_on_the_command
     store = tmp_path / "store"
     write_store(store, "prompts", [{"input_ids": [3, 4, 5], "ground_truth": "1"}] * 4, tokenizer_name="other",
                 tokenizer_fingerprint="0" * 64)
-    proc, _ = cli("train-ppo", "--model.path", str(tiny_model_path), "--data.train", str(store), "--rl.reward_fn",
+    proc, _ = cli("train-ppo", "--model.path", str(tiny_model_path), "--data.train", str(store), "--reward.fn",
                   "gsm8k", "--run.output_dir", str(tmp_path / "run"), "--rollout.backend", "hf", "--run.steps", "1",
                   "--run.progress", "false", "--run.tensorboard", "false")
     assert proc.returncode == 1

@@ -115,7 +115,7 @@ def test_a_dripping_server_is_abandoned_at_the_total_deadline(raw_server):
     srv = raw_server(drip)
     fn = RemoteReward(srv.url, timeout=2, retry_delays=(0.1,))
     start = time.monotonic()
-    with pytest.raises(RemoteRewardError, match=r"no reply within 2s \(after 2 attempts; raise rl.reward_timeout"):
+    with pytest.raises(RemoteRewardError, match=r"no reply within 2s \(after 2 attempts; raise reward.timeout"):
         fn(["p"], ["r"], [None], [{}])
     assert time.monotonic() - start < 2 * 2 + 10  # two attempts of 2 s, not the 120 s the drip lasts
     assert len(srv.requests) == 2
@@ -129,7 +129,7 @@ def test_a_300_mb_reply_is_refused_at_the_cap_without_reading_it(raw_server, dec
     with pytest.raises(RemoteRewardError) as err:
         fn(["p"], ["r"], [None], [{}])
     expected = "declares 314572800 bytes (Content-Length), more than the cap" if declare else "passed the cap"
-    assert f"remote reward {srv.url}: the reply {expected} of 4194304 bytes (rl.reward_max_reply_mb" in str(err.value)
+    assert f"remote reward {srv.url}: the reply {expected} of 4194304 bytes (reward.max_reply_mb" in str(err.value)
     assert time.monotonic() - start < 60
     time.sleep(0.5)
     assert srv.sent < 64 * MB  # the client hung up: the rest was never sent
@@ -149,7 +149,7 @@ def test_a_redirect_is_reported_with_its_location_and_not_followed(raw_server):
         RemoteReward(srv.url, retry_delays=())(["p"], ["r"], [None], [{}])
     where = srv.url.replace("/score", "/elsewhere?token=***")
     assert str(err.value) == (f"remote reward {srv.url}: HTTP 302 Found, a redirect to {where} (requests are not "
-                              "redirected: put the final URL in rl.reward_fn)")
+                              "redirected: put the final URL in reward.fn)")
     assert srv.requests == ["POST /score HTTP/1.1"]
     with pytest.raises(ValueError, match=r"answered HTTP 302, a redirect to .*/elsewhere\?token=\*\*\*: requests"):
         check_remote(srv.url)
@@ -159,8 +159,8 @@ def test_another_url_scheme_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"^unsupported URL scheme 'ftp' in 'ftp://u:\*\*\*@host/x': a reward "
                                          r"server's URL starts with http:// or https://$"):
         load_reward_fn("ftp://u:pw@host/x")
-    cfg = parse_config(["--data.train", str(tmp_path), "--rl.reward_fn", "gsm8k,ftp://host/score",
-                        "--rl.reward_weights", "1,1"])
+    cfg = parse_config(["--data.train", str(tmp_path), "--reward.fn", "gsm8k,ftp://host/score",
+                        "--reward.weights", "1,1"])
     with pytest.raises(ConfigError, match="unsupported URL scheme 'ftp'"):
         check_reward(cfg)
 
@@ -174,8 +174,8 @@ def test_secrets_in_the_url_are_masked_in_errors_config_json_the_log_and_wandb(r
     assert "pw123" not in str(err.value) and "s3cret" not in str(err.value)
     assert srv.url.replace("http://", "http://bob:***@") + "?token=***&v=***: HTTP 404" in str(err.value)
 
-    argv = ["--model.path", str(tiny_model_path), "--run.output_dir", str(tmp_path / "run"), "--rl.reward_fn",
-            f"gsm8k,{url}", "--rl.reward_weights", "1,1", "--run.wandb", "true", "--run.tensorboard", "false"]
+    argv = ["--model.path", str(tiny_model_path), "--run.output_dir", str(tmp_path / "run"), "--reward.fn",
+            f"gsm8k,{url}", "--reward.weights", "1,1", "--run.wandb", "true", "--run.tensorboard", "false"]
     monkeypatch.setattr(sys, "argv", ["ds-rlhf-train-ppo", *argv])  # wandb records the command line too
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -188,7 +188,7 @@ def test_secrets_in_the_url_are_masked_in_errors_config_json_the_log_and_wandb(r
         ctx.close()
     assert sys.argv[-7] == f"gsm8k,{url}"  # the process's own command line is left as it was
     masked = "gsm8k," + srv.url.replace("http://", "http://bob:***@") + "?token=***&v=***"
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["rl"]["reward_fn"] == masked
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["reward"]["fn"] == masked
     out = capsys.readouterr()
     assert str(tmp_path / "run" / "config.json") in out.out  # the log names the resolved config's file
     written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
@@ -232,8 +232,8 @@ def test_sigterm_stops_a_run_waiting_on_a_hung_reward_server(raw_server, tmp_pat
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ds_rlhf.entrypoints", "train-ppo", "--model.path", str(tiny_model_path),
-         "--data.train", str(prompt_store(tmp_path, tiny_model_path)), "--rl.reward_fn", srv.url,
-         "--rl.reward_timeout", "300", "--rl.algo", "grpo", "--rl.prompts_per_step", "2",
+         "--data.train", str(prompt_store(tmp_path, tiny_model_path)), "--reward.fn", srv.url,
+         "--reward.timeout", "300", "--rl.algo", "grpo", "--rl.prompts_per_step", "2",
          "--rollout.n_samples", "2", "--rollout.max_new_tokens", "4", "--rollout.backend", "hf",
          "--run.steps", "2", "--run.output_dir", str(run_dir), "--run.progress", "false",
          "--run.tensorboard", "false"],

@@ -1,4 +1,4 @@
-"""Remote rewards (`--rl.reward_fn http://...`) against real HTTP servers on this machine: batching, retries,
+"""Remote rewards (`--reward.fn http://...`) against real HTTP servers on this machine: batching, retries,
 timeouts, bad replies, weighted mixes and preflight; then `ds-rlhf serve-rm` scoring a 2-step GRPO run."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_a_server_that_never_answers_in_time_is_one_error_naming_the_url(server)
     rewards = RewardSet.from_spec(srv.url, timeout=0.3)  # the default retries: after 0.5, 1 and 2 s
     with pytest.raises(BadRewardError) as err:
         score_samples(rewards, _items(2), "fail")
-    assert f"remote reward {srv.url}: no reply within 0.3s (after 4 attempts; raise rl.reward_timeout" in str(err.value)
+    assert f"remote reward {srv.url}: no reply within 0.3s (after 4 attempts; raise reward.timeout" in str(err.value)
     assert len(srv.requests) == 4
     report = score_samples(rewards, _items(2), "zero")  # the bad-reward policy applies
     assert report.all_bad and report.scores == [0.0, 0.0]
@@ -165,17 +165,17 @@ def test_a_comma_list_mixes_a_rule_and_a_remote_reward_under_weights(server):
 
 def test_preflight_reports_an_unreachable_url_in_one_line_within_seconds(tmp_path, server):
     url = f"http://127.0.0.1:{free_port()}/score"
-    cfg = parse_config(["--data.train", str(tmp_path), "--rl.reward_fn", f"gsm8k,{url}",
-                        "--rl.reward_weights", "1,1"])
+    cfg = parse_config(["--data.train", str(tmp_path), "--reward.fn", f"gsm8k,{url}",
+                        "--reward.weights", "1,1"])
     start = time.monotonic()
     with pytest.raises(ConfigError) as err:
         check_reward(cfg)
     assert time.monotonic() - start < 10
-    assert str(err.value).startswith(f"rl.reward_fn='gsm8k,{url}': remote reward {url}: cannot connect (")
+    assert str(err.value).startswith(f"reward.fn='gsm8k,{url}': remote reward {url}: cannot connect (")
     assert "to a GET with a 5s timeout: start the reward server" in str(err.value)
     assert "\n" not in str(err.value)
     srv = server()
-    check_reward(parse_config(["--data.train", str(tmp_path), "--rl.reward_fn", srv.url]))  # 501 to a GET: up
+    check_reward(parse_config(["--data.train", str(tmp_path), "--reward.fn", srv.url]))  # 501 to a GET: up
 
 
 # ---- end to end: ds-rlhf serve-rm scores a GRPO run ----------------------------------------------------------
@@ -245,9 +245,9 @@ def test_serve_rm_scores_a_grpo_run_as_the_in_process_reward_model(tiny_model_pa
         recorder = Recorder(f"http://127.0.0.1:{port}/score")
         run = subprocess.run(
             [sys.executable, "-m", "ds_rlhf.entrypoints", "train-ppo", "--model.path", str(tiny_model_path),
-             "--data.train", str(prompt_store(tmp_path, tiny_model_path)), "--rl.reward_fn", recorder.url,
+             "--data.train", str(prompt_store(tmp_path, tiny_model_path)), "--reward.fn", recorder.url,
              "--rl.algo", "grpo", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
-             "--rl.reward_http_batch", "3",
+             "--reward.http_batch", "3",
              "--rollout.max_new_tokens", "8", "--rollout.backend", "hf", "--run.steps", "2",
              "--run.output_dir", str(tmp_path / "run"), "--run.progress", "false", "--run.tensorboard", "false"],
             capture_output=True, text=True, timeout=480, cwd=ROOT, env=clean_env())
@@ -256,7 +256,7 @@ def test_serve_rm_scores_a_grpo_run_as_the_in_process_reward_model(tiny_model_pa
         server.terminate()
         server.wait(30)
     assert len(recorder.pairs) == 2 * 2 * 2  # steps x prompts x samples, all scored through the server
-    assert sorted(recorder.sizes) == [1, 1, 3, 3]  # rl.reward_http_batch 3: each step's 4 items as 3 + 1
+    assert sorted(recorder.sizes) == [1, 1, 3, 3]  # reward.http_batch 3: each step's 4 items as 3 + 1
     tok = AutoTokenizer.from_pretrained(tiny_reward_path)
     rule = score_rule(tok)
     model = RewardModel.from_pretrained(tiny_reward_path).eval()

@@ -1,4 +1,4 @@
-"""Rewards users bring: `async def` functions are awaited (within rl.reward_timeout), and TRL-style functions get
+"""Rewards users bring: `async def` functions are awaited (within reward.timeout), and TRL-style functions get
 TRL's conversational form (message lists) for chat prompts; in-process and through the worker pool."""
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_a_conversational_prompt_store_reaches_a_trl_function_as_messages(tiny_m
     store = prep_prompts(source, tmp_path / "store", tiny_tokenizer, progress=False).path
     (tmp_path / "r.py").write_text(CHAT_CHECK)
     history = RLTrainer(parse_config([
-        "--model.path", str(tiny_model_path), "--data.train", str(store), "--rl.reward_fn",
+        "--model.path", str(tiny_model_path), "--data.train", str(store), "--reward.fn",
         f"{tmp_path / 'r.py'}:chat_form@trl", "--run.output_dir", str(tmp_path / "run"), "--run.steps", "1",
         "--rl.prompts_per_step", "2", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "4",
         "--rollout.backend", "hf", "--run.progress", "false", "--run.tensorboard", "false",

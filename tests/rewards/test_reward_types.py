@@ -1,4 +1,4 @@
-"""A reward is a real number: a bool or a string from a reward function is refused under every `rl.on_bad_reward`
+"""A reward is a real number: a bool or a string from a reward function is refused under every `reward.on_bad`
 policy, naming the function; a reward server's or an OpenRLHF function's `extra_logs` are metrics, never the
 reward."""
 

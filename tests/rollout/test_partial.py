@@ -142,7 +142,7 @@ def test_a_call_that_completes_no_group_continues_the_carried_samples(tiny_model
 @pytest.mark.parametrize("extra, match", [
     (["--rollout.partial_tokens", "64"], "not below rollout.max_new_tokens"),
     (["--rollout.partial_tokens", "8", "--rl.dynamic_sampling", "true"], "rl.dynamic_sampling"),
-    (["--rollout.partial_tokens", "8", "--rl.environment", "x.py:Env"], "rl.environment"),
+    (["--rollout.partial_tokens", "8", "--env.name", "x.py:Env"], "env.name"),
     (["--rollout.partial_tokens", "8", "--rl.mismatch", "off"], "--rl.mismatch tis"),
 ])
 def test_partial_rollouts_refuse_what_they_cannot_serve(extra, match):

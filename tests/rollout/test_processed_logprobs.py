@@ -98,7 +98,7 @@ def test_rl_step_with_temperature_and_the_correction(vllm_rollout, tiny_model_pa
 
     store = prompt_store(tmp_path, tiny_model_path, lengths=(4, 8, 6, 5))
     cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(store), "--run.output_dir",
-                        str(tmp_path / "run"), "--run.steps", "1", "--rl.reward_fn", "format",
+                        str(tmp_path / "run"), "--run.steps", "1", "--reward.fn", "format",
                         "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
                         "--rollout.temperature", "0.7", "--rl.mismatch", "tis", "--optim.micro_batch_size", "8",
                         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])

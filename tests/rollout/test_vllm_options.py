@@ -159,7 +159,7 @@ def test_the_trainer_builds_its_engine_with_the_configured_options(tiny_model_pa
                                      max_operand=20)
     argv = ["--model.path", str(tiny_model_path), "--data.train", str(stores["prompts"]), "--run.output_dir",
             str(tmp_path / "run"), "--rollout.backend", "vllm", "--rollout.max_num_seqs", "64",
-            "--rollout.max_num_batched_tokens", "4096", "--rl.reward_fn", "math_shaped", "--run.progress", "false",
+            "--rollout.max_num_batched_tokens", "4096", "--reward.fn", "math_shaped", "--run.progress", "false",
             "--run.tensorboard", "false"]
     with pytest.raises(LLMBuilt):
         RLTrainer(parse_config(argv))

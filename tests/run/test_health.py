@@ -83,7 +83,7 @@ def test_three_steps_without_reward_spread_warn_of_no_learning_signal():
     assert no_signal(flat[:3]) == []  # two steps: not yet
     (warning,) = no_signal(flat)
     assert warning.step == 4 and "3 steps in a row" in warning.message and "every reward 0" in warning.message
-    assert "reward function never fires" in warning.message and "rl.reward_fn" in warning.message
+    assert "reward function never fires" in warning.message and "reward.fn" in warning.message
     # every group flat but groups differ from each other (reward/std > 0): still no signal
     assert no_signal([rl_rec(s, 1.0, std=0.4) for s in (1, 2, 3)])[0].step == 3
     # one group with a spread in the window: signal

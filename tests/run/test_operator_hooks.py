@@ -23,7 +23,7 @@ def small_stores(tiny_model_path, tmp_path_factory):
 
 def rl_argv(out, stores, steps=3, *extra):
     return ["--model.path", "tiny", "--data.train", str(stores["prompts"]), "--rollout.backend", "hf",
-            "--run.output_dir", str(out), "--run.steps", str(steps), "--rl.reward_fn", "math_shaped",
+            "--run.output_dir", str(out), "--run.steps", str(steps), "--reward.fn", "math_shaped",
             "--rl.prompts_per_step", "4", "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8",
             "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false", *extra]
 

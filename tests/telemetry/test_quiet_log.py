@@ -116,7 +116,7 @@ def test_the_log_of_a_vllm_rl_run_is_quiet(tiny_model_path, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ds_rlhf.entrypoints", "train-ppo", "--model.path", str(tiny_model_path),
          "--data.train", str(stores["prompts"]), "--data.eval", str(stores["prompts"]), "--run.output_dir", str(out),
-         "--run.steps", "3", "--rl.algo", "grpo", "--rl.reward_fn", "math_shaped", "--rl.prompts_per_step", "4",
+         "--run.steps", "3", "--rl.algo", "grpo", "--reward.fn", "math_shaped", "--rl.prompts_per_step", "4",
          "--rollout.n_samples", "4", "--rollout.max_new_tokens", "8", "--rollout.backend", "vllm",
          "--run.eval_every", "2", "--run.sample_log_every", "1", "--run.tensorboard", "false",
          "--run.export_hf", "false"],
