@@ -22,10 +22,10 @@ in-process engine). The 1.5B shape defaults to the in-process engine (`colocated
     python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
     python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
 
-`--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens and (when they do not
-fit) the sidecar engine count and gradient checkpointing are then chosen by the run (`ds_rlhf/memory/split.py`) unless given here
-(`--gpu-mem`, `--micro-batch-tokens`, `--sidecar-engines`); the JSON's `memory_split` records the split chosen
-and the values the run used. Without it the settings are the defaults above.
+`--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens, gradient
+checkpointing and (when they do not fit) the sidecar engine count are then chosen by the run
+(`ds_rlhf/memory/split.py`) unless given here (`--gpu-mem`, `--micro-batch-tokens`, `--sidecar-engines`,
+`--grad-ckpt`); the JSON's `memory_split` records the split chosen and the values the run used. Without it the settings are the defaults above.
 
 An NVML sampler (100 ms) runs through the whole run; the JSON reports its mean over the steady steps and per
 phase, and a PNG timeline with the phases shaded is written beside it (`bench/gpu_timeline.py` renders it later
@@ -270,7 +270,8 @@ def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path,
         *([] if "gpu_mem" in left else ["--rollout.gpu_memory_utilization", str(args.gpu_mem)]),
         "--data.max_prompt_len", str(args.prompt_len),
         *([] if "micro_batch_tokens" in left else ["--data.micro_batch_tokens", str(args.micro_batch_tokens)]),
-        *(["--model.gradient_checkpointing", "true"] if args.grad_ckpt else []), "--optim.lr", "1e-6", "--ds_config", args.ds_config, "--run.progress", "false",
+        *(["--model.gradient_checkpointing", "true"] if args.grad_ckpt else []), "--optim.lr", "1e-6",
+        "--ds_config", args.ds_config, "--run.progress", "false",
         "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1",
         *(["--run.max_gpu_memory_gb", f"{args.max_gpu_memory_gb:g}"] if args.max_gpu_memory_gb > 0 else []), *extra]
     return argv, defaults

@@ -252,8 +252,8 @@ def _micro_batch(cfg, trial, candidates: list[int], capacity: int, total: int, v
     `CHECKPOINT_BELOW_FLOP` of work without it."""
     on = cfg.model.gradient_checkpointing
     chosen = _largest_fitting(trial, candidates, capacity, total, vllm_bytes, world_size)
-    why = ["micro-batch: the largest of {}..{} whose planned device peak fits".format(candidates[0], candidates[-1])
-           ] if len(candidates) > 1 else []
+    why = ([f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned device peak fits"]
+           if len(candidates) > 1 else [])
     if on or user_set(cfg, KEYS[3]) or len(candidates) == 1 or (chosen and _work(chosen) >= CHECKPOINT_BELOW_FLOP):
         return (*chosen, on, why) if chosen else None
     with_ckpt = _largest_fitting(_with(trial, model__gradient_checkpointing=True), candidates, capacity, total,
