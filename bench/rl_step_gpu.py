@@ -25,7 +25,8 @@ in-process engine). The 1.5B shape defaults to the in-process engine (`colocated
 `--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens, gradient
 checkpointing and (when they do not fit) the sidecar engine count are then chosen by the run
 (`ds_rlhf/memory/split.py`) unless given here (`--gpu-mem`, `--micro-batch-tokens`, `--sidecar-engines`,
-`--grad-ckpt`); the JSON's `memory_split` records the split chosen and the values the run used. Without it the settings are the defaults above.
+`--grad-ckpt`); the JSON's `memory_split` records the split chosen and the values the run used. Without it the
+settings are the defaults above.
 
 An NVML sampler (100 ms) runs through the whole run; the JSON reports its mean over the steady steps and per
 phase, and a PNG timeline with the phases shaded is written beside it (`bench/gpu_timeline.py` renders it later
