@@ -180,7 +180,8 @@ class ScriptedCode(HFRolloutEngine):
 def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_model_path, tiny_tokenizer,
                                                                           dist_single, tmp_path):
     rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines()]
-    chosen = [r for r in rows if r["entry_point"] in ("strlen", "concatenate")]
+    chosen = [{**r, "prompt": r["prompt"].split('"""')[0].split("\n\n")[-1]}  # the signature only: the tiny
+              for r in rows if r["entry_point"] in ("strlen", "concatenate")]  # model's context is 512 tokens
     raw = tmp_path / "problems.jsonl"
     raw.write_text("".join(json.dumps(r) + "\n" for r in chosen))
     prep_prompts(raw, tmp_path / "store", str(tiny_model_path), input_key="prompt", label_key="label",
@@ -189,7 +190,7 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
     cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(tmp_path / "store"),
                         "--run.output_dir", str(tmp_path / "run"), "--run.steps", "2", "--rl.algo", "grpo",
                         "--rl.reward_fn", "code_tests", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
-                        "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512",
+                        "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512", "--data.max_prompt_len", "128",
                         "--rollout.backend", "hf", "--optim.micro_batch_size", "4", "--run.progress", "false",
                         "--run.tensorboard", "false", "--run.export_hf", "false"])
     t0 = time.monotonic()
