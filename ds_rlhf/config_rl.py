@@ -50,7 +50,7 @@ class RLConfig:
     loss_agg: str = opt("token-mean", choices="aggregation")  # how token losses are reduced
     mismatch: str = opt("tis", choices="mismatch")  # rollout/trainer mismatch correction
     tis_cap: float = opt(2.0, gt=0)
-    reward_fn: str = ""  # gsm8k | format | math_shaped | math_verify | file.py:func[@trl|@verl|@openrlhf], comma list
+    reward_fn: str = ""  # gsm8k | format | math_shaped | math_verify | code_tests | file.py:func[@trl|...], comma list
     reward_weights: str = ""  # comma-separated weights, one per reward_fn entry (default 1 each)
     reward_workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
     reward_timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker / per HTTP request in all

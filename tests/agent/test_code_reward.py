@@ -20,8 +20,8 @@ from ds_rlhf.config import parse_config
 from ds_rlhf.data.prep import prep_prompts
 from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.rewards import load_reward_fn, score_samples
-from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 from ds_rlhf.rollout.base import RolloutSample
+from ds_rlhf.rollout.hf_engine import HFRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBLEMS = ROOT / "bench" / "learn_tasks" / "code" / "problems.jsonl"
@@ -190,8 +190,8 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
     cfg = parse_config(["--model.path", str(tiny_model_path), "--data.train", str(tmp_path / "store"),
                         "--run.output_dir", str(tmp_path / "run"), "--run.steps", "2", "--rl.algo", "grpo",
                         "--rl.reward_fn", "code_tests", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
-                        "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512", "--data.max_prompt_len", "128",
-                        "--rollout.backend", "hf", "--optim.micro_batch_size", "4", "--run.progress", "false",
+                        "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512",
+                        "--data.max_prompt_len", "128", "--rollout.backend", "hf", "--optim.micro_batch_size", "4", "--run.progress", "false",
                         "--run.tensorboard", "false", "--run.export_hf", "false"])
     t0 = time.monotonic()
     history = RLTrainer(cfg, rollout=engine).train()
