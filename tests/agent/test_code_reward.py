@@ -191,8 +191,8 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
                         "--run.output_dir", str(tmp_path / "run"), "--run.steps", "2", "--rl.algo", "grpo",
                         "--rl.reward_fn", "code_tests", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
                         "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512",
-                        "--data.max_prompt_len", "128", "--rollout.backend", "hf", "--optim.micro_batch_size", "4", "--run.progress", "false",
-                        "--run.tensorboard", "false", "--run.export_hf", "false"])
+                        "--data.max_prompt_len", "128", "--rollout.backend", "hf", "--optim.micro_batch_size", "4",
+                        "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])
     t0 = time.monotonic()
     history = RLTrainer(cfg, rollout=engine).train()
     assert len(history) == 2
