@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_rlhf.agent import sandbox
 from ds_rlhf.agent.code_reward import PER_TEST_TIMEOUT_S, SAMPLE_BUDGET_S, extract_code, parse_tests, score_code
 from ds_rlhf.config import parse_config
 from ds_rlhf.data.prep import prep_prompts
@@ -178,7 +179,8 @@ class ScriptedCode(HFRolloutEngine):
 
 
 def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_model_path, tiny_tokenizer,
-                                                                          dist_single, tmp_path):
+                                                                          dist_single, tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "_DEFAULT_REQUIRE", [()])  # what rl.sandbox_require sets, restored afterwards
     rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines()]
     chosen = [{**r, "prompt": r["prompt"].split('"""')[0].split("\n\n")[-1]}  # the signature only: the tiny
               for r in rows if r["entry_point"] in ("strlen", "concatenate")]  # model's context is 512 tokens
@@ -192,7 +194,8 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
                         "--rl.reward_fn", "code_tests", "--rl.prompts_per_step", "2", "--rollout.n_samples", "2",
                         "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512",
                         "--data.max_prompt_len", "128", "--rollout.backend", "hf", "--optim.micro_batch_size", "4",
-                        "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"])
+                        "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false",
+                        "--rl.sandbox_require", "strict"])
     t0 = time.monotonic()
     history = RLTrainer(cfg, rollout=engine).train()
     assert len(history) == 2
@@ -201,3 +204,4 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
         assert h["reward/max"] == 1.0  # the scripted strlen answer passes every test
         assert h["reward/code_tests/timeouts"] > 0  # the scripted endless loop timed out
     assert time.monotonic() - t0 < 10 * SAMPLE_BUDGET_S
+    assert sandbox._DEFAULT_REQUIRE[0] == sandbox.PROTECTIONS  # the code ran with every protection required
