@@ -181,6 +181,7 @@ class ScriptedCode(HFRolloutEngine):
 def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_model_path, tiny_tokenizer,
                                                                           dist_single, tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox, "_DEFAULT_REQUIRE", [()])  # what rl.sandbox_require sets, restored afterwards
+    given = tuple(n for n in sandbox.PROTECTIONS if n not in sandbox.Sandbox().run_code("pass").unavailable)
     rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines()]
     chosen = [{**r, "prompt": r["prompt"].split('"""')[0].split("\n\n")[-1]}  # the signature only: the tiny
               for r in rows if r["entry_point"] in ("strlen", "concatenate")]  # model's context is 512 tokens
@@ -195,7 +196,7 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
                         "--rollout.max_new_tokens", "24", "--rollout.max_model_len", "512",
                         "--data.max_prompt_len", "128", "--rollout.backend", "hf", "--optim.micro_batch_size", "4",
                         "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false",
-                        "--rl.sandbox_require", "strict"])
+                        "--rl.sandbox_require", ",".join(given)])
     t0 = time.monotonic()
     history = RLTrainer(cfg, rollout=engine).train()
     assert len(history) == 2
@@ -204,4 +205,4 @@ def test_an_rl_run_scored_by_code_tests_goes_on_through_hostile_responses(tiny_m
         assert h["reward/max"] == 1.0  # the scripted strlen answer passes every test
         assert h["reward/code_tests/timeouts"] > 0  # the scripted endless loop timed out
     assert time.monotonic() - t0 < 10 * SAMPLE_BUDGET_S
-    assert sandbox._DEFAULT_REQUIRE[0] == sandbox.PROTECTIONS  # the code ran with every protection required
+    assert sandbox._DEFAULT_REQUIRE[0] == given  # the code ran with every protection this machine gives required
