@@ -16,7 +16,7 @@ from ds_rlhf.errors import ConfigError
 
 @dataclass
 class RewardConfig:
-    fn: str = ""  # gsm8k | format | math_shaped | math_verify | file.py:func[@trl|@verl|@openrlhf], comma list
+    fn: str = ""  # gsm8k | format | math_shaped | math_verify | code_tests | file.py:func[@trl|...], comma list
     weights: str = ""  # comma-separated weights, one per reward.fn entry (default 1 each)
     workers: int = opt(-1, ge=-1)  # reward processes per rank; -1 = 2 for file.py rewards, else 0 (in-process)
     timeout: float = opt(30.0, gt=0)  # seconds per reward call in a worker / per HTTP request in all

@@ -175,6 +175,7 @@ class RewardStage:
                    "reward/bad_total": float(self.bad_total), "reward/dropped": float(len(samples) - len(kept))}
         if report is not None and (self.model is not None or isinstance(self.fn, RewardSet) and len(self.fn.specs) > 1):
             metrics.update(report.means())  # reward/<function> for each of several functions (or beside the RM)
+        metrics.update(report.means(extras_only=True) if report is not None else {})  # reward/<function>/<metric>
         if model_scores is not None and self.fn is not None:
             kept_model = [m for m, k in zip(model_scores, keep) if k]
             metrics["reward/model"] = sum(kept_model) / max(1, len(kept_model))

@@ -89,7 +89,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
     functions = reward_functions(cfg, announce=ctx.print) if cfg.reward.fn else None
     environment = load_environment(cfg.env.name) if cfg.env.name else None  # its file imports here, early
-    if environment is not None:  # every tool Sandbox's required protections, checked with one call before any model
+    if environment is not None or cfg.env.sandbox_require:  # every Sandbox's protections, checked before any model
         require_protections(cfg.env.sandbox_require)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", dist.world_size)))
     placement = resolve_placement(cfg, world_size=dist.world_size, local_world_size=local_world,

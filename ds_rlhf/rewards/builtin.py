@@ -1,7 +1,9 @@
-"""Built-in reward rules: GSM8K `####` exact match, format check, the shaped mix, and math-verify for LaTeX."""
+"""Built-in reward rules: GSM8K `####` exact match, format check, the shaped mix, math-verify for LaTeX, and unit
+tests run in the tool sandbox (`code_tests`)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import threading
@@ -10,6 +12,8 @@ from collections.abc import Callable
 RewardFn = Callable[[str, str, str | None, dict], float]
 _FINAL_NUMBER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own per-parse/per-compare alarm (main thread only)
+# named as a string, loaded on first use: the tool sandbox it runs code in lives in the agent layer, above this one
+CODE_REWARD = "ds_rlhf.agent.code_reward"
 
 
 def extract_final_number(text: str) -> str | None:
@@ -69,9 +73,17 @@ def math_verify_reward(prompt: str, response: str, ground_truth: str | None, met
     return 1.0 if answer and verify(gold, answer, timeout_seconds=limit) else 0.0
 
 
+def code_tests_reward(prompts: list[str], responses: list[str], ground_truths: list, metadatas: list[dict]
+                      ) -> list[dict]:
+    """The pass fraction of each response's Python code against its row's tests, run in the tool sandbox, with
+    per-sample test counts, timeouts and crashes as extra metrics (`ds_rlhf/agent/code_reward.py` has the rules)."""
+    return importlib.import_module(CODE_REWARD).code_tests_reward(prompts, responses, ground_truths, metadatas)
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "format": format_reward,
     "math_shaped": shaped_math_reward,
     "math_verify": math_verify_reward,
+    "code_tests": code_tests_reward,
 }

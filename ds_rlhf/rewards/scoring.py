@@ -39,10 +39,11 @@ class RewardReport:
         """Every sample of a non-empty batch was bad: nothing to learn from, the caller should stop the run."""
         return bool(self.scores) and len(self.bad) == len(self.scores)
 
-    def means(self, prefix: str = "reward/") -> dict[str, float]:
-        """`<prefix><function>` and `<prefix><function>/<metric>` means over kept samples with a value."""
+    def means(self, prefix: str = "reward/", extras_only: bool = False) -> dict[str, float]:
+        """`<prefix><function>` and `<prefix><function>/<metric>` means over kept samples with a value (only the
+        latter with `extras_only`)."""
         out = {}
-        for name, values in {**self.components, **self.extras}.items():
+        for name, values in {**({} if extras_only else self.components), **self.extras}.items():
             kept = [v for v, k in zip(values, self.keep) if k and v is not None]
             if kept:
                 out[prefix + name] = sum(kept) / len(kept)
