@@ -15,6 +15,7 @@ from rollout_helpers import TOL, restore_checkpoint_weights
 from test_processed_logprobs import CASES, PROMPTS, TOP_P_TOL
 
 import ds_rlhf.recipes.policy_update as policy_update
+from ds_rlhf.algos import token_logprobs_from_hidden
 from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.rollout import SamplingSpec, make_rollout_engine
 
@@ -116,3 +117,19 @@ def test_rl_step_with_top_p_has_no_mismatch(vllm_rollout, tiny_model_path, dist_
     assert on[key] < 1e-5, on
     assert off[key] > 1e-3 and off[key] > 100 * on[key], (on[key], off[key])
     assert on["sync/canary_max_abs_diff"] < 1e-3
+
+
+def test_distillation_logits_path_uses_the_truncated_distribution():
+    """`rl.distill_loss` scores the student from logits in memory: the same truncated log-probs and entropy as the
+    chunked head (here fed the logits themselves through an identity head), and the tempered ones without
+    truncation."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(30, 64, generator=gen) * 2
+    y = torch.randint(0, 64, (30,), generator=gen)
+    eye = torch.eye(64)
+    for top_p, top_k in [(0.9, -1), (1.0, 20), (0.8, 10), (1.0, -1)]:
+        lp, ent = policy_update._logprobs_from_logits(logits, y, 0.8, top_p, top_k)
+        ref_lp, ref_ent = token_logprobs_from_hidden(logits, eye, y, temperature=0.8, with_entropy=True,
+                                                     top_p=top_p, top_k=top_k)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
