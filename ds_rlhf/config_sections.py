@@ -104,8 +104,8 @@ class RolloutConfig:
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
     temperature: float = opt(1.0, gt=0)
-    top_p: float = opt(1.0, gt=0, le=1)
-    top_k: int = opt(-1, ge=-1)  # -1 or 0 = off
+    top_p: float = opt(1.0, gt=0, le=1)  # nucleus sampling; the trainer's log-probs use the same truncated distribution
+    top_k: int = opt(-1, ge=-1)  # -1 or 0 = off; the trainer's log-probs use the same truncated distribution
     # request: a seed per request (samples independent of the rest of the batch, but vLLM loops over seeded
     # requests at every decode step); batch: one seed per generate call (resume-exact all the same)
     seeding: str = opt("batch", choices=("batch", "request"))  # batch: one seed per call; request: one per request

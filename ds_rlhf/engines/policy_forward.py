@@ -49,11 +49,14 @@ def _as_root_forward(model, forward, **inputs):
         return model(**inputs)
 
 @contextmanager
-def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bool, chunk_size: int):
+def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bool, chunk_size: int,
+                  truncation: tuple[float, int]):
+    top_p, top_k = truncation
+
     def forward(hidden, targets):
         return token_logprobs_from_hidden(hidden, head.weight, targets, chunk_size=chunk_size,
                                           temperature=temperature, with_entropy=with_entropy,
-                                          lm_head_bias=getattr(head, "bias", None))
+                                          lm_head_bias=getattr(head, "bias", None), top_p=top_p, top_k=top_k)
 
     with _replaced_forward(head, forward):
         yield head
@@ -61,8 +64,12 @@ def _logprob_head(head: torch.nn.Module, *, temperature: float, with_entropy: bo
 
 def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                       position_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                      with_entropy: bool = False, chunk_size: int = 2048, score_mask: torch.Tensor | None = None):
+                      with_entropy: bool = False, chunk_size: int = 2048, score_mask: torch.Tensor | None = None,
+                      top_p: float = 1.0, top_k: int = -1):
     """Log-prob of tokens[:, 1:] given their prefix: ([B, L-1], entropy [B, L-1] or None).
+
+    `top_p` < 1 or `top_k` > 0: log-probs and entropy of the tempered distribution truncated as the rollout's
+    sampler truncates it (top-k, then top-p) and renormalised (`ds_rlhf.algos.truncation`).
 
     Packed padding-free input: one row, `attention_mask=None` and `position_ids` restarting at 0 for each
     sequence; transformers then builds a block-diagonal causal mask, so sequences never attend to each other.
@@ -76,7 +83,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     def forward(input_ids, attention_mask, position_ids, score_mask):
         return _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, temperature=temperature,
-                             with_entropy=with_entropy, chunk_size=chunk_size)
+                             with_entropy=with_entropy, chunk_size=chunk_size, truncation=(top_p, top_k))
 
     return _as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, score_mask=score_mask)
@@ -117,7 +124,7 @@ def _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask) -> tor
 
 
 def _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, *, temperature: float,
-                  with_entropy: bool, chunk_size: int):
+                  with_entropy: bool, chunk_size: int, truncation: tuple[float, int] = (1.0, -1)):
     """The backbone and the chunked head of `sequence_logprobs` (run as the root module's forward)."""
     backbone = hf.get_decoder()
     head = hf.get_output_embeddings()
@@ -137,7 +144,8 @@ def _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, *, te
             rows = None
         else:
             hidden, targets = hidden.index_select(0, rows), targets.index_select(0, rows)
-    with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size) as h:
+    with _logprob_head(head, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size,
+                       truncation=truncation) as h:
         logp, entropy = h(hidden, targets)
     if nothing:  # still in the graph (zero gradients), nothing unmasked leaks out
         logp, entropy = logp * 0, (entropy * 0 if entropy is not None else None)

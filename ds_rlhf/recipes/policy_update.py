@@ -22,6 +22,7 @@ import torch
 from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
+from ds_rlhf.algos.truncation import truncated_logprobs_from_logits, truncates
 from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.policy_forward import response_logits, sequence_logprobs
@@ -82,16 +83,18 @@ def rl_packing(cfg: Config) -> bool:
 def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = False):
     """Log-probs (and entropy, or None) of micro-batch `mb` under `model`, both `[b, w-1]`: its padded rows with
     their attention mask, or with `data.rl_packing` one packed row gathered back to that layout. Positions outside
-    `mb.action_mask` read 0 (every consumer masks them)."""
+    `mb.action_mask` read 0 (every consumer masks them). Under top-p / top-k rollouts they are of the sampler's
+    truncated, renormalised distribution (`ds_rlhf.algos.truncation`), for the policy, old policy and reference."""
     temperature = cfg.rollout.temperature
+    truncation = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k}  # the rollout sampler's kept set
     scored = mb.action_mask > 0  # the losses read the response positions only: the head scores just those
     if not cfg.data.rl_packing:
         return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
-                                 with_entropy=with_entropy, score_mask=scored)
+                                 with_entropy=with_entropy, score_mask=scored, **truncation)
     packed = pack_rows(mb.input_ids, mb.attention_mask)
     logp, entropy = sequence_logprobs(model, packed.input_ids, None, position_ids=packed.position_ids,
                                       temperature=temperature, with_entropy=with_entropy,
-                                      score_mask=packed.packed_mask(scored))
+                                      score_mask=packed.packed_mask(scored), **truncation)
     return packed.unpack(logp), (packed.unpack(entropy) if entropy is not None else None)
 
 
@@ -115,8 +118,12 @@ def micro_response_logits(model, mb: Trajectory, cfg: Config):
     return logits, targets[mask], to_rows
 
 
-def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Per-row log-prob of `targets` and entropy (fp32) of logits `[N, V]` at `temperature`."""
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float = 1.0,
+                          top_k: int = -1):
+    """Per-row log-prob of `targets` and entropy (fp32) of logits `[N, V]` at `temperature` (truncated like the
+    rollout's sampler under top-p / top-k)."""
+    if truncates(top_p, top_k):
+        return truncated_logprobs_from_logits(logits, targets, temperature, top_p, top_k)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     return logp_all.gather(1, targets[:, None]).squeeze(1), -(logp_all.exp() * logp_all).sum(-1)
 
@@ -175,7 +182,8 @@ def actor_micro_step(actor, mb: Trajectory, cfg: Config, kl_coef: float, share: 
             teacher_logits, _, _ = micro_response_logits(teacher, mb, cfg)
         jsd = generalized_jsd(student, teacher_logits, beta=rl.jsd_beta, temperature=temperature)
         del teacher_logits
-        logp_rows, entropy_rows = _logprobs_from_logits(student, targets, temperature)
+        logp_rows, entropy_rows = _logprobs_from_logits(student, targets, temperature, cfg.rollout.top_p,
+                                                        cfg.rollout.top_k)
         logp, entropy = to_rows(logp_rows), to_rows(entropy_rows)
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     is_weights = MISMATCH_MODES.get(rl.mismatch).fn(old, mb.rollout_logp, mask, rl.tis_cap)

@@ -9,11 +9,10 @@ Conventions every backend follows (tests check them):
 - `generate` returns `len(prompts) * spec.n` samples in prompt-major order (prompt 0's n samples first).
 - `logprobs[i]` is the log-prob of `response_ids[i]` under the distribution it was sampled from: the logits divided
   by `temperature`, then top-k and top-p truncation, renormalised (vLLM's `processed_logprobs`; greedy decoding:
-  the raw logits). With temperature 1, top_p 1 and top_k off that is the model's raw distribution. The trainer's
-  policy is the temperature-scaled distribution without truncation (`policy_forward.sequence_logprobs(
-  temperature=...)`), so the mismatch ratio pi_trainer / pi_rollout is the behaviour-policy correction; under
-  top-p / top-k it equals the kept probability mass (<= 1) where the weights agree, and
-  `mismatch/kl_rollout_trainer` does not go to 0 then.
+  the raw logits). With temperature 1, top_p 1 and top_k off that is the model's raw distribution. The trainer
+  scores the same distribution (`policy_forward.sequence_logprobs(temperature=..., top_p=..., top_k=...)`: the
+  kept set recomputed from its logits with vLLM's rule, `algos/truncation.py`), so the mismatch ratio
+  pi_trainer / pi_rollout is 1 where the weights agree and `mismatch/kl_rollout_trainer` goes to 0.
 - `score` returns raw log-probs (no temperature: prompt log-probs skip the sampling processors), which the sync
   canary compares with the trainer's plain forward.
 - With `spec.seed = s` and `spec.seeding = "request"`, prompt i's sample j is drawn with seed `s + i * n + j`:

@@ -1,6 +1,7 @@
 """Rollout log-probs are those of the distribution the engine sampled from (vLLM `processed_logprobs`; the HF
 backend the same): logits / temperature, then top-k / top-p, renormalised. Checked on the tiny model (float32, CPU)
-against the trainer's temperature-scaled log-probs (`policy_forward.sequence_logprobs`) and against an exact
+against the untruncated temperature-scaled log-probs (`policy_forward.sequence_logprobs` without top_p / top_k;
+the trainer's truncated ones: `test_truncated_trainer_logprobs.py`) and against an exact
 reference computed from the logits with vLLM's truncation rule; the canary (raw prompt log-probs) is unaffected,
 and an RL step with temperature 0.7 and the mismatch correction runs and agrees with the rollout.
 
@@ -35,7 +36,8 @@ def hf_rollout(tiny_model_path):
 
 
 def trainer_logprobs(model, sample, temperature: float) -> torch.Tensor:
-    """The trainer's own code path: `sequence_logprobs` at the rollout temperature, response positions only."""
+    """The trainer's own code path without truncation: `sequence_logprobs` at the rollout temperature, response
+    positions only."""
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), temperature=temperature)
@@ -52,7 +54,7 @@ def check_processed(engine, model, temperature: float, top_p: float, top_k: int)
         ref = reference_logprobs(logits, s.response_ids, temperature, top_p, top_k)
         diffs["reference"] = max(diffs["reference"], float((got - ref).abs().max()))
         trainer = trainer_logprobs(model, s, temperature)
-        # the trainer's policy is untruncated: rho = pi_trainer / pi_rollout = the kept mass <= 1 per token
+        # untruncated: pi_untruncated / pi_rollout = the kept mass <= 1 per token
         diffs["trainer_minus_rollout_max"] = max(diffs["trainer_minus_rollout_max"], float((trainer - got).max()))
         diffs["truncation"] = max(diffs["truncation"], float((got - trainer).abs().max()))
         raw = F.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
