@@ -33,11 +33,13 @@ from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.nonfinite import guard_step
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
-from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.recipes.rollout_schedule import dynamic_batch, eval_generate, rollout_service
+from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
+from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
+from ds_rlhf.recipes.rl_service import rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
+from ds_rlhf.run.best_checkpoint import BestCheckpointTracker, keep_best
 from ds_rlhf.run.checkpoints import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
 from ds_rlhf.run.lifecycle import RunLifecycle
