@@ -41,7 +41,7 @@ def dynamic_batch(service: RolloutService, parts: RLParts, ctx: RunContext, time
     zero_spread, gen_seconds, gen_tokens = 0, 0.0, 0
     with service.awake():  # between rounds; it sleeps after the last
         while True:
-            rows = next(parts.loader_iter)  # the loader's position after every round is part of the state
+            rows = service.prompts()  # the loader's position after every round is part of the state
             # generated now, the last step's sync confirmed first when it did not wait (overlap_sync)
             generated = service.batch(step, rows=rows, spec=sampling_spec(ctx, step, round_=len(rounds)))
             seconds, tokens = generated.generation or (0.0, 0)

@@ -19,7 +19,6 @@ status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMon
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -29,11 +28,11 @@ from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
-from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes import rl_build, rl_export
+from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
 from ds_rlhf.recipes.nonfinite import guard_step
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
-from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
 from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
 from ds_rlhf.recipes.rl_service import rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
@@ -50,22 +49,6 @@ from ds_rlhf.telemetry.samples import SampleLogger, episode_fields, truncate_sam
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
-
-
-class TimedDraws:
-    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout service draws
-    inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds move from
-    `time/rollout` to `time/data` and `time/step` still counts them once."""
-
-    def __init__(self, it: Iterator[list[dict]], timer: PhaseTimer):
-        self.it, self.timer = it, timer
-
-    def __iter__(self) -> TimedDraws:
-        return self
-
-    def __next__(self) -> list[dict]:
-        with self.timer.phase("data"):
-            return next(self.it)
 
 
 def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
@@ -112,7 +95,6 @@ class RLTrainer:
         if cfg.run.profile_memory:  # --run.profile_memory: measured peak per phase vs the plan
             self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
             self.timer.observer = self.memory
-        self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
         self.service = rollout_service(self.parts, self.ctx, self.timer)
         if resume_from is not None:
             self._restore(resume_from)
@@ -193,7 +175,7 @@ class RLTrainer:
         if self.memory is not None:
             metrics.update(self.memory.step_metrics())
         metrics["time/wall"] = time.perf_counter() - t0
-        metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
+        metrics["throughput/tokens_per_s"] = float(traj.seq_lens.sum()) / max(metrics["time/wall"], 1e-9)
         metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
         metrics = all_reduce_mean(metrics, ctx.dist.device)
         metrics.update(system_stats(ctx.dist.local_rank))
@@ -250,7 +232,7 @@ class RLTrainer:
         saved = bool((due or new_best) and self.step < cfg.run.steps)  # the last step is saved by train()
         if saved:
             self._save()
-        exported = rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        exported = rl_export.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
         if saved or exported is not None:  # a signal that came during that save or export: stop now
             self.lifecycle.after_save(saved)
         return metrics
@@ -277,7 +259,7 @@ class RLTrainer:
             history.append(self._loop_step(logger))
         self._save()
         if cfg.run.export_hf:
-            rl_build.export(self.ctx, self.parts)
+            rl_export.export(self.ctx, self.parts)
         return history
 
     def _close(self, logger) -> None:
@@ -316,7 +298,7 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
            "response/len_mean": lens.mean(), "response/len_max": lens.max(), "response/len_p50": lens.median(),
            "rollout/tail_decode_frac": tail_decode_fraction(lens),
            "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
-           "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+           "rollout/samples": len(traj), "kl/coef": kl_coef}
     if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
         out["response/loss_masked_frac"] = (mask.sum(1) == 0).float().mean()
     out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))

@@ -1,13 +1,14 @@
 """What the RL recipe hands the rollout layer's `RolloutService` (`ds_rlhf/rollout/service.py`, which owns the
 engine, the weight sync and when each runs): the service itself, built from the parts and the config
-(`rollout_service`), the `SamplingSpec` of each step and dynamic-sampling round (`sampling_spec`), and the release
-of the trainer's cached device memory the service calls before a sleeping colocated engine wakes its weights for a
-sync (`release_trainer_memory`).
+(`rollout_service`) with its prompt draws (`timed_draw`), the `SamplingSpec` of each step and dynamic-sampling
+round (`sampling_spec`), and the release of the trainer's cached device memory the service calls before a sleeping
+colocated engine wakes its weights for a sync (`release_trainer_memory`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -56,14 +57,26 @@ def release_trainer_memory(parts: RLParts) -> None:
              torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30)
 
 
+def timed_draw(rows: Iterator[list[dict]], timer: PhaseTimer) -> Callable[[], list[dict]]:
+    """The service's `prompts()`: the next prompt rows of `rows`, each draw charged to the timer's `data` phase. The
+    service draws inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds
+    move from `time/rollout` to `time/data` and `time/step` still counts them once."""
+
+    def draw() -> list[dict]:
+        with timer.phase("data"):
+            return next(rows)
+
+    return draw
+
+
 def rollout_service(parts: RLParts, ctx: RunContext, timer: PhaseTimer) -> RolloutService:
-    """The run's `RolloutService` over `parts.rollout` and `parts.sync`: prompts from `parts.loader_iter` (read at
-    each draw), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `rl.environment`
+    """The run's `RolloutService` over `parts.rollout` and `parts.sync`: prompts from `parts.loader_iter`
+    (`timed_draw`), `sampling_spec` per step, the `rollout.*` schedule settings and `run.steps`; with `rl.environment`
     an `agent/rollout.py:EpisodeRolloutService`, whose batches are multi-turn episodes; with
     `rollout.partial_tokens` a `rollout/partial.py:PartialRolloutService` (partial rollouts)."""
     r, rl = ctx.cfg.rollout, ctx.cfg.rl
     args = (parts.rollout, parts.sync)
-    kwargs = dict(prompts=lambda: next(parts.loader_iter), spec=partial(sampling_spec, ctx),
+    kwargs = dict(prompts=timed_draw(parts.loader_iter, timer), spec=partial(sampling_spec, ctx),
                   total_steps=ctx.cfg.run.steps, timer=timer, release_memory=partial(release_trainer_memory, parts),
                   asynchronous=r.async_generation, max_staleness=r.max_staleness, overlap_sync=r.overlap_sync,
                   sleeps=sleeps_between_phases(ctx))

@@ -63,7 +63,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # append: a resumed run continues the same log (it is truncated to the checkpoint step on resume)
-        _cut_torn_tail(self.run_dir / METRICS_FILE)
+        cut_torn_tail(self.run_dir / METRICS_FILE)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115 (closed in close())
         if tensorboard:
             try:
@@ -154,7 +154,7 @@ class MetricsLogger:
         self._jsonl.close()
 
 
-def _parse_lines(path: Path) -> list[tuple[str, dict]]:
+def parse_lines(path: Path) -> list[tuple[str, dict]]:
     """(line, record) for each record of a metrics file; a torn last line is skipped with a warning, a bad line
     elsewhere raises naming the file and line."""
     if not path.exists():
@@ -175,7 +175,7 @@ def _parse_lines(path: Path) -> list[tuple[str, dict]]:
     return records
 
 
-def _cut_torn_tail(path: Path) -> None:
+def cut_torn_tail(path: Path) -> None:
     """Before appending: drop a partial last line so the next record does not glue onto it."""
     try:
         size = path.stat().st_size
@@ -201,7 +201,7 @@ def _cut_torn_tail(path: Path) -> None:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """Every record of `<run_dir>/metrics.jsonl` (a torn last line is skipped with a warning)."""
-    return [record for _, record in _parse_lines(Path(run_dir) / METRICS_FILE)]
+    return [record for _, record in parse_lines(Path(run_dir) / METRICS_FILE)]
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> int:
@@ -213,7 +213,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return 0
-    records = _parse_lines(path)
+    records = parse_lines(path)
     kept = [(line, r) for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
     steps = [r["step"] for _, r in kept if isinstance(r.get("step"), int | float)]
     if step > 0 and (not steps or max(steps) < step):

@@ -25,7 +25,8 @@ def setup() -> int:
 
 def resolved(name: str, *, stage=None, precision="fp32", lr=LR, grad_clip=1.0, world_size=None, **overrides):
     """A ds_configs/ file resolved for the tests; ``stage`` forces the ZeRO stage (the file's value is replaced)."""
-    from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+    from ds_rlhf.ds_config_file import load_ds_config
+    from ds_rlhf.engines.ds_config import resolve_ds_config
 
     cfg = load_ds_config(name)
     if stage is not None:

@@ -17,9 +17,9 @@ import torch
 from ds_rlhf.recipes import eval_metrics, rl_eval
 from ds_rlhf.recipes.eval_metrics import pass_at_k
 from ds_rlhf.recipes.rl_eval import evaluate, load_eval_rows
-from ds_rlhf.run.best_checkpoint import BestCheckpointTracker, keep_best
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
+from ds_rlhf.run.best_checkpoint import BestCheckpointTracker, keep_best
 
 
 # ---- fakes ------------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class RecordingSync:
 def _service(device: str, *args: str):
     cfg = parse_config(list(args))
     rollout = Engine()
-    parts = SimpleNamespace(environment=None, rollout=rollout, sync=RecordingSync(rollout))
+    parts = SimpleNamespace(environment=None, rollout=rollout, sync=RecordingSync(rollout), loader_iter=iter([]))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device(device)))
     return rollout_service(parts, ctx, PhaseTimer()), parts
 
