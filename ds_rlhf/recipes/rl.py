@@ -38,8 +38,8 @@ from ds_rlhf.recipes.rl_service import rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
-from ds_rlhf.run.best_checkpoint import BestCheckpointTracker, keep_best
-from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
 from ds_rlhf.run.lifecycle import RunLifecycle
 from ds_rlhf.run.preflight import check_rl_run, rl_eval_on

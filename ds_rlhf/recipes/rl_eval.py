@@ -38,7 +38,7 @@ of rows (padding with repeats that are generated but not counted) so that no ran
 
 In a run: `RunEvaluation` holds what the `rl.eval_*` settings configure (rows, reward, sampling) and the trainer
 (`rl.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
-The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`) is `run/best_checkpoint.py`.
+The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`) is `run/checkpoint/best.py`.
 """
 
 from __future__ import annotations

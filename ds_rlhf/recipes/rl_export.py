@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_rlhf.engines.engine_io import export_hf
+from ds_rlhf.engines.hf_export import export_hf
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.run.context import RunContext
 
@@ -22,7 +22,7 @@ def export(ctx: RunContext, parts: RLParts) -> None:
 def export_if_due(ctx: RunContext, parts: RLParts, step: int) -> Path | None:
     """`run.export_every`: every N steps, the actor as a Hugging Face directory (weights, tokenizer and chat
     template, resolved ds_config) at run_dir/export/step_XXXXXXXX, written beside and swapped in atomically
-    (`engine_io.export_hf`). Collective: call on every rank, after the step (and its checkpoint, if any). Returns
+    (`hf_export.export_hf`). Collective: call on every rank, after the step (and its checkpoint, if any). Returns
     the directory, or None when no export is due."""
     every = ctx.cfg.run.export_every
     if every <= 0 or step <= 0 or step % every:

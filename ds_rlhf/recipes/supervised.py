@@ -20,7 +20,7 @@ from ds_rlhf.data.store import open_store
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import cap as memory_cap
-from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
 from ds_rlhf.run.lifecycle import RunLifecycle
 from ds_rlhf.run.preflight import check_supervised_run

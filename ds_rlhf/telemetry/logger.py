@@ -25,6 +25,7 @@ import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.redaction import redact_urls
 
 METRICS_FILE = "metrics.jsonl"
@@ -225,20 +226,6 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
 
 
 def rewrite_lines(path: Path, lines: list[str]) -> None:
-    """Replace a JSONL file atomically: write beside it, fsync, rename over it, fsync the directory; a crash
-    leaves either the old or the new file whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace a JSONL file atomically (`atomic_files.write_text_atomic`): a crash leaves either the old or the new
+    file whole."""
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
