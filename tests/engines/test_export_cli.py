@@ -244,12 +244,12 @@ def test_export_refuses_what_it_cannot_do(zero2_run, tmp_path, capsys):
 
 
 def test_export_every_writes_step_directories(zero2_run, tiny_model_path, tmp_path):
-    """`run.export_every` (rl_build.export_if_due, called by the RL loop after each step): due steps only, each a
+    """`run.export_every` (rl_export.export_if_due, called by the RL loop after each step): due steps only, each a
     loadable directory, swapped in atomically."""
     from transformers import AutoModelForCausalLM
 
     from ds_rlhf.engines.model_source import resolve_model_path
-    from ds_rlhf.recipes.rl_build import export_if_due
+    from ds_rlhf.recipes.rl_export import export_if_due
 
     _, _, tok = zero2_run
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(str(tiny_model_path)), dtype=torch.float32)
