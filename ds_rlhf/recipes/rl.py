@@ -13,7 +13,8 @@ steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHIT
 
 Each stage takes values and returns a new value; none writes into another's. Building the parts is `rl_build.py`;
 held-out evaluation is `rl_eval.py`; the formulas live in `ds_rlhf.algos`. The operator extras (environment.json,
-status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`.
+status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`; signals, shut-down and exit
+are `run.lifecycle.RunLifecycle`, shared with the supervised loop.
 """
 
 from __future__ import annotations
