@@ -36,7 +36,7 @@ from ds_rlhf.agent.sandbox import Sandbox, tool_location
 from ds_rlhf.agent.tool_calls import ParsedCalls, parse_tool_calls
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.rewards.calling import reward_number
-from ds_rlhf.rewards.loading import _load_module, registered
+from ds_rlhf.rewards.loading import load_module, registered
 
 
 @runtime_checkable
@@ -200,7 +200,7 @@ def load_object(spec: str):
                           "tool functions in that file)")
     if not Path(path).is_file():
         raise ConfigError(f"environment {spec!r}: file not found: {path}")
-    module = _load_module(path)
+    module = load_module(path)
     if not hasattr(module, name):
         raise ConfigError(f"environment {spec!r}: {path} has no {name!r}")
     return getattr(module, name)

@@ -73,7 +73,7 @@ def masked_token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return aggregate(x.detach(), mask, "token-mean")
 
 
-def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
     valid = mask.bool()
     if not bool(valid.any()):
         return x.new_zeros(())
@@ -128,8 +128,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "dual_clip_frac": masked_token_mean(dual_active.to(ratio_d.dtype), valid),
             "approx_kl": masked_token_mean(torch.expm1(log_ratio.detach()) - log_ratio.detach(), valid),
             "ratio_mean": masked_token_mean(ratio_d, valid),
-            "ratio_min": _masked_extreme(ratio_d, valid, largest=False),
-            "ratio_max": _masked_extreme(ratio_d, valid, largest=True),
+            "ratio_min": masked_extreme(ratio_d, valid, largest=False),
+            "ratio_max": masked_extreme(ratio_d, valid, largest=True),
         }
     return loss, metrics
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_rlhf.algos.losses import _masked_extreme, aggregate, masked_token_mean
+from ds_rlhf.algos.losses import aggregate, masked_extreme, masked_token_mean
 from ds_rlhf.algos.registry import POLICY_LOSSES
 
 SAPO_TAU_MIN = 1e-6  # the smallest SAPO temperature (rl.sapo_tau_pos / rl.sapo_tau_neg)
@@ -44,8 +44,8 @@ def _ratio_metrics(log_ratio: torch.Tensor, valid: torch.Tensor, clipped: torch.
             "clip_frac": masked_token_mean(clipped.to(ratio.dtype), valid),
             "approx_kl": masked_token_mean(torch.expm1(log_ratio) - log_ratio, valid),
             "ratio_mean": masked_token_mean(ratio, valid),
-            "ratio_min": _masked_extreme(ratio, valid, largest=False),
-            "ratio_max": _masked_extreme(ratio, valid, largest=True),
+            "ratio_min": masked_extreme(ratio, valid, largest=False),
+            "ratio_max": masked_extreme(ratio, valid, largest=True),
         }
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ds_rlhf.atomic_files import write_text_atomic
+
 from .layout import DATA_FILE, FORMAT_VERSION, LENGTHS, MANIFEST, SCHEMAS, TOKEN_COLUMNS
 
 
@@ -126,9 +128,7 @@ def file_checksum(path: str | os.PathLike) -> dict:
 
 def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> Path:
     path = Path(out_dir) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(manifest, indent=1, sort_keys=False, ensure_ascii=False) + "\n")
     return path
 
 

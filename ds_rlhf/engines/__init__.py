@@ -7,6 +7,6 @@ Modules (imported directly; this package imports nothing heavy on its own):
   ``bench/attention.py``;
 - ``builder``: ``build_engine`` and ``build_actor/critic/reference/reward``;
 - ``onebit_adam`` + ``compression``: 1-bit Adam with an error-compensated 1-bit all-reduce (ZeRO stage 0);
-- ``checkpoint``: DeepSpeed checkpoints (with 1-bit error buffers) and Hugging Face export from any ZeRO stage;
+- ``hf_export``: Hugging Face export from any ZeRO stage (run checkpoints: ``ds_rlhf/run/checkpoint/``);
 - ``memory``: per-role memory accounting.
 """

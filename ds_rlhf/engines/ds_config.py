@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ds_rlhf.ds_config_file import find_ds_config, load_ds_config, packaged_ds_configs  # noqa: F401
+from ds_rlhf.ds_config_file import load_ds_config
 from ds_rlhf.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ AUTO = "auto"
 PRECISIONS = ("fp32", "bf16", "fp16")
 RESOLVED_NAME = "ds_config.resolved.json"
 # DeepSpeed's own defaults, used for bucket sizes when the model's hidden size is not known.
-_DS_BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+DS_BUCKET_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                        "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000}
 
 
@@ -206,7 +206,7 @@ def _resolve_zero(cfg: dict, zero_stage, offload, hidden_size, world_size) -> No
     if zero.get("offload_param", {}).get("device", "none") != "none" and stage != 3:
         raise ConfigError("ds_config key 'zero_optimization.offload_param' needs ZeRO stage 3 (parameters are only "
                          f"partitioned at stage 3), but stage is {stage}")
-    sizes = dict(_DS_BUCKET_DEFAULTS)
+    sizes = dict(DS_BUCKET_DEFAULTS)
     if hidden_size:  # the same heuristics as transformers' HfTrainerDeepSpeedConfig
         sizes.update(reduce_bucket_size=hidden_size * hidden_size,
                      stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from ds_rlhf.atomic_files import publish_dir
 from ds_rlhf.config import ConfigError
 from ds_rlhf.engines.chat_tokens import end_of_turn_token, template_tokens
 from ds_rlhf.engines.models import as_dtype
-from ds_rlhf.engines.publish import publish_dir
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("bf16", "fp16", "fp32")

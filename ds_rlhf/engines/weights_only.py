@@ -6,7 +6,7 @@ calls ``torch.load(weights_only=False)`` for its engine files (model states, ZeR
 is made a weights-only load that also accepts the few DeepSpeed types those files hold (``DEEPSPEED_TYPES``: the ZeRO
 stage enum, the fragment addresses of ZeRO-1/2 and bf16 optimizers, the fp16 loss scalers). Any other pickled global
 (a function, a class) is refused before it is called: ``CheckpointRefused``, one line naming the file and the global.
-A matching sha256 manifest (``ds_rlhf.run.checkpoints``) shows a file is the one that was saved, not who
+A matching sha256 manifest (``ds_rlhf.run.checkpoint.manager``) shows a file is the one that was saved, not who
 saved it, so the checks are independent.
 """
 

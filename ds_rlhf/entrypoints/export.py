@@ -28,14 +28,16 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from ds_rlhf.atomic_files import publish_dir
 from ds_rlhf.config_rl_names import in_sections
 from ds_rlhf.engines.ds_config import RESOLVED_NAME, config_precision
-from ds_rlhf.engines.engine_io import excluded_frozen, write_export
+from ds_rlhf.engines.hf_export import write_export
 from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import CriticModel, RewardModel, apply_seqcls_lora, as_dtype, load_causal_lm, lora_settings
-from ds_rlhf.engines.publish import publish_dir
 from ds_rlhf.engines.weights_only import CheckpointRefused, load_torch_file, weights_only_loads
-from ds_rlhf.run.checkpoints import MARKER, CheckpointManager
+from ds_rlhf.run.checkpoint.deepspeed_io import excluded_frozen
+from ds_rlhf.run.checkpoint.files import MARKER
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.run_dir import STEP_DIR, complete_checkpoints, step_of
 
 ROLES = ("actor", "sft", "rm", "critic")  # engine directories our trainers write (RL actor/critic, SFT, RM)

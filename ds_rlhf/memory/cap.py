@@ -37,7 +37,8 @@ from __future__ import annotations
 import os
 
 from ds_rlhf.errors import ConfigError
-from ds_rlhf.memory.plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, RolePlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.memory.plan import DEFAULT_RESERVE_GB, GiB, MemoryPlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.memory.role_plan import RolePlan
 
 HEADROOM = 512 << 20  # for non-torch buffers created after a measurement (NCCL's, cuBLAS handles, vLLM's)
 RESERVE = int(DEFAULT_RESERVE_GB["cuda"] * GiB)  # the plan's reserve: the most taken off the cap for those bytes

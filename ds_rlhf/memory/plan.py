@@ -61,7 +61,7 @@ from ds_rlhf.engines.memory import activation_bytes
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.kv_cache import kv_bytes_per_token, vllm_kv_cache
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
-from ds_rlhf.memory.role_plan import RolePlan, Settings, logprob_head_bytes, plan_role, quantized_base  # noqa: F401
+from ds_rlhf.memory.role_plan import RolePlan, Settings, plan_role, quantized_base
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
 
 GiB = 1024 ** 3

@@ -5,10 +5,10 @@ imported). No model is read or loaded here."""
 
 from __future__ import annotations
 
-from ds_rlhf.ds_config_file import find_ds_config
+from ds_rlhf.ds_config_file import find_ds_config, load_ds_config
 from ds_rlhf.engines.builder import frozen_config
-from ds_rlhf.engines.ds_config import _DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
-from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+from ds_rlhf.engines.ds_config import DS_BUCKET_DEFAULTS as DS_DEFAULTS  # DeepSpeed's own defaults
+from ds_rlhf.engines.ds_config import resolve_ds_config
 from ds_rlhf.rollout.vllm_mapping import vllm_distribution
 
 

@@ -39,7 +39,8 @@ from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
 from ds_rlhf.memory.device import ACTIVATION_FACTOR, DevicePeak, activations_in_train_phase, device_peak
-from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, kv_bytes_per_token, plan_memory, remedies
+from ds_rlhf.memory.kv_cache import kv_bytes_per_token
+from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory, remedies
 from ds_rlhf.memory.settings import rollout_backend
 
 MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048,

@@ -21,7 +21,7 @@ import time
 from ds_rlhf.config import parse_config
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.run.checks import FAIL
-from ds_rlhf.run.environment import apply_config, by_name, doctor_json, format_table, run_checks  # noqa: F401
+from ds_rlhf.run.environment import apply_config, doctor_json, format_table, run_checks
 
 
 def build_parser() -> argparse.ArgumentParser:

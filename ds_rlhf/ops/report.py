@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.config_rl_names import in_sections
 from ds_rlhf.ops.report_plots import render_plots, value
 from ds_rlhf.ops.report_sections import health_html, samples_html
@@ -225,9 +226,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, run_
     plots = render_plots(info.records, out)
     env, source = environment(info.run_dir, run_doctor)
     page = out / "index.html"
-    tmp = page.with_name(".index.html.tmp")
-    tmp.write_text(render_html(info, plots, env, source, out))
-    os.replace(tmp, page)  # a browser reloading a running run's report never sees half a page
+    # a browser reloading a running run's report never sees half a page
+    write_text_atomic(page, render_html(info, plots, env, source, out))
     return page
 
 

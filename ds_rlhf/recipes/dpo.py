@@ -24,7 +24,7 @@ from ds_rlhf.algos.preference import log_ratios, preference_loss
 from ds_rlhf.data.packing import pack_sequences
 from ds_rlhf.engines.builder import build_actor, build_reference, build_shared_reference
 from ds_rlhf.engines.chat_tokens import end_of_turn_id, turn_tail_ids
-from ds_rlhf.engines.engine_io import export_hf
+from ds_rlhf.engines.hf_export import export_hf
 from ds_rlhf.engines.models import lora_settings
 from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.recipes.sft import token_budget_groups

@@ -13,13 +13,13 @@ steps) and one step, `RLTrainer.train_step`, in numbered stages that docs/ARCHIT
 
 Each stage takes values and returns a new value; none writes into another's. Building the parts is `rl_build.py`;
 held-out evaluation is `rl_eval.py`; the formulas live in `ds_rlhf.algos`. The operator extras (environment.json,
-status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`.
+status.json, health warnings, the live metrics endpoint) are `run.monitor.RunMonitor`; signals, shut-down and exit
+are `run.lifecycle.RunLifecycle`, shared with the supervised loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -29,42 +29,27 @@ from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
-from ds_rlhf.recipes import rl_build
+from ds_rlhf.recipes import rl_build, rl_export
+from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
 from ds_rlhf.recipes.nonfinite import guard_step
 from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
 from ds_rlhf.recipes.rl_build import RLParts
-from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, RunEvaluation, keep_best
-from ds_rlhf.recipes.rollout_schedule import dynamic_batch, eval_generate, rollout_service
+from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
+from ds_rlhf.recipes.rl_service import rollout_service
 from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
-from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
-from ds_rlhf.run.monitor import RunMonitor
+from ds_rlhf.run.lifecycle import RunLifecycle
 from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
-from ds_rlhf.run.signals import GracefulStop
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
 from ds_rlhf.telemetry.samples import SampleLogger, episode_fields, truncate_samples
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
-
-
-class TimedDraws:
-    """The prompt loader's iterator with each draw charged to the timer's `data` phase. The rollout service draws
-    inside its `rollout` phase; PhaseTimer charges nested phases exclusively, so the draw's seconds move from
-    `time/rollout` to `time/data` and `time/step` still counts them once."""
-
-    def __init__(self, it: Iterator[list[dict]], timer: PhaseTimer):
-        self.it, self.timer = it, timer
-
-    def __iter__(self) -> TimedDraws:
-        return self
-
-    def __next__(self) -> list[dict]:
-        with self.timer.phase("data"):
-            return next(self.it)
 
 
 def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
@@ -81,12 +66,12 @@ class RLTrainer:
         self.cfg = cfg
         check_rl_run(cfg)  # inputs on disk, before any process group, engine or vLLM starts
         self.ctx: RunContext = setup_run(cfg, "rl")
-        self.monitor = RunMonitor.for_run(self.ctx, "rl", cfg.run.steps)  # status.json says how a run ended
-        try:
-            self._build(rollout)
-        except BaseException as exc:
-            self.monitor.finish(exc, step=0)
-            raise
+        self.step = 0
+        # a signal stops the remote rewards' requests too (`interrupt`); a request it cut ends the step unsaved
+        self.lifecycle = RunLifecycle(self.ctx, "rl", cfg.run.steps, save=self._save, step=lambda: self.step,
+                                      on_signal=(interrupt,), on_exit=(clear_interrupt,), cut_short=(Interrupted,))
+        self.monitor = self.lifecycle.monitor  # status.json, health warnings, live metrics
+        self.lifecycle.build(lambda: self._build(rollout))
 
     def _build(self, rollout) -> None:
         cfg = self.cfg
@@ -105,14 +90,12 @@ class RLTrainer:
                            if rl_eval_on(cfg) else None)
         self.best = BestCheckpointTracker(cfg.eval.best_metric, cfg.eval.best_mode) if cfg.eval.best_metric else None
         self.sample_logger: SampleLogger | None = None  # opened by train(), beside the metrics logger
-        self.step = 0
         self.generator = torch.Generator().manual_seed(cfg.run.seed)
         self.timer = PhaseTimer(sync_cuda=self.ctx.dist.device.type == "cuda")
         self.memory = None
         if cfg.run.profile_memory:  # --run.profile_memory: measured peak per phase vs the plan
             self.memory = MemoryProfiler(cfg, self.ctx.dist.device, self.ctx.dist.world_size, announce=self.ctx.print)
             self.timer.observer = self.memory
-        self.parts.loader_iter = TimedDraws(self.parts.loader_iter, self.timer)  # time/data
         self.service = rollout_service(self.parts, self.ctx, self.timer)
         if resume_from is not None:
             self._restore(resume_from)
@@ -193,7 +176,7 @@ class RLTrainer:
         if self.memory is not None:
             metrics.update(self.memory.step_metrics())
         metrics["time/wall"] = time.perf_counter() - t0
-        metrics["throughput/tokens_per_s"] = metrics.pop("_tokens", 0.0) / max(metrics["time/wall"], 1e-9)
+        metrics["throughput/tokens_per_s"] = float(traj.seq_lens.sum()) / max(metrics["time/wall"], 1e-9)
         metrics["throughput/completions_per_s"] = metrics.get("rollout/samples", 0.0) / max(metrics["time/wall"], 1e-9)
         metrics = all_reduce_mean(metrics, ctx.dist.device)
         metrics.update(system_stats(ctx.dist.local_rank))
@@ -234,7 +217,7 @@ class RLTrainer:
         return self.best.update(self.step, metrics)
 
     # ---- loop --------------------------------------------------------------------------------------------
-    def _loop_step(self, logger, stop) -> dict:
+    def _loop_step(self, logger) -> dict:
         """One step of the loop: train, evaluate when due, log, then save on a signal, when due or on a new best."""
         cfg = self.cfg
         metrics = guard_step(self.train_step, step=self.step + 1, policy=cfg.rl.on_nonfinite, print_fn=self.ctx.print,
@@ -245,19 +228,14 @@ class RLTrainer:
         new_best = self._new_best(metrics)
         metrics = self.monitor.after_step(self.step, metrics)  # health warnings, live metrics
         logger.log(self.step, metrics)
-        if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
-            self._save()
-            stop.exit(signum, announce=self.ctx.print)
+        self.lifecycle.after_step()  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
         due = cfg.run.save_every and self.step % cfg.run.save_every == 0
         saved = bool((due or new_best) and self.step < cfg.run.steps)  # the last step is saved by train()
         if saved:
             self._save()
-        exported = rl_build.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
-        # a signal that came during that save or export: stop now, not after the next step
-        if (saved or exported is not None) and (signum := stop.pending()):
-            if not saved:
-                self._save()
-            stop.exit(signum, announce=self.ctx.print)
+        exported = rl_export.export_if_due(self.ctx, self.parts, self.step)  # run.export_every: HF dirs
+        if saved or exported is not None:  # a signal that came during that save or export: stop now
+            self.lifecycle.after_save(saved)
         return metrics
 
     def train(self) -> list[dict]:
@@ -267,47 +245,31 @@ class RLTrainer:
         logger = ctx.metrics_logger(total_steps=cfg.run.steps, start_step=-1 if before else self.step,
                                     desc=f"rl[{cfg.rl.algo}]", postfix_keys=PROGRESS_KEYS)
         self.monitor.set_printer(logger.print)
+        return self.lifecycle.run(lambda: self._train(logger, before), close=lambda: self._close(logger))
+
+    def _train(self, logger, before: bool) -> list[dict]:
+        """The loop, the final save and export (inside `RunLifecycle.run`, which stops it on a signal)."""
+        cfg = self.cfg
+        self.sample_logger = SampleLogger(self.ctx.run_dir, self.ctx.dist.rank, cfg.run.sample_log_every,
+                                          cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
+                                          wandb_run=logger.wandb_run)
+        if before:  # the baseline: logged at step 0, not a candidate for the best checkpoint
+            logger.log(0, self.evaluate())
         history = []
-        error: BaseException | None = None
-        # the handlers cover the whole run, the final save, export and shut-down included: a signal after the last
-        # step waits for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
-        with GracefulStop(ctx.dist.device, announce=ctx.print, on_signal=(interrupt,),
-                          on_exit=(clear_interrupt,)) as stop:
-            try:
-                self.sample_logger = SampleLogger(ctx.run_dir, ctx.dist.rank, cfg.run.sample_log_every,
-                                                  cfg.run.sample_log_k, tensorboard_writer=logger.tensorboard_writer,
-                                                  wandb_run=logger.wandb_run)
-                if before:  # the baseline: logged at step 0, not a candidate for the best checkpoint
-                    logger.log(0, self.evaluate())
-                while self.step < cfg.run.steps:
-                    history.append(self._loop_step(logger, stop))
-                self._save()
-                if cfg.run.export_hf:
-                    rl_build.export(self.ctx, self.parts)
-                if stop.signum:  # it came during the final save or export, which are done: status.json says stopped
-                    stop.exit(stop.signum, announce=ctx.print)
-            except Interrupted as exc:  # the signal cut a reward server's request: this step cannot finish
-                error = SystemExit(128 + (stop.signum or exc.signum))
-                ctx.print(f"[signal] a reward request was stopped mid-step; exiting with {error.code}, this step "
-                          "unsaved (the last checkpoint stands)")
-                raise error from None
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                try:
-                    if self.sample_logger is not None:
-                        self.sample_logger.close()
-                    logger.close()
-                    if self.evaluation is not None:
-                        self.evaluation.close()
-                    self.parts.close()
-                finally:
-                    self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
-                    ctx.close()  # releases the run directory's lock
-            if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
-                stop.exit(stop.signum, announce=ctx.print)
+        while self.step < cfg.run.steps:
+            history.append(self._loop_step(logger))
+        self._save()
+        if cfg.run.export_hf:
+            rl_export.export(self.ctx, self.parts)
         return history
+
+    def _close(self, logger) -> None:
+        if self.sample_logger is not None:
+            self.sample_logger.close()
+        logger.close()
+        if self.evaluation is not None:
+            self.evaluation.close()
+        self.parts.close()
 
 
 # ---- the step's stages ---------------------------------------------------------------------------------
@@ -337,7 +299,7 @@ def step_metrics(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, update:
            "response/len_mean": lens.mean(), "response/len_max": lens.max(), "response/len_p50": lens.median(),
            "rollout/tail_decode_frac": tail_decode_fraction(lens),
            "response/truncated_frac": (traj.response_lens >= ctx.cfg.rollout.max_new_tokens).float().mean(),
-           "rollout/samples": len(traj), "kl/coef": kl_coef, "_tokens": float(traj.seq_lens.sum())}
+           "rollout/samples": len(traj), "kl/coef": kl_coef}
     if ctx.cfg.rl.overlong_mask:  # rows whose loss weight is zero (truncated responses)
         out["response/loss_masked_frac"] = (mask.sum(1) == 0).float().mean()
     out.update(mismatch_metrics(update.trainer_logp, traj.rollout_logp, mask))

@@ -1,5 +1,6 @@
 """Building what an RL run needs from its config, once: engines per role, the rollout engine, weight sync, the
-prompt loader and the reward stage. Nothing here runs per step (that is `rl.py`)."""
+prompt loader and the reward stage, into a typed `RLParts`. The step (`rl.py`) uses them; the exports are
+`rl_export.py`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,10 +18,9 @@ from ds_rlhf.agent.sandbox_reap import stop_all as stop_sandbox_calls
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
+from ds_rlhf.ds_config_file import load_ds_config
 from ds_rlhf.engines.attention import select_attn_impl
 from ds_rlhf.engines.builder import build_actor, build_critic, build_reference, build_reward, build_shared_reference
-from ds_rlhf.engines.ds_config import load_ds_config
-from ds_rlhf.engines.engine_io import export_hf
 from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import as_dtype, lora_settings
 from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_critic_stage
@@ -300,24 +299,3 @@ def _critic_source(ctx: RunContext) -> tuple[str, str]:
         init = "reward" if (ctx.cfg.critic.path or ctx.cfg.reward.model) and path != ctx.model_path else "actor"
     key = "critic.path" if ctx.cfg.critic.path else "reward.model" if ctx.cfg.reward.model else "model.path"
     return resolve_model_path(path, key), init
-
-
-def export(ctx: RunContext, parts: RLParts) -> None:
-    export_hf(parts.actor, ctx.tokenizer, Path(ctx.run_dir) / "export" / "actor")
-    if parts.critic is not None:
-        export_hf(parts.critic, ctx.tokenizer, Path(ctx.run_dir) / "export" / "critic")
-    ctx.print(f"[rl] exported Hugging Face model(s) to {Path(ctx.run_dir) / 'export'}")
-
-
-def export_if_due(ctx: RunContext, parts: RLParts, step: int) -> Path | None:
-    """`run.export_every`: every N steps, the actor as a Hugging Face directory (weights, tokenizer and chat
-    template, resolved ds_config) at run_dir/export/step_XXXXXXXX, written beside and swapped in atomically
-    (`engine_io.export_hf`). Collective: call on every rank, after the step (and its checkpoint, if any). Returns
-    the directory, or None when no export is due."""
-    every = ctx.cfg.run.export_every
-    if every <= 0 or step <= 0 or step % every:
-        return None
-    out = Path(ctx.run_dir) / "export" / f"step_{step:08d}"
-    export_hf(parts.actor, ctx.tokenizer, out)
-    ctx.print(f"[rl] exported the actor at step {step} to {out}")
-    return out

@@ -19,7 +19,7 @@ correct, "correct" meaning reward >= `threshold`):
   `eval/samples`, `eval/bad` (rewards that raised or were not finite; scored 0), `eval/response_len_mean`,
   `eval/truncated_frac`, `eval/seconds`.
 
-Multi-turn episodes (`env.name`): `generate` is the episode service's (`rollout_schedule.eval_generate`),
+Multi-turn episodes (`env.name`): `generate` is the episode service's (`eval_generate`),
 so each sample is one episode played with the run's environment on the same engine and weights, `n` episodes per
 prompt (greedy: one), and its score is what training gives it (`episode_scores`: the reward stage's `combined`,
 the environment's reward plus the reward functions' and the reward model's scores where the run has them; the
@@ -38,8 +38,7 @@ of rows (padding with repeats that are generated but not counted) so that no ran
 
 In a run: `RunEvaluation` holds what the `eval.*` settings configure (rows, reward, sampling) and the trainer
 (`rl.RLTrainer.evaluate`) calls it when the rollout engine is idle and holds the step's weights.
-The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`, importable from here) is
-`best_checkpoint.py`.
+The best checkpoint by one eval metric (`BestCheckpointTracker`, `keep_best`) is `run/checkpoint/best.py`.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from ds_rlhf.agent.rollout import EpisodeRolloutService
 from ds_rlhf.config import ConfigError
 from ds_rlhf.data.store import open_store
 from ds_rlhf.recipes.eval_metrics import gather_tallies, merge_tallies, tally_metrics, tally_parts, tally_samples
@@ -63,9 +63,9 @@ from ds_rlhf.rewards.loading import user_code_specs
 from ds_rlhf.rewards.reward_set import RewardSet
 from ds_rlhf.rewards.scoring import score_samples
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.service import RolloutService
 from ds_rlhf.rollout.stops import run_stop_token_ids
 from ds_rlhf.rollout.stops import stop_token_ids as tokenizer_stop_ids
-from ds_rlhf.run.best_checkpoint import BEST_DIR, BEST_INFO, BestCheckpointTracker, keep_best  # noqa: F401
 
 GenerateRows = Callable[[list[dict], SamplingSpec], list[RolloutSample]]  # rows, spec -> samples (prompt-major)
 # samples, their reward functions' scores (None: no functions) -> (each sample's reward, reward model scores)
@@ -273,7 +273,7 @@ class RunEvaluation:
 
     def run(self, engine: RolloutEngine, generate: GenerateRows | None = None) -> dict[str, float]:
         """The `eval/...` metrics of the engine's current weights (collective: every rank at the same step).
-        `generate`: the episode service's (`rollout_schedule.eval_generate`), which plays episodes with the engine;
+        `generate`: the episode service's (`eval_generate`), which plays episodes with the engine;
         None: single turns."""
         if generate is not None and self.episode_scores is None:
             raise ValueError("evaluating episodes needs the reward stage's episode_scores (RunEvaluation(...))")
@@ -285,5 +285,12 @@ class RunEvaluation:
             self.reward.close()
 
 
-__all__ = ["BestCheckpointTracker", "EpisodeScores", "GenerateRows", "RunEvaluation", "eval_reward_fn", "eval_spec",
-           "evaluate", "keep_best", "load_eval_rows", "preserved_rng"]
+def eval_generate(service: RolloutService) -> GenerateRows | None:
+    """What held-out evaluation generates with (`rl_eval.RunEvaluation.run`): with `env.name` the episode
+    service's `play` (episodes with the run's environment on the same engine), else None (the engine's single
+    turns)."""
+    return service.play if isinstance(service, EpisodeRolloutService) else None
+
+
+__all__ = ["EpisodeScores", "GenerateRows", "RunEvaluation", "eval_generate", "eval_reward_fn", "eval_spec", "evaluate",
+           "load_eval_rows", "preserved_rng"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_rlhf.engines.builder import build_engine, load_dtypes
-from ds_rlhf.engines.engine_io import export_hf, export_reward_adapter
+from ds_rlhf.engines.hf_export import export_hf, export_reward_adapter
 from ds_rlhf.engines.models import RewardModel, apply_seqcls_lora, lora_settings
 from ds_rlhf.engines.rm_scoring import ScoreRule, score_rule
 from ds_rlhf.recipes.batching import pad_right, pad_scored

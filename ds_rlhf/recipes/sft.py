@@ -14,7 +14,7 @@ import torch
 
 from ds_rlhf.data.packing import pack_sequences
 from ds_rlhf.engines.builder import build_actor
-from ds_rlhf.engines.engine_io import export_hf
+from ds_rlhf.engines.hf_export import export_hf
 from ds_rlhf.engines.models import lora_settings
 from ds_rlhf.engines.policy_forward import sequence_logprobs
 from ds_rlhf.recipes.batching import split_micro

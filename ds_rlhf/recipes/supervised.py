@@ -20,11 +20,10 @@ from ds_rlhf.data.store import open_store
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import cap as memory_cap
-from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
-from ds_rlhf.run.monitor import RunMonitor
+from ds_rlhf.run.lifecycle import RunLifecycle
 from ds_rlhf.run.preflight import check_supervised_run
-from ds_rlhf.run.signals import GracefulStop
 from ds_rlhf.telemetry import PhaseTimer, system_stats
 from ds_rlhf.telemetry.logger import truncate_metrics
 
@@ -67,12 +66,10 @@ class SupervisedTrainer:
         self.cfg, self.task = cfg, task
         check_supervised_run(cfg, task.store_kind, task.name)  # inputs on disk, before any process group or model
         self.ctx = setup_run(cfg, task.name)
-        self.monitor = RunMonitor.for_run(self.ctx, task.name, cfg.run.steps)  # status.json says how a run ended
-        try:
-            self._build()
-        except BaseException as exc:
-            self.monitor.finish(exc, step=0)
-            raise
+        self.step = 0
+        self.lifecycle = RunLifecycle(self.ctx, task.name, cfg.run.steps, save=self._save, step=lambda: self.step)
+        self.monitor = self.lifecycle.monitor  # status.json, health warnings, live metrics
+        self.lifecycle.build(self._build)
 
     def _build(self) -> None:
         cfg, task, ctx = self.cfg, self.task, self.ctx
@@ -120,7 +117,6 @@ class SupervisedTrainer:
                                   lr=cfg.optim.lr, total_steps=self.total_steps)
         self.engine = task.build(ctx, ds_config)
         self.ckpt.check_room({task.name: self.engine})  # the first save fits, or stop before training
-        self.step = 0
         self.timer = PhaseTimer(sync_cuda=ctx.dist.device.type == "cuda")
         if resume_from is not None:
             state = self.ckpt.load(resume_from, {task.name: self.engine})
@@ -182,45 +178,28 @@ class SupervisedTrainer:
         logger.log(self.step, metrics)
 
     def train(self) -> dict:
-        cfg, ctx, task = self.cfg, self.ctx, self.task
+        ctx, task = self.ctx, self.task
         logger = ctx.metrics_logger(total_steps=self.total_steps, start_step=self.step, desc=task.name,
                                     postfix_keys=task.progress_keys)
         self.monitor.set_printer(logger.print)
-        error: BaseException | None = None
-        summary = {}
-        # the handlers cover the whole run, the final save and export included: a signal after the last step waits
-        # for the final checkpoint, then the run exits 128 + signal like one stopped mid-run
-        with GracefulStop(ctx.dist.device, announce=ctx.print) as stop:
-            try:
-                summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
-                while self.step < self.total_steps:
-                    self._logged_step(logger)
-                    if signum := stop.pending():  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
-                        self._save()
-                        stop.exit(signum, announce=ctx.print)
-                    if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
-                        self._save()
-                        if signum := stop.pending():  # it came during that save: stop now, not a step later
-                            stop.exit(signum, announce=ctx.print)
-                summary["eval_after"] = self.evaluate()
-                logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
+        return self.lifecycle.run(lambda: self._train(logger), close=logger.close)
+
+    def _train(self, logger) -> dict:
+        """The loop, the final evaluation, save and export (inside `RunLifecycle.run`, which stops it on a signal)."""
+        cfg, ctx, task, lifecycle = self.cfg, self.ctx, self.task, self.lifecycle
+        summary = {"eval_before": self.evaluate()} if self.step == 0 else {}
+        while self.step < self.total_steps:
+            self._logged_step(logger)
+            lifecycle.after_step()  # SIGTERM / SIGINT: keep the finished step, then exit 128 + sig
+            if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < self.total_steps:
                 self._save()
-                if cfg.run.export_hf:
-                    out = Path(ctx.run_dir) / "export"
-                    task.export(self.engine, ctx, out)
-                    summary["export"] = str(out)
-                    ctx.print(f"[{task.name}] exported to {out}")
-                if stop.signum:  # it came during the final save or export, which are done: status.json says stopped
-                    stop.exit(stop.signum, announce=ctx.print)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                try:
-                    logger.close()
-                finally:
-                    self.monitor.finish(error, step=self.step)  # status.json, before the lock is released
-                    ctx.close()  # releases the run directory's lock
-            if stop.signum:  # it came during the shut-down, after the final checkpoint was saved
-                stop.exit(stop.signum, announce=ctx.print)
+                lifecycle.after_save(saved=True)  # a signal during that save: stop now, not a step later
+        summary["eval_after"] = self.evaluate()
+        logger.log(self.step, {f"final/{k}": v for k, v in summary["eval_after"].items()})
+        self._save()
+        if cfg.run.export_hf:
+            out = Path(ctx.run_dir) / "export"
+            task.export(self.engine, ctx, out)
+            summary["export"] = str(out)
+            ctx.print(f"[{task.name}] exported to {out}")
         return summary

@@ -67,7 +67,7 @@ def load_reward_fn(spec: str):
     if (given := registered(spec)) is not None:
         return given
     path, name = check_spec(spec)
-    fn = getattr(_load_module(path), name, None)
+    fn = getattr(load_module(path), name, None)
     if not callable(fn):
         raise AttributeError(f"{path} has no callable '{name}'")
     return fn
@@ -103,7 +103,7 @@ def absolute_spec(spec: str) -> str:
     return f"{Path(path).resolve()}:{name}" + (f"@{style}" if style else "")
 
 
-def _load_module(path: str):
+def load_module(path: str):
     """Import a file by path (registered in sys.modules so dataclasses and pickle inside it work); the working
     directory is the same after the import as before it."""
     resolved = str(Path(path).resolve())

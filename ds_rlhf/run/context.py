@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from ds_rlhf.config import Config
 from ds_rlhf.distributed import DistInfo, init_distributed
-from ds_rlhf.engines.ds_config import OVERRIDES, find_ds_config, load_ds_config, pick_precision, resolve_ds_config
+from ds_rlhf.ds_config_file import find_ds_config, load_ds_config
+from ds_rlhf.engines.ds_config import OVERRIDES, pick_precision, resolve_ds_config
 from ds_rlhf.engines.model_source import resolve_model_path, resolve_model_source
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.redaction import redacted

@@ -27,6 +27,7 @@ import traceback
 from collections import deque
 from pathlib import Path
 
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.run.environment import apply_config, doctor_json, run_checks
 from ds_rlhf.run.health import ONCE, health_warnings
 from ds_rlhf.run.run_dir import checkpoints_dir, complete_checkpoints
@@ -73,9 +74,7 @@ def interrupted_line(run_dir: Path, step: int) -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)  # a reader never sees half a file
+    write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")  # a reader never sees half a file
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:

@@ -22,8 +22,9 @@ from pathlib import Path
 from ds_rlhf.config import Config
 from ds_rlhf.data.store import StoreMismatchError, open_store
 from ds_rlhf.data.store_checks import StoreFormatError
+from ds_rlhf.ds_config_file import load_ds_config
 from ds_rlhf.engines import kernels
-from ds_rlhf.engines.ds_config import check_top_level_keys, load_ds_config
+from ds_rlhf.engines.ds_config import check_top_level_keys
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_causal_lm_dir, check_reward_model_dir
 from ds_rlhf.errors import ConfigError

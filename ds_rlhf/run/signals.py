@@ -1,9 +1,9 @@
 """SIGTERM / SIGINT during training: finish the current step, save a checkpoint, exit with 128 + the signal.
 
-A scheduler's SIGTERM (preemption, `scancel`, `kill`) or a Ctrl-C then loses no finished step: the loop asks
-`stop.pending()` after every step, and again right after a periodic checkpoint save (or export) so a signal that
-came during it stops the run there instead of a step later; all ranks agree (one tiny collective), so they save the
-same step together.
+A scheduler's SIGTERM (preemption, `scancel`, `kill`) or a Ctrl-C then loses no finished step: the run's lifecycle
+(`lifecycle.RunLifecycle`, the same for every loop) asks `stop.pending()` after every step, and again right after a
+periodic checkpoint save (or export) so a signal that came during it stops the run there instead of a step later;
+all ranks agree (one tiny collective), so they save the same step together.
 A second signal exits at once (`os._exit(128 + signal)`), for when the current step itself is what hangs.
 `on_signal` callbacks run at the first signal (inside the handler, so they must not block or take locks): the RL
 recipe passes the remote reward's `interrupt`, which leaves requests to a reward server a few seconds and then

@@ -25,6 +25,7 @@ import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.redaction import redact_urls
 
 METRICS_FILE = "metrics.jsonl"
@@ -63,7 +64,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # append: a resumed run continues the same log (it is truncated to the checkpoint step on resume)
-        _cut_torn_tail(self.run_dir / METRICS_FILE)
+        cut_torn_tail(self.run_dir / METRICS_FILE)
         self._jsonl = open(self.run_dir / METRICS_FILE, "a")  # noqa: SIM115 (closed in close())
         if tensorboard:
             try:
@@ -154,7 +155,7 @@ class MetricsLogger:
         self._jsonl.close()
 
 
-def _parse_lines(path: Path) -> list[tuple[str, dict]]:
+def parse_lines(path: Path) -> list[tuple[str, dict]]:
     """(line, record) for each record of a metrics file; a torn last line is skipped with a warning, a bad line
     elsewhere raises naming the file and line."""
     if not path.exists():
@@ -175,7 +176,7 @@ def _parse_lines(path: Path) -> list[tuple[str, dict]]:
     return records
 
 
-def _cut_torn_tail(path: Path) -> None:
+def cut_torn_tail(path: Path) -> None:
     """Before appending: drop a partial last line so the next record does not glue onto it."""
     try:
         size = path.stat().st_size
@@ -201,7 +202,7 @@ def _cut_torn_tail(path: Path) -> None:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """Every record of `<run_dir>/metrics.jsonl` (a torn last line is skipped with a warning)."""
-    return [record for _, record in _parse_lines(Path(run_dir) / METRICS_FILE)]
+    return [record for _, record in parse_lines(Path(run_dir) / METRICS_FILE)]
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> int:
@@ -213,7 +214,7 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return 0
-    records = _parse_lines(path)
+    records = parse_lines(path)
     kept = [(line, r) for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
     steps = [r["step"] for _, r in kept if isinstance(r.get("step"), int | float)]
     if step > 0 and (not steps or max(steps) < step):
@@ -225,20 +226,6 @@ def truncate_metrics(run_dir: str | Path, step: int) -> int:
 
 
 def rewrite_lines(path: Path, lines: list[str]) -> None:
-    """Replace a JSONL file atomically: write beside it, fsync, rename over it, fsync the directory; a crash
-    leaves either the old or the new file whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Replace a JSONL file atomically (`atomic_files.write_text_atomic`): a crash leaves either the old or the new
+    file whole."""
+    write_text_atomic(path, "".join(line + "\n" for line in lines))

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 
-from ds_rlhf.telemetry.system import _nvml
+from ds_rlhf.telemetry.system import nvml_module
 
 PREFIX = "ds_rlhf_"
 ADDR_ENV = "DS_RLHF_METRICS_ADDR"
@@ -81,7 +81,7 @@ class GpuCollector:
 
     def _handle(self):
         if self._nvml is None:
-            self._nvml = _nvml()
+            self._nvml = nvml_module()
         return self._nvml
 
     def collect(self):

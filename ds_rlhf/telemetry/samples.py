@@ -39,7 +39,7 @@ import os
 import sys
 from pathlib import Path
 
-from ds_rlhf.telemetry.logger import _cut_torn_tail, _parse_lines, rewrite_lines
+from ds_rlhf.telemetry.logger import cut_torn_tail, parse_lines, rewrite_lines
 
 SAMPLES_FILE = "samples.jsonl"
 ROW_KEYS = ("prompt", "response", "reward", "reward_components", "ground_truth", "advantage", "weights_version")
@@ -123,7 +123,7 @@ class SampleLogger:
         self._tb, self._wandb, self._file = tensorboard_writer, wandb_run, None
         if self.active:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _cut_torn_tail(self.path)
+            cut_torn_tail(self.path)
             self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
 
     def due(self, step: int) -> bool:
@@ -169,7 +169,7 @@ class SampleLogger:
 
 def read_samples(run_dir: str | os.PathLike) -> list[dict]:
     """Every record of `<run_dir>/samples.jsonl` (a torn last line is skipped with a warning)."""
-    return [record for _, record in _parse_lines(Path(run_dir) / SAMPLES_FILE)]
+    return [record for _, record in parse_lines(Path(run_dir) / SAMPLES_FILE)]
 
 
 def truncate_samples(run_dir: str | os.PathLike, step: int) -> int:
@@ -178,7 +178,7 @@ def truncate_samples(run_dir: str | os.PathLike, step: int) -> int:
     path = Path(run_dir) / SAMPLES_FILE
     if not path.exists():
         return 0
-    records = _parse_lines(path)
+    records = parse_lines(path)
     kept = [line for line, r in records if not isinstance(r.get("step"), int | float) or r["step"] <= step]
     rewrite_lines(path, kept)
     return len(records) - len(kept)

@@ -7,7 +7,8 @@ import resource
 _NVML = None
 
 
-def _nvml():
+def nvml_module():
+    """The pynvml module, initialised once per process; False where NVML or a GPU is missing."""
     global _NVML
     if _NVML is None:
         try:
@@ -27,7 +28,7 @@ def system_stats(device_index: int = 0) -> dict[str, float]:
     if torch.cuda.is_available():
         stats["sys/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
         stats["sys/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        nvml = _nvml()
+        nvml = nvml_module()
         if nvml:
             handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
             util = nvml.nvmlDeviceGetUtilizationRates(handle)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ds_rlhf.config import Config, ConfigError, help_text, load_file, parse_config
-from ds_rlhf.engines.ds_config import packaged_ds_configs
+from ds_rlhf.ds_config_file import packaged_ds_configs
 
 
 def test_defaults_file_and_overrides_apply_in_order(tmp_path):

@@ -8,13 +8,8 @@ import logging
 
 import pytest
 
-from ds_rlhf.engines.ds_config import (
-    find_auto,
-    load_ds_config,
-    pick_precision,
-    resolve_ds_config,
-    save_resolved_config,
-)
+from ds_rlhf.ds_config_file import load_ds_config
+from ds_rlhf.engines.ds_config import find_auto, pick_precision, resolve_ds_config, save_resolved_config
 
 FILES = ["zero2", "zero3", "zero3_offload", "zero3_pp", "onebit_adam"]
 CLI = dict(micro_batch_size=4, grad_accum=2, world_size=2, precision="bf16", grad_clip=0.5, lr=3e-4,

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from ds_rlhf.engines.builder import build_actor, build_critic, build_engine, build_reference, build_reward
-from ds_rlhf.engines.engine_io import export_hf, load_checkpoint, save_checkpoint
+from ds_rlhf.engines.hf_export import export_hf
 from ds_rlhf.engines.models import CriticModel, RewardModel
 from ds_rlhf.engines.roles import role_info
+from ds_rlhf.run.checkpoint.deepspeed_io import load_checkpoint, save_checkpoint
 from tests.engines.workers import lm_batch, resolved, train_critic, train_lm
 
 TOL = 1e-5  # fp32 engine vs plain HF module on the same weights
@@ -124,7 +125,7 @@ def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(tiny_model_path, 
     are a fraction of a full one, a resume is bit-identical, and a checkpoint missing a trained tensor is refused."""
     from pathlib import Path
 
-    from ds_rlhf.engines.engine_io import FROZEN_FILE
+    from ds_rlhf.run.checkpoint.deepspeed_io import FROZEN_FILE
 
     cfg = resolved("zero2", stage=stage, warmup_steps=5)
     lora = {"r": 8, "lora_alpha": 16}
@@ -144,13 +145,13 @@ def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(tiny_model_path, 
     excluded = json.loads(marker.read_text())["excluded"]
     frozen = {n for n, p in a.module.named_parameters() if not p.requires_grad}
     assert set(excluded) == frozen and frozen
-    from ds_rlhf.engines import engine_io
+    from ds_rlhf.run.checkpoint import deepspeed_io
 
-    real, engine_io.excludable_frozen = engine_io.excludable_frozen, lambda engine: []
+    real, deepspeed_io.excludable_frozen = deepspeed_io.excludable_frozen, lambda engine: []
     try:  # the same LoRA engine saved the old way, base included
         save_checkpoint(a, tmp_path / "with_base", "s6")
     finally:
-        engine_io.excludable_frozen = real
+        deepspeed_io.excludable_frozen = real
     assert not (tmp_path / "with_base" / "s6" / FROZEN_FILE).exists()
 
     def files_bytes(d: Path) -> int:

@@ -83,7 +83,7 @@ def train_sft(tmp_path, model_path, store, *extra, steps: int = 40, every: int =
     """An SFT run of `steps` optimizer steps with a checkpoint after each; returns (run dir, what the trainer's model
     was at each save: gathered state dict (LoRA folded in: `merged`) and greedy tokens). The tiny model's random
     initialisation repeats one token greedily; a few dozen steps make its continuations varied (a real check)."""
-    from ds_rlhf.engines.engine_io import gather_state_dict
+    from ds_rlhf.engines.hf_export import gather_state_dict
     from ds_rlhf.engines.models import merge_lora_state_dict, unwrap
     from ds_rlhf.recipes.sft import SFTTask
     from ds_rlhf.recipes.supervised import SupervisedTrainer
@@ -244,12 +244,12 @@ def test_export_refuses_what_it_cannot_do(zero2_run, tmp_path, capsys):
 
 
 def test_export_every_writes_step_directories(zero2_run, tiny_model_path, tmp_path):
-    """`run.export_every` (rl_build.export_if_due, called by the RL loop after each step): due steps only, each a
+    """`run.export_every` (rl_export.export_if_due, called by the RL loop after each step): due steps only, each a
     loadable directory, swapped in atomically."""
     from transformers import AutoModelForCausalLM
 
     from ds_rlhf.engines.model_source import resolve_model_path
-    from ds_rlhf.recipes.rl_build import export_if_due
+    from ds_rlhf.recipes.rl_export import export_if_due
 
     _, _, tok = zero2_run
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(str(tiny_model_path)), dtype=torch.float32)
@@ -270,7 +270,7 @@ def test_every_export_writes_use_cache_true_and_leaves_the_trained_module_as_it_
     generation, so its config.json says use_cache: true, and the live module keeps its own setting."""
     from transformers import AutoModelForCausalLM
 
-    from ds_rlhf.engines.engine_io import write_export
+    from ds_rlhf.engines.hf_export import write_export
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     model.config.use_cache = False

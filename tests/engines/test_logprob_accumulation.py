@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ds_rlhf.engines.builder import build_actor
-from ds_rlhf.engines.engine_io import gather_state_dict
+from ds_rlhf.engines.hf_export import gather_state_dict
 from ds_rlhf.engines.models import unwrap
 from ds_rlhf.engines.policy_forward import sequence_logprobs
 from tests.engines.workers import resolved

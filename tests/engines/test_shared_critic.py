@@ -106,7 +106,7 @@ def test_shared_critic_value_head_from_the_reward_model(tiny_model_path, tiny_re
 
 def test_shared_critic_checkpoint_resumes(tiny_model_path, dist_single, tmp_path):
     """Save actor + critic, train on (A); fresh actor + shared critic, load both, train on (B): A == B."""
-    from ds_rlhf.engines.engine_io import load_checkpoint, save_checkpoint
+    from ds_rlhf.run.checkpoint.deepspeed_io import load_checkpoint, save_checkpoint
 
     actor, critic = _pair(tiny_model_path, 2)
     train_lm(actor, 0, 2)
@@ -141,7 +141,7 @@ def test_shared_critic_refuses_zero3(tiny_model_path, dist_single):
 def test_shared_critic_exports_as_a_reward_model(tiny_model_path, dist_single, tmp_path):
     """The export merges the critic's adapters into (a copy of) the shared base: it loads as a reward model whose
     score at the last token is the critic's value there; the actor's base is left as it was."""
-    from ds_rlhf.engines.engine_io import export_hf
+    from ds_rlhf.engines.hf_export import export_hf
     from ds_rlhf.engines.models import RewardModel
 
     actor, critic = _pair(tiny_model_path, 0)

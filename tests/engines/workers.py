@@ -25,7 +25,8 @@ def setup() -> int:
 
 def resolved(name: str, *, stage=None, precision="fp32", lr=LR, grad_clip=1.0, world_size=None, **overrides):
     """A ds_configs/ file resolved for the tests; ``stage`` forces the ZeRO stage (the file's value is replaced)."""
-    from ds_rlhf.engines.ds_config import load_ds_config, resolve_ds_config
+    from ds_rlhf.ds_config_file import load_ds_config
+    from ds_rlhf.engines.ds_config import resolve_ds_config
 
     cfg = load_ds_config(name)
     if stage is not None:
@@ -73,7 +74,7 @@ def max_diff(a: dict, b: dict) -> float:
 def train_across_stages(model_path: str, reward_path: str, steps: int = 6) -> dict:
     """Actor at ZeRO 0/2/3/3+offload and critic at ZeRO 0/3 from identical starts; weights compared with ZeRO-0."""
     from ds_rlhf.engines.builder import build_actor, build_critic
-    from ds_rlhf.engines.engine_io import gather_state_dict
+    from ds_rlhf.engines.hf_export import gather_state_dict
 
     rank = setup()
     out, reference = {}, None
@@ -98,8 +99,9 @@ def resume_matches(model_path: str, ckpt_root: str, before: int = 4, after: int 
     """For each config: train ``before`` steps, save, train ``after`` more (A); fresh engine, load, train ``after``
     (B). Returns the max weight difference A vs B and both loss tails."""
     from ds_rlhf.engines.builder import build_actor
-    from ds_rlhf.engines.engine_io import gather_state_dict, load_checkpoint, save_checkpoint
+    from ds_rlhf.engines.hf_export import gather_state_dict
     from ds_rlhf.engines.onebit_adam import find_onebit
+    from ds_rlhf.run.checkpoint.deepspeed_io import load_checkpoint, save_checkpoint
 
     rank = setup()
     out = {}

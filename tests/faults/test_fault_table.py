@@ -23,17 +23,22 @@ import pytest
 import torch
 
 from ds_rlhf.agent.tool_calls import parse_tool_calls
+from ds_rlhf.atomic_files import publish_dir
 from ds_rlhf.cli import USER_ERRORS, run_entry
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
 from ds_rlhf.data.store_checks import StoreFormatError
 from ds_rlhf.data.writer import write_store
-from ds_rlhf.engines.publish import publish_dir
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.rewards.reward_set import RewardSet
-from ds_rlhf.run import checkpoints as checkpoints_module
-from ds_rlhf.run.checkpoint_files import MARKER, hash_tree, list_files
-from ds_rlhf.run.checkpoints import CheckpointLoadError, CheckpointManager, CheckpointSaveError, CheckpointSpaceError
+from ds_rlhf.run.checkpoint import manager as checkpoints_module
+from ds_rlhf.run.checkpoint.files import MARKER, hash_tree, list_files
+from ds_rlhf.run.checkpoint.manager import (
+    CheckpointLoadError,
+    CheckpointManager,
+    CheckpointSaveError,
+    CheckpointSpaceError,
+)
 from ds_rlhf.run.monitor import RunMonitor
 
 DEEP = "[" * 1100 + "]" * 1100  # 2.2 KB of nesting: past Python's recursion limit

@@ -56,9 +56,9 @@ PATH_MARKER = re.compile(r"(?:^|[/_.-])(?:before|after|again|old|new|round\d*|se
 # (file, exact text on the line) pairs that are legitimate uses of a flagged word.
 # DAPO's dynamic sampling draws a step's batch in numbered sampling rounds: a feature, not a round of work.
 ALLOWED: set[tuple[str, str]] = {
-    ("docs/DAPO.md", "- Each round uses its own sampling seeds (`rollout_schedule.sampling_spec(..., round_)`); "
+    ("docs/DAPO.md", "- Each round uses its own sampling seeds (`rl_service.sampling_spec(..., round_)`); "
                      "round 0 is the seed a run without"),
-    ("ds_rlhf/recipes/rollout_schedule.py", "# index. Round 0 is every step's only round without dynamic sampling."),
+    ("ds_rlhf/recipes/rl_service.py", "# index. Round 0 is every step's only round without dynamic sampling."),
 }
 # pytest's fixture scope and session objects of libraries.
 ALLOWED_LINE_RE = re.compile(r"""scope\s*=\s*["']session["']|session-scoped|\bsession\s*=|\bSession\(""", re.I)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_rlhf.engines.ds_config import find_ds_config, load_ds_config, packaged_ds_configs
+from ds_rlhf.ds_config_file import find_ds_config, load_ds_config, packaged_ds_configs
 from ds_rlhf.testing.multiproc import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,8 @@ from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.config import parse_config
 from ds_rlhf.engines.memory import activation_bytes
 from ds_rlhf.memory.device import device_peak
-from ds_rlhf.memory.plan import JSD_FP32_TENSORS, GiB, kv_bytes_per_token, plan_memory
+from ds_rlhf.memory.kv_cache import kv_bytes_per_token
+from ds_rlhf.memory.plan import JSD_FP32_TENSORS, GiB, plan_memory
 from ds_rlhf.memory.split import MARGIN, choose_split
 from ds_rlhf.ops import memory as memory_cli
 from ds_rlhf.recipes.policy_update import _logprobs_from_logits

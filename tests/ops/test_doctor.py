@@ -12,12 +12,13 @@ from ds_rlhf.entrypoints.main import main as umbrella
 from ds_rlhf.ops import doctor
 from ds_rlhf.run import checks, package_checks, system_checks
 from ds_rlhf.run.checks import FAIL, OK, WARN, Check
+from ds_rlhf.run.environment import apply_config, by_name, run_checks
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     start = time.perf_counter()
-    out = doctor.run_checks(tmp_path_factory.mktemp("data"))
+    out = run_checks(tmp_path_factory.mktemp("data"))
     return out, time.perf_counter() - start
 
 
@@ -29,7 +30,7 @@ def test_every_check_runs_quickly_with_a_verdict(results):
     assert all(c.fix for c in out if c.verdict != OK), [c for c in out if c.verdict != OK and not c.fix]
     # "a few seconds": torch's import is most of it; 20 s leaves room for a loaded 2-core CI box
     assert seconds < 20, seconds
-    by = doctor.by_name(out)
+    by = by_name(out)
     assert by["core packages"].verdict == OK and by["torch / CUDA"].facts["torch"]
     assert by["data dir I/O"].facts["reader"] in ("io_uring+O_DIRECT", "io_uring", "mmap")
 
@@ -114,24 +115,24 @@ def _cfg(*args):
 
 
 def test_config_requirements_become_fail():
-    assert not [c for c in doctor.apply_config(_fake(), _cfg()) if c.verdict == FAIL]
+    assert not [c for c in apply_config(_fake(), _cfg()) if c.verdict == FAIL]
     missing = Check("vLLM", WARN, "not installed", "install", {"installed": False})
-    out = doctor.by_name(doctor.apply_config(_fake(vLLM=missing), _cfg("--rollout.backend", "vllm")))
+    out = by_name(apply_config(_fake(vLLM=missing), _cfg("--rollout.backend", "vllm")))
     assert out["vLLM"].verdict == FAIL and "rollout.backend=vllm" in out["vLLM"].found
-    assert doctor.by_name(doctor.apply_config(_fake(vLLM=missing), _cfg()))["vLLM"].verdict == WARN  # auto on CPU
+    assert by_name(apply_config(_fake(vLLM=missing), _cfg()))["vLLM"].verdict == WARN  # auto on CPU
     gpu = Check("GPUs", OK, "1 x H200", facts={"count": 1, "bf16": True})
-    out = doctor.by_name(doctor.apply_config(_fake(vLLM=missing, GPUs=gpu), _cfg()))
+    out = by_name(apply_config(_fake(vLLM=missing, GPUs=gpu), _cfg()))
     assert out["vLLM"].verdict == FAIL and "on a GPU machine" in out["vLLM"].found  # auto on a GPU needs vLLM
-    out = doctor.by_name(doctor.apply_config(_fake(), _cfg("--model.dtype", "fp16")))
+    out = by_name(apply_config(_fake(), _cfg("--model.dtype", "fp16")))
     assert out["GPUs"].verdict == FAIL and "fp16" in out["GPUs"].found
-    out = doctor.by_name(doctor.apply_config(_fake(**{"data dir I/O": Check("data dir I/O", WARN, "mmap", "x", {
+    out = by_name(apply_config(_fake(**{"data dir I/O": Check("data dir I/O", WARN, "mmap", "x", {
         "reader": "mmap"})}), _cfg("--data.reader", "uring")))
     assert out["data dir I/O"].verdict == FAIL
-    out = doctor.by_name(doctor.apply_config(_fake(), _cfg("--model.kernels", "liger")))
+    out = by_name(apply_config(_fake(), _cfg("--model.kernels", "liger")))
     assert out["liger-kernel"].verdict == FAIL and "model.kernels=liger" in out["liger-kernel"].found
     assert out["GPUs"].verdict == FAIL and "Triton" in out["GPUs"].found
     no_jit = Check("DeepSpeed JIT build", WARN, "ninja MISSING", "pip install ninja")
-    assert doctor.by_name(doctor.apply_config(_fake(**{"DeepSpeed JIT build": no_jit}), _cfg()))[
+    assert by_name(apply_config(_fake(**{"DeepSpeed JIT build": no_jit}), _cfg()))[
         "DeepSpeed JIT build"].verdict == FAIL
 
 

@@ -25,7 +25,7 @@ from ds_rlhf.engines.weights_only import DEEPSPEED_TYPES, load_torch_file
 from ds_rlhf.entrypoints.main import main as ds_rlhf
 from ds_rlhf.recipes.sft import SFTTask
 from ds_rlhf.recipes.supervised import SupervisedTrainer
-from ds_rlhf.run.checkpoint_files import MARKER, hash_file
+from ds_rlhf.run.checkpoint.files import MARKER, hash_file
 from ds_rlhf.run.context import setup_run
 from ds_rlhf.run.run_dir import RunDirError, foreign_entries
 

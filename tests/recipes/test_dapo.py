@@ -193,14 +193,14 @@ class Steps:
     sync report."""
 
     def __init__(self, ctx, parts):
-        from ds_rlhf.recipes.rollout_schedule import rollout_service
+        from ds_rlhf.recipes.rl_service import rollout_service
         from ds_rlhf.telemetry import PhaseTimer
 
         self.ctx, self.parts, self.timer = ctx, parts, PhaseTimer()
         self.service = rollout_service(parts, ctx, self.timer)
 
     def run(self, step):
-        from ds_rlhf.recipes.rollout_schedule import dynamic_batch
+        from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
 
         scored = dynamic_batch(self.service, self.parts, self.ctx, self.timer, step)
         return scored, self.service.take_report()
@@ -301,7 +301,7 @@ def test_dynamic_sampling_stops_at_the_round_bound(tmp_path, tiny_model_path, ti
 def test_every_rank_runs_the_rounds_the_neediest_rank_needs(tmp_path, tiny_model_path, tiny_tokenizer, monkeypatch):
     """Another rank is still short (agree_max says 1): this rank keeps generating until the bound, with all ranks,
     and still trains on exactly prompts_per_step prompts."""
-    import ds_rlhf.recipes.rollout_schedule as schedule_module
+    import ds_rlhf.recipes.dynamic_sampling as schedule_module
 
     asked = []
     monkeypatch.setattr(schedule_module, "agree_max", lambda value, device: asked.append(value) or 1)

@@ -17,7 +17,7 @@ from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.rl import RLTrainer
 from ds_rlhf.recipes.sft import SFTTask
 from ds_rlhf.recipes.supervised import SupervisedTrainer, drop_long, longest_sequence
-from ds_rlhf.run.checkpoints import CheckpointCorrupt
+from ds_rlhf.run.checkpoint.manager import CheckpointCorrupt
 from ds_rlhf.run.preflight import check_rl_run
 from tests.recipes.stores import prompt_store, rl_config
 

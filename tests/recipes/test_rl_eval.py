@@ -16,9 +16,10 @@ import torch
 
 from ds_rlhf.recipes import eval_metrics, rl_eval
 from ds_rlhf.recipes.eval_metrics import pass_at_k
-from ds_rlhf.recipes.rl_eval import BestCheckpointTracker, evaluate, keep_best, load_eval_rows
+from ds_rlhf.recipes.rl_eval import evaluate, load_eval_rows
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample
+from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
 
 
 # ---- fakes ------------------------------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def _fake_checkpoint(root, step: int, payload: bytes):
 
 
 def test_keep_best_links_replaces_and_survives_rotation(tmp_path):
-    from ds_rlhf.run.checkpoints import CheckpointManager
+    from ds_rlhf.run.checkpoint.manager import CheckpointManager
     from ds_rlhf.run.run_dir import complete_checkpoints
 
     first = _fake_checkpoint(tmp_path, 2, b"weights-2")

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ds_rlhf.config import ConfigError, parse_config
-from ds_rlhf.engines.engine_io import write_export
+from ds_rlhf.engines.hf_export import write_export
 from ds_rlhf.engines.models import RewardModel
 from ds_rlhf.engines.rm_scoring import REWARD_INFO, ScoreRule, score_ids, score_rule, score_text
 from ds_rlhf.recipes.reward_stage import RewardStage

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.recipes.rollout_schedule import sampling_spec
+from ds_rlhf.recipes.rl_service import sampling_spec
 from ds_rlhf.rollout.base import SamplingSpec, batch_seed
 
 

@@ -18,8 +18,8 @@ from ds_rlhf.algos.mismatch import mismatch_metrics
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.recipes.batching import pad_right
 from ds_rlhf.recipes.rl_eval import RunEvaluation, evaluate
+from ds_rlhf.recipes.rl_service import sampling_spec
 from ds_rlhf.recipes.rm import pair_scores
-from ds_rlhf.recipes.rollout_schedule import sampling_spec
 from ds_rlhf.recipes.trajectory import pad_trajectory
 from ds_rlhf.rollout import stops as stops_module
 from ds_rlhf.rollout.base import RolloutEngine, RolloutSample, SamplingSpec

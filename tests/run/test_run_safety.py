@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.run.checkpoints import CheckpointManager
+from ds_rlhf.run.checkpoint.manager import CheckpointManager
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -278,7 +278,7 @@ def small_disk(tmp_path, monkeypatch):
             subprocess.run(["umount", "-l", str(disk)], check=False)
         return
     try:
-        import ds_rlhf.run.checkpoints as rc
+        import ds_rlhf.run.checkpoint.manager as rc
 
         monkeypatch.setattr(rc, "_free_bytes", lambda path: 2 << 20)
     except (ImportError, AttributeError) as exc:
@@ -334,7 +334,7 @@ def test_15_rng_and_trainer_state_load_with_weights_only_and_resume_exactly(tmp_
 
 
 def test_15_rng_files_of_older_checkpoints_still_load(tmp_path):
-    from ds_rlhf.run.checkpoints import set_rng_state
+    from ds_rlhf.run.checkpoint.rng import set_rng_state
 
     mgr = _save_steps(tmp_path, [1])
     old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -376,7 +376,7 @@ def test_export_hf_leaves_the_previous_export_whole_when_it_fails(tiny_model_pat
                                                                   dist_single):
     from transformers import AutoModelForCausalLM
 
-    from ds_rlhf.engines.engine_io import export_hf
+    from ds_rlhf.engines.hf_export import export_hf
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     out = export_hf(model, tiny_tokenizer, tmp_path / "export")

@@ -1,6 +1,11 @@
-"""Publishing a directory whole: written into a temp directory beside the target, flushed to disk, then swapped in
-(``renameat2(RENAME_EXCHANGE)`` where the filesystem has it, two renames otherwise), so a crash or a full disk midway
-leaves the previous directory whole. Used by exports, GGUF conversion and the best checkpoint.
+"""The file-system atomics: a file or a directory replaced whole, so a reader (or a crash, or a full disk midway)
+sees the previous one or the new one, never half of either.
+
+- ``write_text_atomic``: a file written beside its target, flushed, renamed over it, the directory flushed (status
+  files, rewritten logs).
+- ``publish_dir`` / ``replace_dir``: a directory written into a temp directory beside the target, flushed to disk,
+  then swapped in (``renameat2(RENAME_EXCHANGE)`` where the filesystem has it, two renames otherwise): exports, GGUF
+  conversion, run checkpoints and the best checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +44,23 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace the file at ``path`` with ``text``: written beside it (``.<name>.tmp``), fsynced, renamed over it, the
+    directory fsynced."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:

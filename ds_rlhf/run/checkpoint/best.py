@@ -11,7 +11,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from ds_rlhf.engines.publish import publish_dir
+from ds_rlhf.atomic_files import publish_dir
 
 BEST_DIR = "best"
 BEST_INFO = "BEST.json"
@@ -80,7 +80,7 @@ def keep_best(run_dir: str | os.PathLike, step_dir: str | os.PathLike, info: dic
     """Make `run_dir/checkpoints/best` a copy (hard links where possible) of the complete checkpoint `step_dir`,
     replacing the previous best; returns its path. Rank 0 only; outside `keep_last` rotation (not a step_* name).
 
-    Built in `checkpoints/.tmp_best_<pid>` and renamed into place (`engine_io.replace_dir`), so `best` is always a
+    Built in `checkpoints/.tmp_best_<pid>` and renamed into place (`atomic_files.publish_dir`), so `best` is always a
     whole checkpoint: the old one or the new one. `info` (e.g. step, metric, value) is written to `best/BEST.json`.
     The `COMPLETE` manifest comes along, so `--run.resume <run>/checkpoints/best` verifies it like any checkpoint.
     """

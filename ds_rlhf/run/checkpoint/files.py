@@ -1,7 +1,7 @@
 """The files of a run checkpoint: listing them, their sizes, sha256 digests for the `COMPLETE` manifest, cheap
 structural checks (empty files, cut-short torch zip archives), the pickled globals they hold (read without loading
 anything), the disk-space estimate of an engine's checkpoint and the file-size limit a save can run into.
-Used by `run/checkpoints.py:CheckpointManager`, which writes and verifies the manifest.
+Used by `manager.py:CheckpointManager`, which writes and verifies the manifest.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ds_rlhf.engines.weights_only import CheckpointRefused, scan_torch_file
 
 MARKER = "COMPLETE"
 _CHUNK = 8 << 20
-# what the RNG files of older checkpoints pickled (numpy's state tuple); `checkpoint_rng.load_rng_file` allows them
+# what the RNG files of older checkpoints pickled (numpy's state tuple); `rng.load_rng_file` allows them
 _RNG_GLOBALS = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct", "numpy.ndarray",
                 "numpy.dtype", "numpy.dtypes.UInt32DType")
 

@@ -1,6 +1,6 @@
 """Every RNG's state for run checkpoints (`rng_rank<r>.pt`), stored as tensors and plain Python values so that it
 loads with `torch.load(weights_only=True)`; `load_rng_file` still reads the files of older checkpoints, which held
-numpy's own state tuple. Used by `run/checkpoints.py:CheckpointManager`.
+numpy's own state tuple. Used by `manager.py:CheckpointManager`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run's RolloutService as the RL recipe builds it (`rollout_schedule.rollout_service`): a colocated GPU engine
+"""The run's RolloutService as the RL recipe builds it (`rl_service.rollout_service`): a colocated GPU engine
 that sleeps between phases is asleep when the first weight sync runs, so the sync wakes its weights only (the KV
 cache stays free while the trainer gathers its weights); the trainer's caches are released before such an engine
 wakes; and the order of submits, collects, syncs and confirmations in both modes with `rollout.overlap_sync`."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_rlhf.config import parse_config
-from ds_rlhf.recipes.rollout_schedule import rollout_service
+from ds_rlhf.recipes.rl_service import rollout_service
 from ds_rlhf.rollout.base import RolloutEngine, RolloutTicket
 from ds_rlhf.rollout.service import merge_reports
 from ds_rlhf.telemetry import PhaseTimer
@@ -45,7 +45,7 @@ class RecordingSync:
 def _service(device: str, *args: str):
     cfg = parse_config(list(args))
     rollout = Engine()
-    parts = SimpleNamespace(environment=None, rollout=rollout, sync=RecordingSync(rollout))
+    parts = SimpleNamespace(environment=None, rollout=rollout, sync=RecordingSync(rollout), loader_iter=iter([]))
     ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device(device)))
     return rollout_service(parts, ctx, PhaseTimer()), parts
 

@@ -23,8 +23,9 @@ Nothing lost, nothing silent:
   engine files included, with the few DeepSpeed types they hold allowed): a file that pickles anything else is
   refused before it runs, naming the file and the global. RNG states are stored as tensors and plain values.
 
-The RNG state is `run/checkpoint_rng.py`'s; listing, hashing, structural checks and the size estimate of
-the checkpoint's files are `run/checkpoint_files.py`'s.
+The engines' DeepSpeed states are `deepspeed_io.py`'s, the RNG state `rng.py`'s; listing, hashing, structural
+checks and the size estimate of the checkpoint's files are `files.py`'s; the atomic rename is
+`atomic_files.replace_dir`.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from pathlib import Path
 
 import torch
 
+from ds_rlhf.atomic_files import fsync_dir, replace_dir
 from ds_rlhf.distributed import barrier
-from ds_rlhf.engines.engine_io import load_checkpoint, save_checkpoint
-from ds_rlhf.engines.publish import fsync_dir, replace_dir
 from ds_rlhf.engines.weights_only import CheckpointRefused, load_torch_file
-from ds_rlhf.run.checkpoint_files import (
+from ds_rlhf.run.checkpoint.deepspeed_io import load_checkpoint, save_checkpoint
+from ds_rlhf.run.checkpoint.files import (
     MARKER,
     engine_bytes,
     fmt_bytes,
@@ -53,10 +54,9 @@ from ds_rlhf.run.checkpoint_files import (
     structural_problem,
     tree_size,
 )
-from ds_rlhf.run.checkpoint_rng import load_rng_file, rng_state, set_rng_state
+from ds_rlhf.run.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from ds_rlhf.run.run_dir import (
     STEP_DIR,
-    ResumeNotFound,
     RunDirError,
     broadcast_from_main,
     check_resume_path,
@@ -381,7 +381,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _free_bytes(path: Path) -> int:  # here, not in checkpoint_files: tests/run/test_run_safety.py patches it
+def _free_bytes(path: Path) -> int:  # here, not in files.py: tests/run/test_run_safety.py patches it
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free
@@ -396,4 +396,4 @@ def _chain(exc: BaseException):
 
 
 __all__ = ["CheckpointCorrupt", "CheckpointLoadError", "CheckpointManager", "CheckpointSaveError",
-           "CheckpointSpaceError", "ResumeNotFound", "rng_state", "set_rng_state"]
+           "CheckpointSpaceError"]
