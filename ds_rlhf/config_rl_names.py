@@ -20,6 +20,8 @@ RL_NAMES: dict[str, str] = {
     "rl.reward_model": "reward.model",
     "rl.reward_model_weight": "reward.model_weight",
     "rl.on_bad_reward": "reward.on_bad",
+    "rl.reward_judge": "reward.judge",
+    "rl.judge_prompt": "reward.judge_prompt",
     "rl.critic_path": "critic.path",
     "rl.critic_init": "critic.init",
     "rl.value_clip": "critic.value_clip",
