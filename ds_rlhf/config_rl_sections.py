@@ -9,6 +9,7 @@ the section of its role; `rl` keeps the algorithm. `config_rl_names.py` reads ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ds_rlhf.config_sections import opt
 from ds_rlhf.errors import ConfigError
@@ -29,8 +30,23 @@ class RewardConfig:
     # its weight when reward.fn is set too: reward = reward.model_weight * RM score + the functions' weighted sum
     model_weight: float = 1.0
     on_bad: str = opt("fail", choices=("fail", "zero", "drop"))  # a reward that fails: fail | zero | drop
+    # an LLM judge (docs/JUDGE_REWARDS.md): an OpenAI-compatible server's URL (http://host:port/v1[#model name])
+    # or a causal LM (HF dir or Hub id) run in this process; it scores with the rubric template reward.judge_prompt
+    judge: str = ""
+    judge_prompt: str = ""  # reward.judge: the rubric template file ({prompt}, {response}, {reference})
+    judge_weight: float = 1.0  # reward.judge: its weight beside reward.fn's functions
+    judge_max_tokens: int = opt(256, ge=1)  # reward.judge: tokens the judge may write per item
+    judge_batch: int = opt(8, ge=1)  # reward.judge: requests in flight at once (a URL) / items per generate call
 
     def check(self) -> None:
+        if self.judge and not self.judge_prompt:
+            raise ConfigError(f"reward.judge={self.judge!r} needs its rubric template: set --reward.judge_prompt "
+                              "FILE (a text file with {prompt} and {response}; docs/JUDGE_REWARDS.md)")
+        if self.judge_prompt and not self.judge:
+            raise ConfigError(f"reward.judge_prompt={self.judge_prompt!r} is the LLM judge's template: set "
+                              "--reward.judge MODEL (a server URL or a model) too, or leave it empty")
+        if self.judge_prompt and not Path(self.judge_prompt).is_file():
+            raise ConfigError(f"reward.judge_prompt={self.judge_prompt!r}: no such file")
         if self.model_weight != 1.0 and not (self.fn and self.model):
             raise ConfigError(f"reward.model_weight={self.model_weight} weighs the reward model against reward "
                               "functions: it needs both reward.model and reward.fn (or leave it at 1)")

@@ -32,8 +32,10 @@ from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.redaction import redact_urls
+from ds_rlhf.rewards.judge import JudgeReward
 from ds_rlhf.rewards.loading import user_code_specs
-from ds_rlhf.rewards.reward_set import RewardSet
+from ds_rlhf.rewards.remote import is_remote
+from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec, parse_weights
 from ds_rlhf.rollout import make_rollout_engine
 from ds_rlhf.rollout.weights.canary import SyncCanary
 from ds_rlhf.rollout.weights.sync import WeightSync
@@ -86,7 +88,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
-    functions = reward_functions(cfg, announce=ctx.print) if cfg.reward.fn else None
+    functions = reward_functions(cfg, announce=ctx.print) if cfg.reward.fn or cfg.reward.judge else None
     environment = load_environment(cfg.env.name) if cfg.env.name else None  # its file imports here, early
     if environment is not None or cfg.env.sandbox_require:  # every Sandbox's protections, checked before any model
         require_protections(cfg.env.sandbox_require)
@@ -224,16 +226,34 @@ def reward_functions(cfg, announce: Callable[[str], object] | None = print) -> R
     workers = cfg.reward.workers
     if workers < 0:  # built-in rules are ours and cannot hang; user code runs in workers with a timeout
         workers = 2 if user_code_specs(cfg.reward.fn) else 0
+    judge = judge_specs(cfg)
     try:
-        return RewardSet.from_spec(cfg.reward.fn, cfg.reward.weights or None, workers=workers,
-                                   timeout=cfg.reward.timeout, mp_context=cfg.reward.mp_context,
-                                   import_timeout=cfg.reward.import_timeout, announce=announce,
-                                   http_batch=cfg.reward.http_batch, http_max_reply_mb=cfg.reward.max_reply_mb)
+        parts = [p.strip() for p in cfg.reward.fn.split(",") if p.strip()]
+        specs = [RewardSpec(p, w) for p, w in zip(parts, parse_weights(cfg.reward.weights or None, len(parts)))]
+        return RewardSet(specs + judge, workers=workers,
+                         timeout=cfg.reward.timeout, mp_context=cfg.reward.mp_context,
+                         import_timeout=cfg.reward.import_timeout, announce=announce,
+                         http_batch=cfg.reward.http_batch, http_max_reply_mb=cfg.reward.max_reply_mb)
     except Exception as exc:  # noqa: BLE001 - the user's file: report it in one line, naming the setting
         hint = (" (reward workers start with 'spawn' and re-import the script that started this run: keep its "
                 "top-level code under `if __name__ == \"__main__\":`)" if "worker died" in str(exc) else "")
         raise ConfigError(redact_urls(f"reward.fn={cfg.reward.fn!r} cannot be loaded: {type(exc).__name__}: "
                                       f"{exc}{hint}")) from None
+
+
+def judge_specs(cfg) -> list[RewardSpec]:
+    """The LLM judge (`reward.judge`, rewards/judge.py) as a reward function named `judge`; [] without one."""
+    judge = cfg.reward.judge
+    if not judge:
+        return []
+    model = judge if is_remote(judge) else resolve_model_path(judge, "reward.judge")
+    try:
+        fn = JudgeReward(model, cfg.reward.judge_prompt, batch=cfg.reward.judge_batch,
+                         max_tokens=cfg.reward.judge_max_tokens, timeout=cfg.reward.timeout,
+                         max_reply_bytes=int(cfg.reward.max_reply_mb * (1 << 20)))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(redact_urls(f"reward.judge={judge!r}: {exc}")) from None
+    return [RewardSpec(fn, cfg.reward.judge_weight, name="judge", style="batched")]
 
 
 def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor: Engine) -> RewardStage:

@@ -34,6 +34,16 @@ class BadRewardError(RuntimeError):
     an environment's) that is not a number at all (a bool, a string), whatever the policy."""
 
 
+class BadValue(str):
+    """A value a reward function returns for one item it could not score: the item is a bad reward with this
+    reason (`reward.on_bad` applies), counted as `<function>/<kind>` in the batch's metrics (`scoring.py`)."""
+
+    def __new__(cls, reason: str, kind: str = "bad"):
+        value = super().__new__(cls, reason)
+        value.kind = kind
+        return value
+
+
 class Refused(str):
     """The reason for a value whose type is not a reward (a bool, a string): the function itself is wrong, not one
     sample, so `scoring` stops the run under any `reward.on_bad`."""
@@ -187,6 +197,8 @@ def to_outcome(value) -> Outcome:
     """A float or a dict with `score` (+ numeric extras) -> (score, extras); anything else a reason string (a
     `Refused` one for a bool or a string score)."""
     extras: dict[str, float] = {}
+    if isinstance(value, BadValue):
+        return value
     if isinstance(value, dict):
         if "score" not in value:
             return f"returned a dict without a 'score' key (keys {sorted(map(str, value))[:8]})"

@@ -66,8 +66,8 @@ class RewardSet:
     is cut off after `timeout` seconds, and the user file is imported only by the workers. Call `close()` at the end.
     A reward server's URL is always asked from this process (its requests are I/O, with their own `timeout` each,
     in requests of at most `http_batch` items, replies of at most `http_max_reply_mb` MiB; see remote.py), and a
-    callable given in Python (`python:NAME`, `loading.register`) runs in this process; only the other functions go
-    to the pool.
+    callable given in Python (`python:NAME`, `loading.register`) and a source marked `in_process` (the LLM judge,
+    judge.py) run in this process; only the other functions go to the pool.
     """
 
     def __init__(self, specs: Sequence[RewardSpec], workers: int = 0, timeout: float = 30.0,
@@ -84,6 +84,7 @@ class RewardSet:
         # the members the pool runs, in pool order (a URL never: this process asks the server; nor a callable given
         # in Python as `python:NAME`, which no worker process has)
         self._pooled = [m for m, s in enumerate(self.specs) if not is_remote(s.source)
+                        and not getattr(s.source, "in_process", False)
                         and not (isinstance(s.source, str) and registered(s.source) is not None)] if workers > 0 else []
         self.pool = None
         self.styles: list[str | None] = [None] * len(self.specs)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ds_rlhf.rewards.calling import F32_MAX, BadRewardError, Outcome, Refused
+from ds_rlhf.rewards.calling import F32_MAX, BadRewardError, BadValue, Outcome, Refused
 from ds_rlhf.rewards.reward_set import RewardSet, RewardSpec
 
 POLICIES = ("fail", "zero", "drop")
@@ -33,6 +33,7 @@ class RewardReport:
     bad: list[tuple[str, str]] = field(default_factory=list)  # (sample id, reason)
     components: dict[str, list[float | None]] = field(default_factory=dict)
     extras: dict[str, list[float | None]] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def all_bad(self) -> bool:
@@ -41,8 +42,8 @@ class RewardReport:
 
     def means(self, prefix: str = "reward/", extras_only: bool = False) -> dict[str, float]:
         """`<prefix><function>` and `<prefix><function>/<metric>` means over kept samples with a value (only the
-        latter with `extras_only`)."""
-        out = {}
+        latter with `extras_only`), and the `<prefix><function>/<kind>` counts of bad items."""
+        out = {prefix + name: count for name, count in self.counts.items()}
         for name, values in {**({} if extras_only else self.components), **self.extras}.items():
             kept = [v for v, k in zip(values, self.keep) if k and v is not None]
             if kept:
@@ -53,12 +54,17 @@ class RewardReport:
 def _combine(rewards: RewardSet, per_member: list[list[Outcome]], items: list[dict], on_bad: str) -> RewardReport:
     n, single = len(items), len(rewards.specs) == 1
     report = RewardReport([], [], components={name: [None] * n for name in rewards.names})
+    report.counts = {f"{spec.name}/{kind}": 0.0 for spec in rewards.specs
+                     for kind in getattr(spec.source, "bad_kinds", ())}
     for i, item in enumerate(items):
         total, reasons = 0.0, []
         for spec, outcomes in zip(rewards.specs, per_member):
             outcome = outcomes[i]
             if isinstance(outcome, Refused):  # a bool or a string: the function is wrong, whatever the policy
                 raise BadRewardError(f"reward function {spec.name} {outcome} (sample {item['id']})")
+            if isinstance(outcome, BadValue):
+                key = f"{spec.name}/{outcome.kind}"
+                report.counts[key] = report.counts.get(key, 0.0) + 1
             if isinstance(outcome, str):
                 reasons.append(outcome if single else f"{spec.name} {outcome}")
                 continue

@@ -34,7 +34,10 @@ from ds_rlhf.memory.settings import sequence_tokens
 from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
+from ds_rlhf.rewards.judge import endpoint
+from ds_rlhf.rewards.judge_template import read_template
 from ds_rlhf.rewards.loading import check_spec, split_style
+from ds_rlhf.rewards.remote import check_remote, is_remote
 from ds_rlhf.rewards.reward_set import parse_weights
 from ds_rlhf.run.context import find_ds_config
 
@@ -120,11 +123,13 @@ def check_rl_eval(cfg: Config) -> None:
 
 def check_reward(cfg: Config) -> None:
     rl = cfg.rl
-    if not cfg.reward.fn and not cfg.reward.model and not rl.teacher and not cfg.env.name:
+    if not cfg.reward.fn and not cfg.reward.model and not cfg.reward.judge and not rl.teacher and not cfg.env.name:
         raise ConfigError("no reward: set --reward.fn (gsm8k | format | math_shaped | file.py:func) or "
                           "--reward.model <reward model dir or Hub id> (or --env.name file.py:Name)")
     if cfg.reward.fn:
         _check_reward_spec("reward.fn", cfg.reward.fn, cfg.reward.weights)
+    if cfg.reward.judge:
+        _check_judge(cfg.reward.judge, cfg.reward.judge_prompt)
     if cfg.eval.reward_fn and rl_eval_on(cfg):
         _check_reward_spec("eval.reward_fn", cfg.eval.reward_fn, "")
 
@@ -138,6 +143,19 @@ def _check_reward_spec(key: str, spec: str, weights: str) -> None:
         parse_weights(weights or None, len(parts))
     except (ValueError, OSError) as exc:
         raise ConfigError(redact_urls(f"{key}={spec!r}: {exc}")) from None
+
+
+def _check_judge(judge: str, prompt_file: str) -> None:
+    """The judge's template reads (known placeholders only) and a judge URL answers (`remote.check_remote`)."""
+    try:
+        read_template(prompt_file)
+    except ValueError as exc:
+        raise ConfigError(f"reward.judge_prompt={prompt_file!r}: {exc}") from None
+    if is_remote(judge):
+        try:
+            check_remote(endpoint(judge)[0])
+        except ValueError as exc:
+            raise ConfigError(redact_urls(f"reward.judge={judge!r}: {exc}")) from None
 
 
 def check_resume(cfg: Config) -> None:
