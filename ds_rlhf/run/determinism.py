@@ -54,6 +54,9 @@ def configure_determinism(cfg: Config) -> list[str]:
     if torch.cuda.is_available():
         os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
     torch.use_deterministic_algorithms(True, warn_only=False)
+    # torch would also fill every torch.empty with NaN; DeepSpeed's flat buffers (hundreds of MiB) made a tiny CPU
+    # step 15x slower with it, and code reading memory it did not write is a bug the mode does not hide
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     notes = forced_settings(cfg)
