@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +61,9 @@ def test_two_deterministic_runs_are_bit_identical_and_the_seed_matters(tiny_mode
     m1, w1 = _run(tmp_path / "a", tiny_model_path, store, *on)
     m2, w2 = _run(tmp_path / "b", tiny_model_path, store, *on)
     assert m1 == m2
+    # setup_run applied the mode: the saved config holds the forced per-request seeding
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["run"]["deterministic"] and saved["rollout"]["seeding"] == "request"
     assert _same_weights(w1, w2)
     start = load_file(str(next(tiny_model_path.glob("*.safetensors"))))
     assert any(not torch.equal(w1[f"actor.{k}"], v) for k, v in start.items() if f"actor.{k}" in w1), "no training"
