@@ -240,6 +240,10 @@ class RunConfig:
     overwrite: bool = False  # start fresh in a run directory that holds another run's checkpoints (deletes them)
     resume_fallback: bool = False  # if the newest checkpoint fails verification, resume from the newest valid one
     seed: int = opt(0, ge=0, le=2**32 - 1)  # numpy's (and vLLM's engine) seed range: 0 .. 2**32 - 1
+    # two runs of the same command on the same machine give bit-identical metrics and weights: deterministic torch
+    # kernels, vLLM's batch-invariant mode (CUDA), a sampling seed per request; turns off rollout.async_generation
+    # and rollout.overlap_sync (docs/OPERATOR_TOOLS.md, "Deterministic mode")
+    deterministic: bool = False  # bit-identical reruns on the same machine (slower; see docs/OPERATOR_TOOLS.md)
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "ds_rlhf"

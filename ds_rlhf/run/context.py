@@ -24,6 +24,7 @@ from ds_rlhf.engines.ds_config import OVERRIDES, pick_precision, resolve_ds_conf
 from ds_rlhf.engines.model_source import resolve_model_path, resolve_model_source
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.redaction import redacted
+from ds_rlhf.run.determinism import configure_determinism
 from ds_rlhf.run.run_dir import RunDirError, RunLock, acquire_run_lock, broadcast_from_main, prepare_run_dir
 from ds_rlhf.telemetry import MetricsLogger
 
@@ -123,6 +124,7 @@ class RunContext:
 
 
 def setup_run(cfg: Config, kind: str) -> RunContext:
+    configure_determinism(cfg)  # run.deterministic: before CUDA, the process group and vLLM start
     dist = init_distributed(cfg)
     seed_everything(cfg.run.seed)
     run_dir = Path(cfg.run.output_dir)
