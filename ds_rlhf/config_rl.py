@@ -54,6 +54,11 @@ class RLConfig:
     on_nonfinite: str = opt("fail", choices=("fail", "skip"))  # fail | skip
     dynamic_sampling: bool = False  # DAPO: drop prompts whose samples' raw rewards are all equal, refill from new ones
     dynamic_sampling_max_rounds: int = opt(3, ge=1)  # dynamic sampling: generation rounds per step at most (>= 1)
+    # curriculum by difficulty: pass_rate skips a prompt whose samples so far all passed (raw reward >= eval.threshold)
+    # or all failed, once it has curriculum_min_attempts groups, for curriculum_skip_draws draws, then revisits it
+    curriculum: str = opt("none", choices=("none", "pass_rate"))
+    curriculum_min_attempts: int = opt(2, ge=1)  # rl.curriculum pass_rate: groups seen before a prompt can be skipped
+    curriculum_skip_draws: int = opt(8, ge=0)  # rl.curriculum pass_rate: prompt draws a settled prompt sits out
     overlong_mask: bool = False  # DAPO overlong filtering: truncated responses get zero loss weight
     overlong_buffer: int = opt(0, ge=0)  # DAPO soft overlong penalty over the last N of rollout.max_new_tokens; 0 = off
     overlong_penalty: float = opt(1.0, ge=0)  # soft overlong penalty factor: the reward drops by this at the budget

@@ -49,6 +49,8 @@ def dynamic_batch(service: RolloutService, parts: RLParts, ctx: RunContext, time
             with timer.phase("reward"):
                 scored = parts.reward(generated, step=step)
             rounds.append(scored)
+            if getattr(parts, "curriculum", None) is not None:  # rl.curriculum: every group, before any is dropped
+                parts.curriculum.observe(scored)
             ok = informative_groups(torch.tensor(scored.raw(), dtype=torch.float64),
                                     torch.tensor([s.prompt_index for s in scored.samples], dtype=torch.long),
                                     len(rows)).tolist()

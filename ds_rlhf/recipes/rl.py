@@ -109,6 +109,8 @@ class RLTrainer:
                  "generator": self.generator.get_state(), "rollout": self.service.state_dict()}
         if self.best is not None:
             state["best"] = self.best.state_dict()
+        if self.parts.curriculum is not None:
+            state["curriculum"] = self.parts.curriculum.state_dict()
         return state
 
     def _restore(self, path) -> None:
@@ -120,6 +122,8 @@ class RLTrainer:
         self.service.load_state_dict(state.get("rollout", {}))
         if self.best is not None and state.get("best") is not None:
             self.best.load_state_dict(state["best"])
+        if self.parts.curriculum is not None and state.get("curriculum") is not None:
+            self.parts.curriculum.load_state_dict(state["curriculum"])
         if self.ctx.dist.is_main:
             truncate_metrics(self.ctx.run_dir, self.step)
             truncate_samples(self.ctx.run_dir, self.step)
@@ -152,6 +156,8 @@ class RLTrainer:
             # 2 rewards (and shaping)
             with timer.phase("reward"):
                 scored = parts.reward(batch, step=step)
+            if parts.curriculum is not None:
+                parts.curriculum.observe(scored)
         # 3 trajectory: padded rows, old / reference log-probs, values, advantages
         traj = make_trajectory(parts, ctx, scored, kl_coef=kl_coef, timer=timer)
         # 4 update: the policy (and critic) optimizer steps
@@ -168,6 +174,8 @@ class RLTrainer:
         metrics["rollout/groups"] = len(scored.rollout.rows)
         metrics.update(self.service.metrics())
         metrics.update(generation_metrics(scored.rollout))
+        if parts.curriculum is not None:  # rl.curriculum: skipped, tracked, the pass-rate histogram
+            metrics.update(parts.curriculum.metrics())
         if report is not None:
             self.last_sync = report
             metrics.update({f"sync/{k}": v for k, v in report.items() if isinstance(v, int | float)})

@@ -30,6 +30,8 @@ from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes,
 from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
+from ds_rlhf.algos.curriculum import PassRateTracker
+from ds_rlhf.recipes.curriculum import CurriculumStream
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.judge import JudgeReward
@@ -65,6 +67,7 @@ class RLParts:
     reward: RewardStage
     owns_rollout: bool = True
     environment: Callable[[], Any] | None = None  # env.name: makes one environment per episode
+    curriculum: CurriculumStream | None = None  # rl.curriculum pass_rate: it is `loader_iter`
 
     def engines_to_checkpoint(self) -> dict[str, Engine]:
         """The trained engines (frozen ones are rebuilt from their model paths)."""
@@ -130,8 +133,19 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
     sync = _weight_sync(ctx, actor, rollout, sync_mode)
     reward = _reward_stage(ctx, functions, attn, actor)
+    curriculum = _curriculum(ctx, loader)
     return RLParts(actor=actor, critic=critic, reference=reference, rollout=rollout, sync=sync, loader=loader,
-                   loader_iter=iter(loader), reward=reward, owns_rollout=owns_rollout, environment=environment)
+                   loader_iter=curriculum or iter(loader), reward=reward, owns_rollout=owns_rollout,
+                   environment=environment, curriculum=curriculum)
+
+
+def _curriculum(ctx: RunContext, loader: StoreLoader) -> CurriculumStream | None:
+    """`rl.curriculum pass_rate`: the loader's stream with prompts always or never solved skipped for a while."""
+    rl = ctx.cfg.rl
+    if rl.curriculum == "none":
+        return None
+    tracker = PassRateTracker(ctx.cfg.eval.threshold, rl.curriculum_min_attempts, rl.curriculum_skip_draws)
+    return CurriculumStream(iter(loader), tracker, rl.prompts_per_step, scan_limit=len(loader) * rl.prompts_per_step)
 
 
 def _prompt_loader(ctx: RunContext) -> StoreLoader:
