@@ -28,7 +28,7 @@ from pathlib import Path
 from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.config_rl_names import in_sections
 from ds_rlhf.ops.report_plots import render_plots, value
-from ds_rlhf.ops.report_sections import health_html, samples_html
+from ds_rlhf.ops.report_sections import curriculum_html, health_html, samples_html
 from ds_rlhf.run.environment import doctor_json, run_checks
 from ds_rlhf.run.health import replay
 from ds_rlhf.run.monitor import read_status
@@ -211,7 +211,7 @@ def render_html(info: RunInfo, plots: list[tuple[str, Path]], env: dict | None, 
             f"<style>{CSS}</style></head><body><h1>ds_rlhf run report: {_esc(info.run_dir)}</h1>"
             f"<p class='status'>{_esc(info.status)}</p>{notes}"
             f"<p>{len(info.records)} records; generated {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>"
-            f"<h2>Metrics</h2>{metrics_table(info.records)}"
+            f"<h2>Metrics</h2>{metrics_table(info.records)}{curriculum_html(info.records)}"
             f"<h2>Plots</h2><div class='plots'>{figures or '<p>nothing to plot yet</p>'}</div>"
             + (f"<h2>Samples</h2>{samples}" if samples else "")
             + f"<h2>Health</h2>{health_html(replay(info.records))}<h2>Config</h2>{config_html(info.config)}"

@@ -6,6 +6,9 @@ spans, and the last step's message.
 
 Samples: `samples.jsonl` (RL with `run.sample_log_every N`) as a table of the first and the last logged step's
 samples: prompt, response, the reward the update used and each reward function's score.
+
+Curriculum: with `rl.curriculum pass_rate`, one line from the last step's `curriculum/...` metrics: prompts
+tracked, skipped at that step, and the pass-rate histogram.
 """
 
 from __future__ import annotations
@@ -89,3 +92,15 @@ def samples_html(run_dir: Path) -> str:
     return (f"<p>{len(records)} samples logged at {steps} step(s) (samples.jsonl); the first and the last step's "
             "here</p><table class='samples'><tr><th>step</th><th>prompt</th><th>response</th><th>reward</th>"
             f"<th>reward parts</th><th>ground truth</th></tr>{rows}</table>")
+
+
+def curriculum_html(records: list[dict]) -> str:
+    """The curriculum line ('' when no step logged `curriculum/tracked`)."""
+    last = next((r for r in reversed(records) if "curriculum/tracked" in r), None)
+    if last is None:
+        return ""
+    prefix = "curriculum/pass_rate_hist/"
+    hist = ", ".join(f"{k[len(prefix):]}: {int(v)}" for k, v in last.items() if k.startswith(prefix))
+    return (f"<p>curriculum at step {html.escape(str(last.get('step')))}: {int(last['curriculum/tracked'])} prompts "
+            f"tracked, {int(last.get('curriculum/skipped', 0))} skipped in the step's draws; pass rates "
+            f"{html.escape(hist)}</p>")
