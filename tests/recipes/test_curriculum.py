@@ -116,9 +116,10 @@ def test_solved_prompts_are_skipped_in_later_draws_then_revisited(tmp_path, tiny
 
 
 def test_a_resumed_stream_draws_what_an_uninterrupted_one_draws(tmp_path, tiny_model_path, tiny_tokenizer):
-    straight, _, _ = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(6))
-    first, _, state = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(3))
-    resumed, _, _ = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(3, 6), state=state)
+    straight, _, _ = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(8))
+    first, _, state = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(6))
+    assert state["curriculum"]["buffer"], "the split point leaves rows read but not handed out"
+    resumed, _, _ = _run(tmp_path, tiny_model_path, tiny_tokenizer, range(6, 8), state=state)
     assert first + resumed == straight
 
 
