@@ -129,3 +129,66 @@ def test_report_shows_the_curriculum_line():
     assert "8 prompts tracked" in line and "2 skipped" in line and "0.0-0.2: 1" in line
     assert curriculum_html([{"step": 1, "reward/mean": 0.5}]) == ""
     assert prompt_key({"input_ids": [3, 4]}) == prompt_key({"input_ids": torch.tensor([3, 4]).numpy()})
+
+
+# ---- a short RL run on the tiny model: the trainer's wiring, metrics, checkpoint and resume -------------------------
+REWARD_FILE = '''
+def by_prompt(prompt, response, ground_truth, metadata):
+    """'easy' prompts always pass; the others pass by the response's characters (mixed within a group)."""
+    return 1.0 if ground_truth == "easy" else float(sum(map(ord, response)) % 2)
+'''
+
+
+def _store(tmp_path, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from ds_rlhf.data.store import tokenizer_fingerprint
+    from ds_rlhf.data.writer import write_store
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    rows = [{"input_ids": list(range(3, 3 + n)), "ground_truth": "easy" if n % 2 == 0 else "open"}
+            for n in range(2, 10)]
+    write_store(tmp_path / "mixed", "prompts", rows, tokenizer_name=str(tiny_model_path),
+                tokenizer_fingerprint=tokenizer_fingerprint(tok))
+    return tmp_path / "mixed"
+
+
+def _args(tmp_path, tiny_model_path, store, out, *extra):
+    reward = tmp_path / "by_prompt.py"
+    reward.write_text(REWARD_FILE)
+    return parse_config(["--model.path", str(tiny_model_path), "--data.train", str(store), "--reward.fn",
+                         f"{reward}:by_prompt", "--rl.prompts_per_step", "4", "--rollout.n_samples", "8",
+                         "--rollout.max_new_tokens", "4", "--run.steps", "4", "--rollout.backend", "hf",
+                         "--run.progress", "false", "--run.tensorboard", "false", "--run.save_every", "2",
+                         "--run.sample_log_every", "1", "--run.sample_log_k", "32", "--rl.curriculum", "pass_rate",
+                         "--rl.curriculum_min_attempts", "1", "--rl.curriculum_skip_draws", "4",
+                         "--run.output_dir", str(out), *extra])
+
+
+def _by_step(run_dir, field):
+    import json
+
+    out: dict[int, set] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], set()).add(rec[field])
+    return out
+
+
+def test_an_rl_run_skips_always_solved_prompts_and_resumes_exactly(tiny_model_path, dist_single, tmp_path):
+    from ds_rlhf.recipes.rl import RLTrainer
+
+    store = _store(tmp_path, tiny_model_path)
+    straight = RLTrainer(_args(tmp_path, tiny_model_path, store, tmp_path / "a")).train()
+    seen = _by_step(tmp_path / "a", "ground_truth")
+    assert seen[1] | seen[2] == {"easy", "open"}  # the first epoch: every prompt once
+    assert seen[3] == seen[4] == {"open"}, seen  # then the always-solved ones sit out
+    assert straight[2]["curriculum/skipped"] > 0 and straight[1]["curriculum/tracked"] == 8
+    assert straight[1]["curriculum/pass_rate_hist/0.8-1.0"] >= 4
+    resume = ["--run.resume", str(tmp_path / "a" / "checkpoints" / "step_00000002")]
+    resumed = RLTrainer(_args(tmp_path, tiny_model_path, store, tmp_path / "b", *resume)).train()
+    prompts_a, prompts_b = _by_step(tmp_path / "a", "prompt"), _by_step(tmp_path / "b", "prompt")
+    assert [prompts_b[s] for s in (3, 4)] == [prompts_a[s] for s in (3, 4)]  # the same prompts drawn
+    for a, b in zip(straight[2:], resumed):
+        for key in ("reward/mean", "curriculum/skipped", "curriculum/tracked", "curriculum/pass_rate_hist/0.8-1.0"):
+            assert a[key] == pytest.approx(b[key]), key
