@@ -15,6 +15,7 @@ import torch
 from ds_rlhf.agent.adapters import load_environment
 from ds_rlhf.agent.sandbox import require_protections
 from ds_rlhf.agent.sandbox_reap import stop_all as stop_sandbox_calls
+from ds_rlhf.algos.curriculum import PassRateTracker
 from ds_rlhf.algos.registry import ADVANTAGE_ESTIMATORS
 from ds_rlhf.data.loader import StoreLoader
 from ds_rlhf.data.store import open_store
@@ -30,7 +31,6 @@ from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes,
 from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
-from ds_rlhf.algos.curriculum import PassRateTracker
 from ds_rlhf.recipes.curriculum import CurriculumStream
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.redaction import redact_urls

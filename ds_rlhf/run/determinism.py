@@ -10,7 +10,7 @@ metrics and weights, bit for bit.
   on what else is in the batch), unless the environment sets it. vLLM's CPU platform has no batch-invariant kernels,
   so CPU runs leave it unset.
 - Rollouts: `rollout.seeding request`, so prompt i's sample j of step s is drawn with its own seed, a function of
-  (run.seed, s, rank, i, j) (`recipes/rollout_schedule.sampling_spec`, `SamplingSpec.request_seed`), whatever order
+  (run.seed, s, rank, i, j) (`recipes/rl_service.sampling_spec`, `SamplingSpec.request_seed`), whatever order
   the engine schedules the requests in.
 - Settings whose order depends on timing are turned off, each with a one-line note: `rollout.async_generation`
   (which weights a batch is generated with depends on how far training got) and `rollout.overlap_sync` (the engine

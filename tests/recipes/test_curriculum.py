@@ -73,8 +73,8 @@ class NoSync:
 
 def _run(tmp_path, tiny_model_path, tiny_tokenizer, steps, state=None):
     from ds_rlhf.data.loader import StoreLoader
-    from ds_rlhf.recipes.rl_service import rollout_service
     from ds_rlhf.recipes.reward_stage import RewardStage
+    from ds_rlhf.recipes.rl_service import rollout_service
     from ds_rlhf.telemetry import PhaseTimer
 
     store = tmp_path / "prompts"

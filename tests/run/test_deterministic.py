@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ds_rlhf.config import parse_config
 from ds_rlhf.data.synthetic import write_addition_datasets
-from ds_rlhf.recipes import rollout_schedule
+from ds_rlhf.recipes import rl_service
 from ds_rlhf.run.determinism import configure_determinism, forced_settings
 from ds_rlhf.telemetry.logger import read_metrics
 from ds_rlhf.testing.multiproc import clean_env
@@ -99,13 +99,13 @@ def test_configure_determinism_sets_torch_and_leaves_runs_without_it_alone(monke
 
 
 def test_request_seeds_follow_run_seed_step_rank_prompt_and_sample(monkeypatch):
-    monkeypatch.setattr(rollout_schedule, "run_stop_token_ids", lambda ctx: ())
+    monkeypatch.setattr(rl_service, "run_stop_token_ids", lambda ctx: ())
 
     def seeds(run_seed, step, rank=0):
         cfg = parse_config(["--run.seed", str(run_seed), "--rollout.n_samples", "4", "--rollout.seeding", "request"],
                            recipe="train-ppo")
         ctx = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(world_size=2, rank=rank))
-        spec = rollout_schedule.sampling_spec(ctx, step)
+        spec = rl_service.sampling_spec(ctx, step)
         assert spec.seeding == "request"
         # prompt i's sample j: request_seed(i) + j, one distinct seed per (prompt, sample)
         return [spec.request_seed(i) + j for i in range(8) for j in range(spec.n)]
