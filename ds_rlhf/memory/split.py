@@ -226,7 +226,7 @@ def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split 
         seq_len = base.settings.seq_len
         candidates = (micro_batch_candidates(trial, seq_len) if pick_tokens
                       else [cfg.data.micro_batch_tokens])
-        chosen = _micro_batch(cfg, trial, candidates, capacity, total, vllm_bytes, world_size)
+        chosen = _micro_batch(cfg, trial, candidates, capacity, total, vllm_bytes, world_size, pick_tokens)
         if chosen is None:
             smallest = _with(trial, data__micro_batch_tokens=candidates[-1])
             last = (smallest, _plan(smallest, capacity, world_size),
@@ -247,15 +247,15 @@ def choose_split(cfg, device_total_bytes: int, *, world_size: int = 1) -> Split 
 
 
 def _micro_batch(cfg, trial, candidates: list[int], capacity: int, total: int, vllm_bytes: int,
-                 world_size: int) -> tuple[int, MemoryPlan, bool, list[str]] | None:
+                 world_size: int, pick_tokens: bool) -> tuple[int, MemoryPlan, bool, list[str]] | None:
     """(tokens, plan, gradient checkpointing, reasons) of the largest fitting micro-batch; checkpointing turned on
     (where the user left it unset) when it lets a micro-batch `CHECKPOINT_GAIN` times larger fit than the one below
-    `CHECKPOINT_BELOW_FLOP` of work without it."""
+    `CHECKPOINT_BELOW_FLOP` of work without it (not with the user's micro-batch, `pick_tokens` false)."""
     on = cfg.model.gradient_checkpointing
     chosen = _largest_fitting(trial, candidates, capacity, total, vllm_bytes, world_size)
     why = ([f"micro-batch: the largest of {candidates[0]}..{candidates[-1]} whose planned device peak fits"]
-           if len(candidates) > 1 else [])
-    if on or user_set(cfg, KEYS[3]) or len(candidates) == 1 or (chosen and _work(chosen) >= CHECKPOINT_BELOW_FLOP):
+           if pick_tokens else [])
+    if on or user_set(cfg, KEYS[3]) or not pick_tokens or (chosen and _work(chosen) >= CHECKPOINT_BELOW_FLOP):
         return (*chosen, on, why) if chosen else None
     with_ckpt = _largest_fitting(_with(trial, model__gradient_checkpointing=True), candidates, capacity, total,
                                  vllm_bytes, world_size)
