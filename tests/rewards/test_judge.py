@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from ds_rlhf.rewards.judge_template import parse_score
 from ds_rlhf.run.preflight import check_reward
 from ds_rlhf.testing.multiproc import clean_env
 from tests.recipes.stores import prompt_store
+from tests.rewards.http_stub import QuietHandler, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 RUBRIC = "Rate the answer.\nQuestion: {prompt}\nAnswer: {response}\nReference: {reference}\nEnd with 'Score: N'.\n"
@@ -36,7 +36,7 @@ class JudgeServer:
         self.lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
@@ -56,17 +56,9 @@ class JudgeServer:
                 except OSError:  # the client gave up
                     pass
 
-            def do_GET(self):  # noqa: N802
-                self.send_response(405)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = serve(Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1#judge-model"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def reply(self, body: dict) -> bytes:
         answer = body["messages"][0]["content"].split("Answer: ", 1)[1].split("\n", 1)[0]

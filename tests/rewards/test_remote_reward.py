@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from ds_rlhf.rewards.remote import RemoteReward, RemoteRewardError
 from ds_rlhf.run.preflight import check_reward
 from ds_rlhf.testing.multiproc import clean_env, free_port
 from tests.recipes.stores import prompt_store
+from tests.rewards.http_stub import QuietHandler, serve
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = (0.01, 0.02, 0.04)  # retry delays for the tests
@@ -40,7 +39,7 @@ class Server:
         self.requests: list[dict] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
@@ -62,12 +61,9 @@ class Server:
                 except OSError:  # the client gave up (timeout)
                     pass
 
-            def log_message(self, *args):
-                pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = serve(Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
         self.httpd.shutdown()
@@ -189,7 +185,7 @@ class Recorder:
         self.sizes: list[int] = []  # items per request
         recorder = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = urllib.request.Request(target, data=body, headers={"Content-Type": "application/json"})
@@ -202,17 +198,9 @@ class Recorder:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):  # noqa: N802
-                self.send_response(405)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = serve(Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen, seconds: float = 120) -> None:
