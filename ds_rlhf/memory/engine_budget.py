@@ -9,10 +9,11 @@ trainer's allocator takes the rest of the device less that share (`cap.trainer_m
 engines' bytes in the memory plan (weights, warm-up, KV cache; `plan.plan_rollout`) over the device's, rounded up to
 0.01, at most 1.
 
+With `rollout.kv_cache_gb` the KV cache is the user's and the share follows it the same way.
 `choose_engine_budget` is pure (it plans the config; no weights load); `apply_engine_budget` writes the share into
 the config. `recipes/rl_build.py` calls both before it builds the engines and logs `EngineBudget.line()`;
 `ds-rlhf memory` shows the same plan. None wherever the user's `rollout.gpu_memory_utilization`,
-`rollout.kv_cache_gb`, `run.max_gpu_memory_gb` (its split) or a disaggregated server decide instead.
+`run.max_gpu_memory_gb` (its split) or a disaggregated server (GPUs of its own) decide instead.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from ds_rlhf.config import set_value
 from ds_rlhf.memory import meta_models
-from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache, work_sized
+from ds_rlhf.memory.kv_cache import KVCacheSize, share_by_engines, vllm_kv_cache
 from ds_rlhf.memory.plan import fmt_bytes, plan_memory
 from ds_rlhf.memory.settings import rollout_backend
 
@@ -46,8 +47,9 @@ class EngineBudget:
         each = f" ({fmt_bytes(self.kv.bytes // self.engines)} per engine)" if self.engines > 1 else ""
         return (f"[rl] vLLM KV cache {fmt_bytes(self.kv.bytes)}{each}, {self.kv.detail}; with weights and warm-up "
                 f"{fmt_bytes(self.total)}: rollout.gpu_memory_utilization {self.fraction:g} of the "
-                f"{fmt_bytes(self.device_total)} device (set rollout.gpu_memory_utilization or rollout.kv_cache_gb "
-                "to size it yourself)")
+                f"{fmt_bytes(self.device_total)} device"
+                + (" (rollout.kv_cache_gb or rollout.gpu_memory_utilization sizes it instead)"
+                   if self.kv.source == "work" else ""))
 
     def to_dict(self) -> dict:
         return {"kv_cache_bytes": self.kv.bytes, "kv_source": self.kv.source, "kv_detail": self.kv.detail,
@@ -58,7 +60,7 @@ class EngineBudget:
 def choose_engine_budget(cfg, device_total: int, *, world_size: int = 1) -> EngineBudget | None:
     """The engines' KV cache and device share for the RL run of `cfg` on a GPU of `device_total` bytes (module
     docstring); None where the user's settings, a cap's split or vLLM's own sizing decide."""
-    if not work_sized(cfg) or rollout_backend(cfg, "cuda") != "vllm" or device_total <= 0:
+    if not share_by_engines(cfg) or rollout_backend(cfg, "cuda") != "vllm" or device_total <= 0:
         return None
     plan = plan_memory(cfg, kind="rl", device="cuda", capacity=int(device_total), world_size=world_size)
     row = next(r for r in plan.roles if r.role == "vllm")

@@ -115,11 +115,17 @@ def engine_sequences(cfg, world_size: int = 1) -> int:
     return min(seqs, cfg.rollout.max_num_seqs) if cfg.rollout.max_num_seqs else seqs
 
 
+def share_by_engines(cfg) -> bool:
+    """On GPUs: is vLLM's share of the device the engines' own bytes (`engine_budget.py`)? Where the user left
+    `rollout.gpu_memory_utilization` unset, without `run.max_gpu_memory_gb` (its split picks the share), with the
+    engines on the trainer's GPU (colocated, sidecar)."""
+    return (cfg.rollout.placement in ("colocated", "sidecar") and cfg.run.max_gpu_memory_gb <= 0
+            and "rollout.gpu_memory_utilization" not in getattr(cfg, "given", frozenset()))
+
+
 def work_sized(cfg) -> bool:
     """On GPUs: does the run size vLLM's KV cache by the work (module docstring), not by a device share?"""
-    r = cfg.rollout
-    return (r.kv_cache_gb <= 0 and r.placement in ("colocated", "sidecar") and cfg.run.max_gpu_memory_gb <= 0
-            and "rollout.gpu_memory_utilization" not in getattr(cfg, "given", frozenset()))
+    return cfg.rollout.kv_cache_gb <= 0 and share_by_engines(cfg)
 
 
 
