@@ -102,6 +102,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     loader = _prompt_loader(ctx)
     steps_total = _optimizer_steps(cfg)
     vllm_fraction, fraction, budget = _memory_fractions(ctx, placement.mode)
+    kv, kv_line = _vllm_kv_cache(ctx, local_world, budget)
     attn = rl_attention(ctx)
     model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
                       lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base, kernels=cfg.model.kernels)
@@ -117,7 +118,6 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
     if rollout is None:
-        kv = budget.kv if budget is not None else _vllm_kv_cache(ctx, local_world)
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
@@ -128,7 +128,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
                                       **cfg.rollout.vllm_options())
         if kv is not None and getattr(rollout, "backend", "") == "vllm":
-            ctx.print(budget.line() if budget is not None else f"[rl] vLLM KV cache {kv.line()}")
+            ctx.print(kv_line)
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory/cap.py)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
@@ -191,16 +191,20 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
     return vllm_fraction, fraction, budget
 
 
-def _vllm_kv_cache(ctx: RunContext, local_world: int) -> KVCacheSize | None:
-    """The KV cache of the run's vLLM engine (`memory/kv_cache.py`, the number `ds-rlhf memory` and `ds-rlhf doctor
-    --config` report) where no work budget sized it: on CPU always, on GPUs `rollout.kv_cache_gb`, or bytes 0 (vLLM
-    sizes it from the user's or the cap's gpu_memory_utilization)."""
+def _vllm_kv_cache(ctx: RunContext, local_world: int,
+                   budget: EngineBudget | None) -> tuple[KVCacheSize | None, str]:
+    """The KV cache of the run's vLLM engines (`memory/kv_cache.py`, the number `ds-rlhf memory` and `ds-rlhf doctor
+    --config` report) and its log line: on GPUs the engines' budget's when there is one; else on CPU always, on GPUs
+    `rollout.kv_cache_gb`, or bytes 0 (vLLM sizes it from the user's or the cap's gpu_memory_utilization)."""
     cfg, device = ctx.cfg, ctx.dist.device.type
+    if budget is not None:
+        return budget.kv, budget.line()
     if cfg.rollout.backend == "hf":
-        return None
+        return None, ""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
-                         world_size=ctx.dist.world_size)
+    kv = vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
+                       world_size=ctx.dist.world_size)
+    return kv, f"[rl] vLLM KV cache {kv.line()}"
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:

@@ -138,6 +138,8 @@ def test_the_engine_arguments_carry_the_size_and_the_share(smol, monkeypatch):
     vllm_fraction, trainer, budget = rl_build._memory_fractions(ctx, "sidecar")
     assert budget is not None and vllm_fraction == budget.fraction == cfg.rollout.gpu_memory_utilization
     assert set_fraction == [trainer] and trainer == pytest.approx(1 - budget.fraction - 0.02)
+    kv, line = rl_build._vllm_kv_cache(ctx, 1, budget)  # what build_parts passes as kv_cache_bytes and logs
+    assert kv.bytes == budget.kv.bytes and line == budget.line()
 
     started = {}
 
