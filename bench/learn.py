@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(every score 0: with --cfg rl.teacher=DIR --cfg rl.distill_loss=jsd the teacher alone teaches; "
                     "held-out scores as usual)")
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
-                    "phase's token budget per micro-batch (-1: 49152 on a GPU, chosen by the memory split under "
-                    "--cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
+                    "phase's token budget per micro-batch (-1: 49152 with gradient checkpointing on a GPU, chosen by "
+                    "the memory split under --cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
                     "with this environment (env.name), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
@@ -252,10 +252,10 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
     # under a memory cap the trainer's split picks the micro-batch budget that fits (memory/split.py)
     budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu and not capped else 0)
     placement += ["--data.micro_batch_tokens", str(budget)] if budget else []
-    # on a GPU without a cap: gradient checkpointing, so the default run plans a device peak under 30 GiB (the
-    # engines' KV cache sized by the work, memory/engine_budget.py); a --cfg of the user's wins
+    # the default 49152-token budget on a GPU comes with gradient checkpointing, so the default run plans a device
+    # peak under 30 GiB (the engines' KV cache sized by the work, memory/engine_budget.py); a --cfg of the user's wins
     given = {item.partition("=")[0].removeprefix("--") for item in args.cfg}
-    if gpu and not capped and "model.gradient_checkpointing" not in given:
+    if gpu and not capped and args.micro_batch_tokens < 0 and "model.gradient_checkpointing" not in given:
         placement += ["--model.gradient_checkpointing", "true"]
     cfg = ["--model.path", model, "--data.train", str(stores["train"]), "--data.eval", str(stores["heldout"]),
            "--run.output_dir", str(run_dir), "--run.overwrite", "true", "--run.steps", str(args.steps),
