@@ -52,10 +52,10 @@ Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, 
 (score - group mean) / the batch's std (the trainer's `rl.scale_rewards batch`; TRL's `scale_rewards="batch"`); the
 placement is two sidecar vLLM engines and micro-batches of up to 49152 tokens with gradient checkpointing on a GPU
 (the engines' KV cache sized by the step's sequences, `ds_rlhf/memory/engine_budget.py`: a planned device peak of
-about 26 GiB for SmolLM2-135M, `ds-rlhf memory`), the in-process engine on a CPU. Per step the JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's
-decode iterations spent after half of the samples had finished (waiting for the longest ones), and per mode the
-GPU's mean utilisation and peak used memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a
-CPU).
+about 26 GiB for SmolLM2-135M, `ds-rlhf memory`), the in-process engine on a CPU. Per step the JSON also records
+the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations spent after half of
+the samples had finished (waiting for the longest ones), and per mode the GPU's mean utilisation and peak used
+memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a CPU).
 `--cfg key=value` passes any trainer setting.
 
 Seeds: `--seeds N` runs each mode N times with `run.seed` 0 .. N-1 (`--seed-list 3,7` names them), each in

@@ -143,8 +143,8 @@ def vllm_kv_cache(cfg, hf_config, *, device: str, host_bytes: int, world_size: i
     if r.kv_cache_gb > 0:
         return KVCacheSize(int(r.kv_cache_gb * GiB), "setting", f"rollout.kv_cache_gb={r.kv_cache_gb:g}")
     if device != "cpu" and not work_sized(cfg):
-        return KVCacheSize(0, "vllm", f"what rollout.gpu_memory_utilization={r.gpu_memory_utilization:g} leaves "
-                                      "after vLLM's weights")
+        return KVCacheSize(0, "vllm", f"vLLM's own sizing, what rollout.gpu_memory_utilization="
+                                      f"{r.gpu_memory_utilization:g} leaves after its weights, warm-up and CUDA graphs")
     cpu = device == "cpu"
     context, tp = cfg.context_len(), r.tensor_parallel_size
     per_token = kv_bytes_per_token(hf_config, CPU_KV_DTYPE_BYTES if cpu else _dtype_bytes(cfg, device), tp)

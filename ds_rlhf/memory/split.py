@@ -9,8 +9,9 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   `data.max_prompt_len + rollout.max_new_tokens` tokens (or `rollout.max_model_len`), rounded up to vLLM's
   16-token blocks, at the model's KV bytes per token, times `kv_cache.KV_HEADROOM` (`kv_cache.work_kv_bytes`, as
   without a cap); plus, per engine, the plan's weights and `kv_cache.engine_warmup_bytes` (its profiling forward,
-  or vLLM's sampler warm-up when that is larger, plus CUDA graphs and the non-torch buffers of its profiling). Rounded up to 0.01 of M. Each engine's CUDA context and what it allocates before vLLM
-  measures its budget sit outside the budget (`device.VLLM_OUTSIDE_BUDGET`, counted in the whole-device peak);
+  or vLLM's sampler warm-up when that is larger, plus CUDA graphs and the non-torch buffers of its profiling).
+  Rounded up to 0.01 of M. Each engine's CUDA context and what it allocates before vLLM measures its budget sit
+  outside the budget (`device.VLLM_OUTSIDE_BUDGET`, counted in the whole-device peak);
 - `data.micro_batch_tokens`: the largest of `MICRO_BATCH_CANDIDATES` (at least one sequence long, at most the
   first that holds the whole step) whose plan, with that vLLM share, fits the cap less the plan's reserve, and whose
   whole-device peak (`device.device_peak`: the plan plus NVML's idle baseline, the trainer process's overhead and
@@ -45,7 +46,7 @@ from ds_rlhf.memory.kv_cache import (
     kv_bytes_per_token,
     work_kv_bytes,
 )
-from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.memory.plan import MemoryPlan, fmt_bytes, plan_memory, remedies
 from ds_rlhf.memory.settings import rollout_backend
 
 MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048,

@@ -204,7 +204,7 @@ def _vllm_kv_cache(ctx: RunContext, local_world: int,
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     kv = vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
                        world_size=ctx.dist.world_size)
-    return kv, f"[rl] vLLM KV cache {kv.line()}"
+    return kv, f"[rl] vLLM KV cache{' ' if kv.bytes else ': '}{kv.line()}"
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:
