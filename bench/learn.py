@@ -50,11 +50,12 @@ Training reward: `rewards.py:train_reward` (1 for the right number, 0.1 for a wr
 `####`), which a policy can game. The held-out evaluation reports both exact-match rules.
 Defaults: 32 prompts x 8 samples per step, up to 512 new tokens, temperature 1, lr 5e-6, no KL, GRPO advantages
 (score - group mean) / the batch's std (the trainer's `rl.scale_rewards batch`; TRL's `scale_rewards="batch"`); the
-placement is two sidecar vLLM engines and micro-batches of up to 49152 tokens on a GPU, the in-process engine on a
-CPU. Per step the JSON also records the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's
-decode iterations spent after half of the samples had finished (waiting for the longest ones), and per mode the
-GPU's mean utilisation and peak used memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a
-CPU).
+placement is two sidecar vLLM engines and micro-batches of up to 49152 tokens with gradient checkpointing on a GPU
+(the engines' KV cache sized by the step's sequences, `ds_rlhf/memory/engine_budget.py`: a planned device peak of
+about 26 GiB for SmolLM2-135M, `ds-rlhf memory`), the in-process engine on a CPU. Per step the JSON also records
+the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations spent after half of
+the samples had finished (waiting for the longest ones), and per mode the GPU's mean utilisation and peak used
+memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a CPU).
 `--cfg key=value` passes any trainer setting.
 
 Seeds: `--seeds N` runs each mode N times with `run.seed` 0 .. N-1 (`--seed-list 3,7` names them), each in
@@ -122,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(every score 0: with --cfg rl.teacher=DIR --cfg rl.distill_loss=jsd the teacher alone teaches; "
                     "held-out scores as usual)")
     ap.add_argument("--micro-batch-tokens", type=int, default=-1, help="data.micro_batch_tokens, the training "
-                    "phase's token budget per micro-batch (-1: 49152 on a GPU, chosen by the memory split under "
-                    "--cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
+                    "phase's token budget per micro-batch (-1: 49152 with gradient checkpointing on a GPU, chosen by "
+                    "the memory split under --cfg run.max_gpu_memory_gb=N; the trainer's default on a CPU)")
     ap.add_argument("--gsm8k", type=Path, default=SHARED_GSM8K, help="GSM8K test.jsonl (task gsm8k)")
     ap.add_argument("--environment", default="", help="path.py:Name: train and evaluate on multi-turn episodes "
                     "with this environment (env.name), e.g. ds_rlhf/agent/examples/calculator.py:CalculatorEnv")
@@ -251,6 +252,11 @@ def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode:
     # under a memory cap the trainer's split picks the micro-batch budget that fits (memory/split.py)
     budget = args.micro_batch_tokens if args.micro_batch_tokens >= 0 else (49152 if gpu and not capped else 0)
     placement += ["--data.micro_batch_tokens", str(budget)] if budget else []
+    # the default 49152-token budget on a GPU comes with gradient checkpointing, so the default run plans a device
+    # peak under 30 GiB (the engines' KV cache sized by the work, memory/engine_budget.py); a --cfg of the user's wins
+    given = {item.partition("=")[0].removeprefix("--") for item in args.cfg}
+    if gpu and not capped and args.micro_batch_tokens < 0 and "model.gradient_checkpointing" not in given:
+        placement += ["--model.gradient_checkpointing", "true"]
     cfg = ["--model.path", model, "--data.train", str(stores["train"]), "--data.eval", str(stores["heldout"]),
            "--run.output_dir", str(run_dir), "--run.overwrite", "true", "--run.steps", str(args.steps),
            "--run.eval_every", str(args.eval_every), "--run.eval_before_train", "true",

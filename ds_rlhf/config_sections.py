@@ -110,9 +110,13 @@ class RolloutConfig:
     # requests at every decode step); batch: one seed per generate call (resume-exact all the same)
     seeding: str = opt("batch", choices=("batch", "request"))  # batch: one seed per call; request: one per request
     max_model_len: int = opt(0, ge=0)  # 0 = max_prompt_len + max_new_tokens
+    # vLLM's share of the device. Left unset on a GPU (no run.max_gpu_memory_gb, engines on the training GPU): the
+    # engines' weights, warm-up and KV cache over the device (memory/engine_budget.py); set: vLLM sizes its KV cache
+    # from it. The default is the most the automatic KV cache lets the engines take
     gpu_memory_utilization: float = opt(0.5, gt=0, le=1)
-    # vLLM's KV cache in GiB; 0 = auto: on GPUs what gpu_memory_utilization leaves after the weights, on CPU the
-    # step's sequences at full context, at most gpu_memory_utilization of the host memory (memory/kv_cache.py)
+    # vLLM's KV cache in GiB; 0 = auto: the sequences the engines hold at once at full context (on GPUs x 1.25,
+    # unless gpu_memory_utilization is given or a cap splits the GPU; on CPU at most gpu_memory_utilization of the
+    # host memory; memory/kv_cache.py)
     kv_cache_gb: float = opt(0.0, ge=0)
     sleep: bool = True  # free vLLM weights + KV cache while DeepSpeed trains (GPU only)
     sleep_level: int = opt(2, choices=(1, 2))  # 1: keep a CPU copy of the weights; 2: drop them (then a full sync)

@@ -14,7 +14,9 @@
   profiling forward's torch peak, the non-torch bytes added since that snapshot and (vLLM >= 0.21,
   `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` on by default) its CUDA graph estimate: so the budget holds the
   weights, warm-up, CUDA graphs and KV cache, and the CUDA context, what the process allocated before the snapshot
-  and what it allocates later outside torch (the weight-sync channel to the trainer) sit on top of it.
+  and what it allocates later outside torch (the weight-sync channel to the trainer) sit on top of it. With a KV
+  cache of a given size (`kv_cache_memory_bytes`: by the work, `engine_budget.py`) the budget is the plan's
+  weights, warm-up and that cache, and the same bytes sit on top of it (an assumption: measured with the share).
 
 The constants are fitted to two H200 runs of `bench/rl_step_gpu.py` (0.5B Qwen2 shape, GRPO, 32 prompts x 8
 samples x 256 new tokens, ZeRO-2 bf16, two sidecar engines), caps 48 and 80 GiB, split by `split.choose_split`:

@@ -32,7 +32,9 @@ estimate); this module adds what an RL step holds on top of them:
   frees that memory while DeepSpeed trains, so the step has two peaks: rollout (model states + vLLM) and train
   (model states + the largest activations). vLLM's KV cache is the run's own number (`kv_cache.py`): on CPU
   `VLLM_CPU_KVCACHE_SPACE` when set, else `rollout.kv_cache_gb`, else the step's sequences; on GPUs
-  `rollout.kv_cache_gb` when set, else what `rollout.gpu_memory_utilization` leaves.
+  `rollout.kv_cache_gb` when set, else what the user's `rollout.gpu_memory_utilization` (or the cap's split)
+  leaves, else the sequences the engines hold at once; with a KV cache of a given size each engine holds its
+  weights, that cache and `kv_cache.engine_warmup_bytes` (profiling forward or sampler warm-up, CUDA graphs).
 
 The settings a plan assumes (the ZeRO stage, offload, optimizer and buckets of the resolved ds_config, the
 tokens per micro-batch, the rollout backend) are read as the trainer would read them (`settings.py`).
@@ -59,7 +61,7 @@ from dataclasses import dataclass, field
 from ds_rlhf.engines import quantized
 from ds_rlhf.engines.memory import activation_bytes
 from ds_rlhf.memory import meta_models
-from ds_rlhf.memory.kv_cache import kv_bytes_per_token, vllm_kv_cache
+from ds_rlhf.memory.kv_cache import engine_warmup_bytes, kv_bytes_per_token, vllm_kv_cache
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
 from ds_rlhf.memory.role_plan import RolePlan, Settings, plan_role, quantized_base
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
@@ -117,11 +119,16 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         act = 4
         per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
     weights = engines * num_params * act // r.tensor_parallel_size
-    overhead = engines * activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
-                                          lm_head=False) // r.tensor_parallel_size
-    size = vllm_kv_cache(cfg, hf_config, device=s.device, host_bytes=s.capacity, world_size=s.world_size)
+    profile = activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
+                               lm_head=False) // r.tensor_parallel_size
+    overhead = engines * profile
+    # on GPUs what each engine takes beside weights and a KV cache of a given size (CPU: the profiling forward)
+    warmup = engines * engine_warmup_bytes(profile, hf_config.vocab_size, r.max_num_seqs) if s.device == "cuda" \
+        else overhead
+    size = vllm_kv_cache(cfg, hf_config, device=s.device, host_bytes=s.capacity, world_size=s.world_size,
+                         engine_bytes=weights + warmup)
     if size.bytes:
-        kv, detail = size.bytes, f"KV cache {size.detail}"
+        kv, detail, overhead = size.bytes, f"KV cache {size.detail}", warmup
     else:
         kv = int(r.gpu_memory_utilization * s.capacity) - weights - overhead
         detail = f"gpu_memory_utilization {r.gpu_memory_utilization}"

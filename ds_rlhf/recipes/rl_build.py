@@ -28,6 +28,7 @@ from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_crit
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
+from ds_rlhf.memory.engine_budget import EngineBudget, apply_engine_budget, choose_engine_budget
 from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
@@ -100,7 +101,8 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                   gpus_on_node=physical_gpu_count())
     loader = _prompt_loader(ctx)
     steps_total = _optimizer_steps(cfg)
-    vllm_fraction, fraction = _memory_fractions(ctx, placement.mode)
+    vllm_fraction, fraction, budget = _memory_fractions(ctx, placement.mode)
+    kv, kv_line = _vllm_kv_cache(ctx, local_world, budget)
     attn = rl_attention(ctx)
     model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
                       lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base, kernels=cfg.model.kernels)
@@ -116,7 +118,6 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
     sync_mode = cfg.rollout.sync_mode()  # rollout.lora_sync: "adapter" sends only the LoRA adapters each step
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
     if rollout is None:
-        kv = _vllm_kv_cache(ctx, local_world)
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
                                       dtype=ctx.precision, max_model_len=max_len,
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
@@ -127,7 +128,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
                                       **cfg.rollout.vllm_options())
         if kv is not None and getattr(rollout, "backend", "") == "vllm":
-            ctx.print(f"[rl] vLLM KV cache {kv.line()}")
+            ctx.print(kv_line)
         if fraction is not None and placement.mode == "colocated" and hasattr(rollout, "on_unmapped"):
             # PyTorch counts a sleeping vLLM's unmapped pool: the cap follows what the device holds (memory/cap.py)
             rollout.on_unmapped = partial(allow_unmapped, dist.device)
@@ -166,15 +167,20 @@ def _optimizer_steps(cfg) -> int:
     return cfg.run.steps * rl.ppo_epochs * -(-samples_per_step // mini)
 
 
-def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, float | None]:
-    """(vLLM's gpu_memory_utilization, this process's allocator fraction or None). On CUDA, run.max_gpu_memory_gb
-    caps this process (and colocated vLLM) at the cap; the sidecar split: vLLM's process takes
-    gpu_memory_utilization (of the cap, when set), this process the rest (`memory/cap.py`)."""
+def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, float | None, EngineBudget | None]:
+    """(vLLM's gpu_memory_utilization, this process's allocator fraction or None, the engines' budget by the work or
+    None). On CUDA, where the user left vLLM's memory unset (and no cap), the engines' KV cache is sized by the work
+    and their share of the device follows (`memory/engine_budget.py`); run.max_gpu_memory_gb caps this process (and
+    colocated vLLM) at the cap; the sidecar split: vLLM's process takes gpu_memory_utilization (of the cap, when
+    set), this process the rest (`memory/cap.py`)."""
     cfg, dist = ctx.cfg, ctx.dist
-    vllm_fraction, fraction = cfg.rollout.gpu_memory_utilization, None
+    vllm_fraction, fraction, budget = cfg.rollout.gpu_memory_utilization, None, None
     if dist.device.type == "cuda":
+        total = torch.cuda.get_device_properties(dist.device).total_memory
+        if cfg.rollout.backend != "hf" and (budget := choose_engine_budget(cfg, total, world_size=dist.world_size)):
+            apply_engine_budget(cfg, budget)
         fraction = apply_trainer_cap(cfg, dist.device, placement_mode)
-        vllm_fraction = vllm_memory_fraction(cfg, torch.cuda.get_device_properties(dist.device).total_memory)
+        vllm_fraction = vllm_memory_fraction(cfg, total)
         if cfg.run.max_gpu_memory_gb > 0:
             outside = outside_bytes(dist.device)
             ctx.print(f"[rl] run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: trainer memory fraction "
@@ -182,18 +188,23 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
                       + ("" if outside is None else f"; {fmt_bytes(outside)} on the GPU outside PyTorch's allocator"))
             if warning := outside_warning(outside):
                 ctx.print(warning)
-    return vllm_fraction, fraction
+    return vllm_fraction, fraction, budget
 
 
-def _vllm_kv_cache(ctx: RunContext, local_world: int) -> KVCacheSize | None:
-    """The KV cache of the run's vLLM engine (`memory/kv_cache.py`, the number `ds-rlhf memory` and `ds-rlhf doctor
-    --config` report): on CPU always, on GPUs when `rollout.kv_cache_gb` is set; None: vLLM sizes it."""
+def _vllm_kv_cache(ctx: RunContext, local_world: int,
+                   budget: EngineBudget | None) -> tuple[KVCacheSize | None, str]:
+    """The KV cache of the run's vLLM engines (`memory/kv_cache.py`, the number `ds-rlhf memory` and `ds-rlhf doctor
+    --config` report) and its log line: on GPUs the engines' budget's when there is one; else on CPU always, on GPUs
+    `rollout.kv_cache_gb`, or bytes 0 (vLLM sizes it from the user's or the cap's gpu_memory_utilization)."""
     cfg, device = ctx.cfg, ctx.dist.device.type
-    if cfg.rollout.backend == "hf" or (device != "cpu" and cfg.rollout.kv_cache_gb <= 0):
-        return None
+    if budget is not None:
+        return budget.kv, budget.line()
+    if cfg.rollout.backend == "hf":
+        return None, ""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
-                         world_size=ctx.dist.world_size)
+    kv = vllm_kv_cache(cfg, hf_config(ctx.model_path), device=device, host_bytes=host // max(1, local_world),
+                       world_size=ctx.dist.world_size)
+    return kv, f"[rl] vLLM KV cache{' ' if kv.bytes else ': '}{kv.line()}"
 
 
 def _build_reference(ctx: RunContext, actor: Engine, attn: str) -> Engine | None:

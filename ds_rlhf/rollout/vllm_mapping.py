@@ -252,5 +252,6 @@ def kv_cache_kwargs(kv_cache_bytes: int, *, cpu: bool, version: str | None, arg_
                            "rollout.max_num_seqs, rollout.max_model_len), or free memory")
     if "kv_cache_memory_bytes" not in arg_names:
         raise RolloutError(f"vLLM {version} has no kv_cache_memory_bytes engine argument: leave rollout.kv_cache_gb "
-                           "at 0" + (" and set VLLM_CPU_KVCACHE_SPACE (GiB)" if cpu else ""))
+                           "at 0" + (" and set VLLM_CPU_KVCACHE_SPACE (GiB)" if cpu else
+                                     " and set rollout.gpu_memory_utilization (vLLM then sizes its KV cache)"))
     return {"kv_cache_memory_bytes": int(kv_cache_bytes)}

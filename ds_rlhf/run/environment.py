@@ -135,8 +135,8 @@ def apply_config(results: list[Check], cfg) -> list[Check]:
 
 def check_kv_cache(cfg, gpus: int) -> Check | None:
     """vLLM's KV cache as the run will size it (`memory/kv_cache.py`: the number the trainer passes to vLLM and
-    `ds-rlhf memory` plans with), on CPU against the memory available now; None where vLLM sizes it itself (GPUs
-    without rollout.kv_cache_gb)."""
+    `ds-rlhf memory` plans with), on CPU against the memory available now; None on GPUs without
+    rollout.kv_cache_gb (vLLM's own sizing, or the work's, which `ds-rlhf memory` prints with the engines' share)."""
     device = "cuda" if gpus else "cpu"
     if device == "cuda" and cfg.rollout.kv_cache_gb <= 0:
         return None

@@ -32,8 +32,8 @@ def _cfg(*args):
 
 
 def test_sources_in_order():
-    """VLLM_CPU_KVCACHE_SPACE (CPU), then rollout.kv_cache_gb, then on CPU the step's sequences; GPUs without the
-    setting leave it to vLLM."""
+    """VLLM_CPU_KVCACHE_SPACE (CPU), then rollout.kv_cache_gb, then on CPU the step's sequences; GPUs with the
+    user's gpu_memory_utilization leave it to vLLM."""
     hf = LlamaConfig(**SMOL)
     assert kv_bytes_per_token(hf, 4) == 46080
     auto = vllm_kv_cache(_cfg(), hf, device="cpu", host_bytes=24 * GiB, env={})
@@ -56,7 +56,10 @@ def test_sources_in_order():
                         env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert (env.source, env.bytes) == ("env", 2 * GiB)
     gpu = vllm_kv_cache(_cfg(), hf, device="cuda", host_bytes=24 * GiB, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
-    assert gpu.bytes == 0 and "gpu_memory_utilization" in gpu.detail
+    assert gpu.source == "work"  # GPUs size it by the work unless the user gives a share (tests/memory/test_kv_fit.py)
+    users = vllm_kv_cache(_cfg("--rollout.gpu_memory_utilization", "0.3"), hf, device="cuda", host_bytes=24 * GiB,
+                          env={})
+    assert users.bytes == 0 and "gpu_memory_utilization=0.3" in users.detail
     assert vllm_kv_cache(_cfg("--rollout.kv_cache_gb", "3"), hf, device="cuda", host_bytes=0, env={}).bytes == 3 * GiB
 
 

@@ -62,6 +62,13 @@ def test_default_knobs_skip_what_does_not_exist_or_apply():
     vllm_knobs, vllm_skipped = default_knobs(parse_config(["--rollout.backend", "vllm"]), {})
     assert vllm_knobs["rollout.max_num_seqs"] == [0, 64, 128, 256, 512]  # 0 = vLLM's default, then the candidates
     assert "needs rollout.placement sidecar" in vllm_skipped["rollout.sidecar_engines"]  # colocated: one engine
+    # vLLM's share left unset: the baseline passes none (the run sizes the KV cache by the work), yours is passed
+    assert vllm_knobs["rollout.gpu_memory_utilization"] == ["auto", 0.3, 0.5, 0.7, 0.85]
+    assert autotune._knob_args({"rollout.gpu_memory_utilization": "auto", "rollout.max_num_seqs": 0}) == [
+        "--rollout.max_num_seqs", "0"]
+    assert autotune.overrides_mapping({"rollout.gpu_memory_utilization": "auto"}) == {}
+    given, _ = default_knobs(parse_config(["--rollout.backend", "vllm", "--rollout.gpu_memory_utilization", "0.4"]), {})
+    assert given["rollout.gpu_memory_utilization"] == [0.4, 0.3, 0.5, 0.7, 0.85]
     sidecar, _ = default_knobs(parse_config(["--rollout.backend", "vllm", "--rollout.placement", "sidecar",
                                              "--rollout.sidecar_engines", "2"]), {})
     assert sidecar["rollout.sidecar_engines"] == [2, 1, 3]  # the run's value first, then the other candidates

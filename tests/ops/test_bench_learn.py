@@ -182,8 +182,9 @@ def test_reward_none_trains_on_no_reward_and_still_scores_the_held_out_set(tmp_p
 
 
 def test_a_memory_cap_leaves_the_micro_batch_budget_to_the_trainers_split(tmp_path, monkeypatch):
-    """On a GPU the bench fixes 49152-token micro-batches, except under `--cfg run.max_gpu_memory_gb=N`, where the
-    trainer's memory split (memory/split.py) picks the budget that fits the cap; an explicit flag always wins."""
+    """On a GPU the bench fixes 49152-token micro-batches with gradient checkpointing, except under `--cfg
+    run.max_gpu_memory_gb=N`, where the trainer's memory split (memory/split.py) picks the budget that fits the cap;
+    an explicit flag always wins."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
     learn = importlib.util.module_from_spec(spec)
@@ -197,6 +198,15 @@ def test_a_memory_cap_leaves_the_micro_batch_budget_to_the_trainers_split(tmp_pa
     assert budget() == "49152"
     assert budget("--cfg", "run.max_gpu_memory_gb=30") is None
     assert budget("--cfg", "run.max_gpu_memory_gb=30", "--micro-batch-tokens", "8192") == "8192"
+
+    def checkpointing(*flags):
+        argv = learn.trainer_args(learn.parse_args(["--tiny", *flags]), "tiny", stores, tmp_path / "r", "sync", True)
+        return [v for k, v in zip(argv, argv[1:]) if k == "--model.gradient_checkpointing"]
+
+    # the default 49152-token budget comes with gradient checkpointing (tests/memory/test_kv_fit.py: under 30 GiB)
+    assert checkpointing() == ["true"]
+    assert checkpointing("--micro-batch-tokens", "4096") == checkpointing("--cfg", "run.max_gpu_memory_gb=30") == []
+    assert checkpointing("--cfg", "model.gradient_checkpointing=false") == ["false"]
 
 
 @pytest.mark.extended
