@@ -55,7 +55,7 @@ CPU. Per step the JSON also records the rollout seconds and `rollout/tail_decode
 decode iterations spent after half of the samples had finished (waiting for the longest ones), and per mode the
 GPU's mean utilisation and peak used memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a
 CPU).
-`--cfg key=value` passes any trainer setting.
+`--cfg key=value` passes any trainer setting (`--cfg rollout.max_staleness=2`: async mode's staleness bound).
 
 Seeds: `--seeds N` runs each mode N times with `run.seed` 0 .. N-1 (`--seed-list 3,7` names them), each in
 `work_<task>/run_<mode>_seed<S>`, and writes every run's curve (`modes`: "<mode>, seed <S>"), per mode the

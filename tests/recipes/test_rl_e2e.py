@@ -79,15 +79,20 @@ def _launch(args, log):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_k2"])
 def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_stores, vllm_colocated, tmp_path, mode,
                                                          capsys):
-    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it. The run
-    killed with SIGKILL is a fresh process, as a user runs it; the uninterrupted and the resumed runs train in this
-    process on the session's engine (a new trainer, so only what the checkpoint holds carries over: the resumed run
-    starts after the uninterrupted one, whose RNG and engine state it must not inherit)."""
+    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it. With
+    rollout.max_staleness 2 and a checkpoint every step, half the checkpoints are taken while the engine holds
+    weights one update older than the trainer's, which the next batch still uses: it is generated before the save
+    and saved too. The run killed with SIGKILL is a fresh process, as a user runs it; the uninterrupted and the
+    resumed runs train in this process on the session's engine (a new trainer, so only what the checkpoint holds
+    carries over: the resumed run starts after the uninterrupted one, whose RNG and engine state it must not
+    inherit)."""
 
-    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", str(mode == "async")]
+    common = ["--run.save_every", "1" if mode == "async_k2" else "2", "--optim.lr", "3e-4",
+              "--rollout.async_generation", str(mode != "sync"),
+              "--rollout.max_staleness", "2" if mode == "async_k2" else "1"]
     _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, vllm_colocated, capsys)
 
 
