@@ -84,7 +84,7 @@ class OptimConfig:
 class RolloutConfig:
     backend: str = opt("auto", choices=("auto", "vllm", "hf"))  # auto (vLLM if importable, else HF generate)
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
-    async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
+    async_generation: bool = False  # generate step k+1 while step k trains (off-policy: max_staleness; TIS-corrected)
     # async: generation may use weights up to max_staleness updates older than the trainer's; the engine gets new
     # weights once every max_staleness steps, its batches 1 .. max_staleness updates old (docs/ASYNC.md)
     max_staleness: int = opt(1, ge=1)  # async: most updates a batch's weights may lag (N: a weight sync every N steps)

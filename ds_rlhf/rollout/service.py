@@ -42,7 +42,7 @@ one (`WeightSync.pending`), so each deferred sync is confirmed exactly once.
 
 Checkpoints and evaluations: `quiesce()` collects the batch in flight and keeps it as a finished batch; in async
 mode it also generates, one after the other, the later batches the schedule would generate with the weights the
-engine holds (k > 1: up to the step whose batch needs the next sync) and keeps them queued (`ahead`). `state_dict()`
+engine holds (k > 1: up to the step whose batch needs the next sync) and keeps them in `queue`. `state_dict()`
 then saves every kept batch (rows, samples, each sample's weights version) and `schedule_version`, so a resumed run,
 whose engine holds the checkpoint's newer weights, trains on exactly the batches the uninterrupted one does: the
 batches that need the older weights are in the checkpoint, and the next batch after them comes from a sync to the
