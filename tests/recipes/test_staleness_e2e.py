@@ -1,6 +1,7 @@
 """A short async RL run on the tiny model (HF backend) with `rollout.max_staleness 2`: the per-step staleness
 metrics and each logged sample's weights version follow the bound, and a run stopped after a checkpoint taken while
-the engine still held older weights resumes onto exactly the uninterrupted run's steps."""
+the engine still held older weights resumes onto exactly the uninterrupted run's steps; a run evaluating after every
+step trains exactly as one without evaluation."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _cfg(tmp_path, tiny_model_path, out, *extra):
                          *extra])
 
 
-def test_staleness_metrics_and_an_exact_resume_at_k_2(tiny_model_path, dist_single, tmp_path):
+def test_staleness_metrics_exact_resume_and_evaluation_at_k_2(tiny_model_path, dist_single, tmp_path):
     from ds_rlhf.recipes.rl import RLTrainer
 
     straight = RLTrainer(_cfg(tmp_path, tiny_model_path, tmp_path / "a")).train()
@@ -70,3 +71,11 @@ def test_staleness_metrics_and_an_exact_resume_at_k_2(tiny_model_path, dist_sing
     for ra, rb in zip(a, b):
         for key in EXACT:
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-7), (ra["step"], key)
+
+    # an evaluation after every step syncs the engine to that step's weights, yet the run trains as without it
+    evaluated = RLTrainer(_cfg(tmp_path, tiny_model_path, tmp_path / "c", "--data.eval", str(tmp_path / "prompts"),
+                               "--run.eval_every", "1", "--eval.max_prompts", "4")).train()
+    assert all("eval/pass@1" in h for h in evaluated)
+    for ha, hc in zip(straight, evaluated):
+        for key in EXACT:
+            assert ha[key] == pytest.approx(hc[key], rel=1e-6, abs=1e-7), key
