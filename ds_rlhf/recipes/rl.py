@@ -36,8 +36,14 @@ from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forwar
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
 from ds_rlhf.recipes.rl_service import rollout_service
-from ds_rlhf.recipes.trajectory import (RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, staleness_metrics,
-                                       with_advantages)
+from ds_rlhf.recipes.trajectory import (
+    RolloutBatch,
+    ScoredBatch,
+    Trajectory,
+    pad_trajectory,
+    staleness_metrics,
+    with_advantages,
+)
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
