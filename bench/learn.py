@@ -56,7 +56,7 @@ about 26 GiB for SmolLM2-135M, `ds-rlhf memory`), the in-process engine on a CPU
 the rollout seconds and `rollout/tail_decode_frac`, the share of the rollout's decode iterations spent after half of
 the samples had finished (waiting for the longest ones), and per mode the GPU's mean utilisation and peak used
 memory over the training steps (`gpu`: NVML, sampled every 0.5 s; empty on a CPU).
-`--cfg key=value` passes any trainer setting.
+`--cfg key=value` passes any trainer setting (`--cfg rollout.max_staleness=2`: async mode's staleness bound).
 
 Seeds: `--seeds N` runs each mode N times with `run.seed` 0 .. N-1 (`--seed-list 3,7` names them), each in
 `work_<task>/run_<mode>_seed<S>`, and writes every run's curve (`modes`: "<mode>, seed <S>"), per mode the

@@ -34,7 +34,10 @@ def curve(history: list[dict]) -> dict:
             tokens += h.get("response/len_mean", 0.0) * h.get("rollout/samples", 0.0)
             lengths.append({k: h.get(f"response/{k}") for k in ("len_mean", "len_p50", "len_max", "truncated_frac")}
                            | {"step": h["step"], "rollout_seconds": h.get("time/rollout"),
-                              "tail_decode_frac": h.get("rollout/tail_decode_frac")} | _episode(h, ""))
+                              "tail_decode_frac": h.get("rollout/tail_decode_frac"),
+                              "staleness_mean": h.get("rollout/staleness_mean", h.get("rollout/staleness")),
+                              "staleness_max": h.get("rollout/staleness_max", h.get("rollout/staleness"))}
+                           | _episode(h, ""))
         if EXACT in h:
             points.append({"step": h.get("step", 0), "seconds": round(seconds, 2), "generated_tokens": int(tokens),
                            "exact_match": h[EXACT], "exact_match_lenient": h.get(LENIENT),
@@ -50,6 +53,10 @@ def curve(history: list[dict]) -> dict:
                           ("rollout/tail_decode_frac", "tail_decode_frac_median")):
             if all(key in h for h in steps):
                 summary[name] = statistics.median(h[key] for h in steps)
+        ages = [(x["staleness_mean"], x["staleness_max"]) for x in lengths if x["staleness_max"] is not None]
+        if ages:  # updates between a trained sample's weights and the trainer's (rollout.max_staleness bounds it)
+            summary["staleness_mean"] = statistics.fmean(mean for mean, _ in ages)
+            summary["staleness_max"] = max(top for _, top in ages)
     if points:
         summary |= {"exact_match_start": points[0]["exact_match"], "exact_match_end": points[-1]["exact_match"],
                     "exact_match_best": max(p["exact_match"] for p in points)}

@@ -8,7 +8,8 @@ advantages are not all zero. Reports per-phase medians over the steps after warm
 
     python3 bench/rl_step_gpu.py --steps 22 --out $OUT            # synchronous, exact on-policy
     python3 bench/rl_step_gpu.py --placement colocated --steps 22 --out $OUT [--sleep]   # the in-process engine
-    python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: generation one step off-policy
+    python3 bench/rl_step_gpu.py --async --steps 22 --out $OUT   # overlap: generation one step off-policy; with
+        # --cfg rollout.max_staleness=K --tag NAME: a sync every K steps (the JSON: rollout/staleness* per step)
     python3 bench/rl_step_gpu.py --async --sidecar-engines 1 ...  # one sidecar process (the config's default)
     python3 bench/rl_step_gpu.py --async --placement disaggregated --weight-transport vllm --out $OUT  # 2 GPUs:
         # trainer on GPU 0, the vLLM server on --rollout-devices (default 1); syncs through vLLM's NCCL engine
@@ -18,8 +19,7 @@ vLLM processes on the training GPU (`rollout.placement sidecar`, `rollout.sideca
 async runs alike; that is the fastest one-GPU setup measured for it (docs/PERFORMANCE.md, "RL step throughput":
 on one machine, async 138.9 completions/s with two engines against 117.4 with three; synchronous 80.0 with the
 in-process engine). The 1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
-    python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...      # other shapes / algorithms
-    python3 bench/rl_step_gpu.py --tiny --steps 3          # CPU logic check
+    python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...  # other shapes / algorithms; --tiny --steps 3: CPU check
     python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
 
 `--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens, gradient
@@ -99,8 +99,8 @@ def split_bench_keys(extra: list[str]) -> tuple[list[str], dict]:
 
 def summarize(history: list[dict], skip: int, completions: int) -> dict:
     steady = history[skip:] or history
-    keys = sorted({k for h in steady for k in h
-                   if k.startswith(("time/", "sync/", "throughput/", "sys/", "rollout/generate"))})
+    keys = sorted({k for h in steady for k in h  # rollout/staleness*: each step's, also in `history`
+                   if k.startswith(("time/", "sync/", "throughput/", "sys/", "rollout/generate", "rollout/stal"))})
     med = {k: statistics.median(h[k] for h in steady if k in h) for k in keys}
     wall = med.get("time/wall", med.get("time/step"))
     return {"steps": len(history), "steady_steps": len(steady), "median": med,

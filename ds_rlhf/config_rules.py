@@ -126,15 +126,10 @@ def _check_env(cfg: WholeConfig) -> None:
 
 
 def _check_eval(cfg: WholeConfig) -> None:
-    r, ev, run = cfg.rollout, cfg.eval, cfg.run
+    ev, run = cfg.eval, cfg.run
     context = cfg.context_len()
     if cfg.data.max_prompt_len + ev.max_new_tokens > context:
         raise ConfigError(f"eval.max_new_tokens={ev.max_new_tokens}: data.max_prompt_len + it exceeds the rollout "
                           f"context of {context} tokens; raise --rollout.max_model_len")
     if ev.best_metric and run.eval_every <= 0:
         raise ConfigError(f"eval.best_metric={ev.best_metric!r} needs evaluations: set --run.eval_every N > 0")
-    if (run.eval_every > 0 or run.eval_before_train) and r.async_generation and r.max_staleness > 1:
-        raise ConfigError("evaluation reports the weights of its step, but with rollout.async_generation and "
-                          f"rollout.max_staleness={r.max_staleness} the engine may hold older ones and syncing "
-                          "it for the evaluation would change the weights later batches are generated with: "
-                          "use --rollout.max_staleness 1, or turn evaluation off")

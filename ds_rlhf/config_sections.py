@@ -84,8 +84,10 @@ class OptimConfig:
 class RolloutConfig:
     backend: str = opt("auto", choices=("auto", "vllm", "hf"))  # auto (vLLM if importable, else HF generate)
     placement: str = opt("colocated", choices=("colocated", "sidecar", "disaggregated"))  # see docs/MULTI_GPU.md
-    async_generation: bool = False  # generate step k+1 while step k trains (one step off-policy, TIS-corrected)
-    max_staleness: int = opt(1, ge=1)  # async: most updates between a batch's weights and its training
+    async_generation: bool = False  # generate step k+1 while step k trains (off-policy: max_staleness; TIS-corrected)
+    # async: generation may use weights up to max_staleness updates older than the trainer's; the engine gets new
+    # weights once every max_staleness steps, its batches 1 .. max_staleness updates old (docs/ASYNC.md)
+    max_staleness: int = opt(1, ge=1)  # async: most updates a batch's weights may lag (N: a weight sync every N steps)
     # partial rollouts: each generate call stops every sample at this many new tokens; unfinished samples continue
     # in the next step's call (newer weights) and a prompt's group trains once all its samples finished, so no step
     # waits for its longest samples. A sample spans at most ceil(max_new_tokens / this) weight versions (rollout/

@@ -36,7 +36,14 @@ from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forwar
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
 from ds_rlhf.recipes.rl_service import rollout_service
-from ds_rlhf.recipes.trajectory import RolloutBatch, ScoredBatch, Trajectory, pad_trajectory, with_advantages
+from ds_rlhf.recipes.trajectory import (
+    RolloutBatch,
+    ScoredBatch,
+    Trajectory,
+    pad_trajectory,
+    staleness_metrics,
+    with_advantages,
+)
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
 from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
@@ -170,7 +177,7 @@ class RLTrainer:
         report = self.service.take_report()  # this step's syncs and confirmations
         # 6 metrics: this rank's, then averaged over ranks; the KL controller moves; sample rows when due
         metrics = step_metrics(ctx, scored, traj, update, kl_coef)
-        metrics["rollout/staleness"] = step - scored.rollout.weights_version
+        metrics.update(staleness_metrics(traj, step))  # rollout/staleness, _mean, _max
         metrics["rollout/groups"] = len(scored.rollout.rows)
         metrics.update(self.service.metrics())
         metrics.update(generation_metrics(scored.rollout))
@@ -200,11 +207,11 @@ class RLTrainer:
         """Held-out `eval/...` metrics of the weights after `self.step` updates (collective: every rank).
 
         The rollout engine must be idle: with `rollout.async_generation` the next step's batch is in flight here,
-        so it is collected first and kept (`RolloutService.quiesce`, as before a checkpoint), and the service then
-        returns it as it would have. In async mode the engine also still holds the weights before the last update:
-        `quiesce(self.step)` syncs it now, which is the sync the service would make before its next submit anyway
-        (`config_rules` refuses evaluation with `rollout.max_staleness` > 1, where it would not), so every later batch
-        is generated with the same weights as without evaluation; its time is the next step's `time/sync`.
+        so it is collected first and kept (`RolloutService.quiesce`, as before a checkpoint), with the later batches
+        `rollout.max_staleness` still has the engine's older weights generate, and the service then returns them as
+        it would have. `quiesce(self.step)` then syncs the engine to this step's weights; the staleness rule counts
+        from the service's own last sync, so every later batch is generated with the same weights as without
+        evaluation (with k = 1 this is the sync the next step would make; it then makes none).
         `rl_eval.evaluate` restores every RNG, so training and its resume are exactly as without evaluation.
         """
         # waits for the generation in flight (if any), checks the last sync, syncs the step's weights: idle after it
@@ -343,7 +350,8 @@ def sample_rows(ctx: RunContext, scored: ScoredBatch, traj: Trajectory, k: int) 
                     "response": scored.texts[i], "reward": float(scored.scores[i]),
                     "reward_components": {name: values[i] for name, values in scored.components.items()},
                     "ground_truth": row.get("ground_truth"), "advantage": float(advantage),
-                    "weights_version": scored.rollout.weights_version, "data_source": row.get("data_source"),
+                    "weights_version": scored.rollout.weights_version if s.weights_version is None
+                    else s.weights_version, "data_source": row.get("data_source"),
                     "sample_index": s.sample_index, "prompt_index": s.prompt_index,
                     "finish_reason": s.finish_reason})
         if s.episode is not None:  # a multi-turn episode: its turns, tool calls and truncation

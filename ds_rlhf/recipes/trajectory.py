@@ -59,7 +59,8 @@ class Trajectory:
     step_rewards: torch.Tensor | None = None  # [B, L-1] float, episodes' per-step rewards at their turns' ends
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
-    weights_version: int = 0
+    weights_version: int = 0  # the oldest weights version of its rows
+    weights_versions: torch.Tensor | None = None  # [B] long, each row's weights version (its sample's)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -147,8 +148,21 @@ def pad_trajectory(samples: list[RolloutSample], scores: list[float], pad_id: in
         scores=torch.tensor(scores, dtype=torch.float32), prompt_lens=torch.from_numpy(p_lens),
         response_lens=torch.from_numpy(r_lens),
         group_ids=torch.tensor([s.prompt_index for s in samples], dtype=torch.long), weights_version=weights_version,
+        weights_versions=torch.tensor([weights_version if s.weights_version is None else s.weights_version
+                                       for s in samples], dtype=torch.long),
         step_rewards=_step_rewards(samples, p_lens, width),
     ).to(device)
+
+
+def staleness_metrics(traj: Trajectory, step: int) -> dict:
+    """How far off-policy step `step`'s batch is, in trainer updates between a row's weights and the trainer's
+    (`step`): `rollout/staleness` from the batch's oldest weights, `rollout/staleness_mean` and
+    `rollout/staleness_max` over the rows, each from its own sample's weights version."""
+    versions = traj.weights_versions if traj.weights_versions is not None else \
+        torch.full((len(traj),), traj.weights_version, dtype=torch.long)
+    ages = (step - versions).float()
+    return {"rollout/staleness": step - traj.weights_version, "rollout/staleness_mean": ages.mean(),
+            "rollout/staleness_max": ages.max()}
 
 
 def _loss_mask_values(samples: list[RolloutSample], r_lens: np.ndarray) -> np.ndarray:

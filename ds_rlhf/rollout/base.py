@@ -95,6 +95,9 @@ class RolloutSample:
     loss_mask: list[int] | None = None
     # the episode's outcome ({"reward", "turns", "tool_turns", "truncated", "end"}), or None for a single turn
     episode: dict | None = None
+    # trainer updates applied to the weights that generated it (a sample continued across weight syncs: the oldest);
+    # set by the rollout service (`service.py`), None until then
+    weights_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class RolloutBatch:
 
     rows: list[dict]  # the step's prompt rows (the store's columns: input_ids, ground_truth, ...)
     samples: list[RolloutSample]
-    weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights)
+    weights_version: int  # trainer steps applied to the weights that generated it (0 = the initial weights; the
+    # oldest of its samples' `RolloutSample.weights_version` where they differ)
     # the engine's (seconds, response tokens) for the call(s) that made it; None: unknown (restored from a checkpoint)
     generation: tuple[float, int] | None = None
 

@@ -9,8 +9,10 @@ then. A prompt's group is handed to training once all its `n` samples finished, 
 completed in its call: those of new prompts whose samples all ended within `chunk` tokens, and carried ones.
 
 - **Staleness bound.** A sample gets at most `chunk` tokens per call and ends by `max_new_tokens`, so its tokens come
-  from at most `ceil(max_new_tokens / chunk)` consecutive weight versions (`max_versions`); a batch's
-  `weights_version` is the oldest version any of its groups was started with (`rollout/staleness` counts from it).
+  from at most `ceil(max_new_tokens / chunk)` consecutive weight versions (`max_versions`); each sample's
+  `weights_version` is the version its group was started with (its oldest tokens'), so one batch mixes versions;
+  the batch's `weights_version` is the oldest (`rollout/staleness` counts from it, `rollout/staleness_mean` from
+  each sample's).
   Every token's log-prob is the one the engine sampled it with, so the mismatch correction (`rl.mismatch tis|mis`)
   weighs each token against the weights that actually generated it.
 - **Batch size.** Each step draws `rl.prompts_per_step` new prompts; the number of groups it trains on varies
@@ -131,7 +133,8 @@ class PartialRolloutService(RolloutService):
         the rest stay open."""
         done = [g for g in self.open if g.complete]
         self.open = [g for g in self.open if not g.complete]
-        samples = [RolloutSample(i, j, list(g.row["input_ids"]), slot.response_ids, slot.logprobs, slot.finish)
+        samples = [RolloutSample(i, j, list(g.row["input_ids"]), slot.response_ids, slot.logprobs, slot.finish,
+                                 weights_version=g.version)
                    for i, g in enumerate(done) for j, slot in enumerate(g.slots)]
         return Generated(samples, generation, rows=[g.row for g in done],
                          weights_version=min((g.version for g in done), default=self.engine_version))

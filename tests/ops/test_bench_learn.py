@@ -240,6 +240,19 @@ def test_gpu_use_averages_the_samples_taken_over_the_training_steps(monkeypatch)
     assert results.gpu_use([], None, metrics)["gpu_util_mean"] is None
 
 
+def test_the_curve_records_each_steps_staleness(monkeypatch):
+    """rollout.max_staleness 2: each step's staleness in `lengths`, their mean and maximum in the summary."""
+    results = _learn(monkeypatch, "learn_results")
+    ages = [0, 1, 2, 1]
+    history = [{"step": i + 1, "time/wall": 1.0, "throughput/completions_per_s": 8.0, "rollout/staleness": a,
+                "rollout/staleness_mean": a, "rollout/staleness_max": a} for i, a in enumerate(ages)]
+    run = results.curve(history)
+    assert [x["staleness_max"] for x in run["lengths"]] == [x["staleness_mean"] for x in run["lengths"]] == ages
+    assert run["summary"]["staleness_mean"] == 1.0 and run["summary"]["staleness_max"] == 2
+    assert results.curve([{"step": 1, "time/wall": 1.0, "throughput/completions_per_s": 8.0}])["summary"].keys() \
+        .isdisjoint({"staleness_mean", "staleness_max"})  # metrics without staleness: none made up
+
+
 def _learn(monkeypatch, name: str = "learn"):
     """bench/<name>.py (learn.py, or its sibling learn_results.py) as a module."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when the script runs: its folder first on the path

@@ -79,16 +79,21 @@ def _launch(args, log):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "async_k2"])
 def test_kill_9_then_resume_matches_an_uninterrupted_run(sft_run, addition_stores, vllm_colocated, tmp_path, mode,
                                                          capsys):
-    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it. The run
-    killed with SIGKILL is a fresh process, as a user runs it; the uninterrupted and the resumed runs train in this
-    process on the session's engine (a new trainer, so only what the checkpoint holds carries over: the resumed run
-    starts after the uninterrupted one, whose RNG and engine state it must not inherit)."""
+    """Async mode: the batch in flight at a checkpoint is saved with it, so the resumed run trains on it. With
+    rollout.max_staleness 2, the checkpoint after step 3 is taken while the engine holds the weights after step 2,
+    which step 5's batch still uses: that batch is generated before the save and saved too. The run killed with
+    SIGKILL is a fresh process, as a user runs it; the uninterrupted and the resumed runs train in this process on
+    the session's engine (a new trainer, so only what the checkpoint holds carries over: the resumed run starts
+    after the uninterrupted one, whose RNG and engine state it must not inherit)."""
 
-    common = ["--run.save_every", "2", "--optim.lr", "3e-4", "--rollout.async_generation", str(mode == "async")]
-    _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, vllm_colocated, capsys)
+    every = 3 if mode == "async_k2" else 2
+    common = ["--run.save_every", str(every), "--optim.lr", "3e-4", "--rollout.async_generation", str(mode != "sync"),
+              "--rollout.max_staleness", "2" if mode == "async_k2" else "1"]
+    _kill_9_and_resume(sft_run[0] / "export", addition_stores, tmp_path, common, vllm_colocated, capsys,
+                       kill_after=every if mode == "async_k2" else 4)
 
 
 @pytest.mark.extended
@@ -115,9 +120,10 @@ def test_kill_9_then_resume_with_partial_rollouts_matches(sft_run, addition_stor
     assert all(r["rollout/staleness"] <= 2 for r in rows)
 
 
-def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys) -> None:
-    """An uninterrupted 6-step run; the same run as a fresh process SIGKILLed mid-step 5, then resumed here; the
-    two metric streams must match (`rollout`: the engine the in-process runs share, None: each builds its own)."""
+def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys, kill_after: int = 4) -> None:
+    """An uninterrupted 6-step run; the same run as a fresh process SIGKILLed once step `kill_after`'s checkpoint is
+    complete (mid-step `kill_after` + 1), then resumed here; the two metric streams must match (`rollout`: the
+    engine the in-process runs share, None: each builds its own)."""
     from ds_rlhf.recipes.rl import RLTrainer
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -125,10 +131,10 @@ def _kill_9_and_resume(model, stores, tmp_path, common, rollout, capsys) -> None
     with open(tmp_path / "killed.log", "w") as log:
         proc = _launch(rl_args(killed, model, stores, steps=6, extra=common), log)
         deadline = time.time() + 600
-        while not (killed / "checkpoints" / "step_00000004" / "COMPLETE").exists():
+        while not (killed / "checkpoints" / f"step_{kill_after:08d}" / "COMPLETE").exists():
             assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)  # mid-step 5: everything since step 4's checkpoint is lost
+        os.killpg(proc.pid, signal.SIGKILL)  # everything since that checkpoint is lost
         proc.wait()
     capsys.readouterr()
     RLTrainer(parse_config(rl_args(killed, model, stores, steps=6, extra=[*common, "--run.resume", "latest"])),

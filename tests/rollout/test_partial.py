@@ -81,7 +81,7 @@ def test_carried_samples_continue_with_newer_weights_and_groups_train_when_compl
     service.start(0)
     batches = _run(trainer, service, 8)
     assert all(limit <= CHUNK for limit, _, _ in engine.calls)
-    carried = 0
+    carried = mixed = 0
     for step, batch in enumerate(batches):
         assert batch.samples and len(batch.samples) == N * len(batch.rows)
         for s in batch.samples:
@@ -92,12 +92,16 @@ def test_carried_samples_continue_with_newer_weights_and_groups_train_when_compl
             versions = [engine.version_of(s.prompt_ids + s.response_ids[:k * CHUNK]) for k in range(chunks)]
             assert len(versions) <= max_versions(MAX_NEW, CHUNK)
             assert versions == sorted(versions) and versions[0] >= batch.weights_version
+            assert s.weights_version == versions[0]  # a sample counts as its oldest weights
             carried += versions[-1] > versions[0]
             for k, version in enumerate(versions):  # each chunk's log-probs: the weights that generated it
                 lo, hi = k * CHUNK, min((k + 1) * CHUNK, len(s.response_ids))
                 expected = trainer.logprobs_at(version, s)[lo:hi]
                 assert max(abs(a - b) for a, b in zip(expected, s.logprobs[lo:hi])) < TOL, (step, k)
         assert batch.weights_version <= step
+        assert batch.weights_version == min(s.weights_version for s in batch.samples)
+        mixed += len({s.weights_version for s in batch.samples}) > 1
+    assert mixed > 0, "no batch mixed weight versions: the per-sample versions are not exercised"
     assert carried > 0, "no sample was continued with newer weights: the test does not exercise carrying"
     trained = [r["id"] for b in batches for r in b.rows]
     assert len(trained) == len(set(trained))  # every prompt trained on once
