@@ -3,7 +3,8 @@ init, bf16 trainer) in a sidecar vLLM server, per-tensor and per-block scales, a
 weights. After the first sync the FP8 engine's log-probs of a fixed probe and of its own samples stay close to the
 bf16 trainer's; after the trainer's weights change, a sync brings the FP8 engine to the new weights (vLLM
 re-quantizes them inside its layerwise reload: an engine that kept its old FP8 weights would stay as far off as
-before the sync). Prints each case's figures as one JSON line; skipped without CUDA. Run:
+before the sync). Prints each case's figures as one JSON line (also the engine's generation speed on the bench's
+rollout shape, measured, not asserted); skipped without CUDA. Run:
 `python -m pytest tests/gpu/test_fp8_rollout.py -q -s`."""
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def _perturb(model, seed: int = 7) -> None:
                 p.add_(0.2 * p.std() * noise)
 
 
+def _generation_speed(rollout, prompts: int = 256, prompt_len: int = 128, new_tokens: int = 256) -> float:
+    """Generated tokens per second of the engine itself (bench/rl_step_gpu.py's rollout shape: 32 prompts x 8
+    samples, 128-token prompts, 256 new tokens), after one warm-up call."""
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(5, 5000, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+    spec = SamplingSpec(max_new_tokens=new_tokens, ignore_eos=True, seed=1, seeding="batch")
+    rollout.generate(batch[:8], spec)
+    rollout.generate(batch, spec)
+    seconds, tokens = rollout.last_generate()
+    return tokens / seconds
+
+
 def _generated_diff(trainer, rollout) -> float:
     prompt = [1, 5, 6, 7, 8]
     sample = rollout.generate([prompt], SamplingSpec(max_new_tokens=32, seed=3, ignore_eos=True))[0]
@@ -79,12 +92,13 @@ def test_fp8_engine_follows_the_bf16_trainer(quantization, scales, bench_shape_m
         info = sync.sync()
         after = canary.measure(trainer, rollout)["mean_abs_diff"]
         gen_after = _generated_diff(trainer, rollout)
+        tokens_per_s = _generation_speed(rollout)
         figures = {"quantization": quantization, "scales": scales, "device": torch.cuda.get_device_name(),
                    "probe_mean_abs_diff_first_sync": start, "generated_mean_abs_diff_first_sync": gen_start,
                    "probe_mean_abs_diff_stale": stale, "probe_mean_abs_diff_after_sync": after,
                    "generated_mean_abs_diff_after_sync": gen_after, "buckets": info["buckets"],
                    "sync_bytes": info["bytes"], "sync_seconds": info["seconds"],
-                   "first_sync_seconds": first["seconds"], "stats": rollout.stats().get("vllm_options")}
+                   "first_sync_seconds": first["seconds"], "generate_tokens_per_s": tokens_per_s}
         print(json.dumps(figures, default=str))
         assert info["buckets"] > 1
         assert after < stale / 3, "the sync did not bring the engine to the trainer's new weights"
