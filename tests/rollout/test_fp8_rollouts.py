@@ -200,3 +200,33 @@ def test_the_worker_runs_vllms_layerwise_reload_on_its_model(monkeypatch):
     worker.ds_rlhf_begin_reload()
     worker.ds_rlhf_end_reload()
     assert calls == [("init", model), ("final", model, "model config")]
+
+
+# ---- an RL run ----------------------------------------------------------------------------------------------------
+def _rl_argv(tiny_model_path, tmp_path, *extra):
+    from ds_rlhf.data.synthetic import write_addition_datasets
+
+    stores = write_addition_datasets(tmp_path / "data", tiny_model_path, n_prompts=16, n_sft=8, n_pref=8,
+                                     max_operand=20)
+    return ["--model.path", str(tiny_model_path), "--data.train", str(stores["prompts"]), "--run.output_dir",
+            str(tmp_path / "run"), "--rollout.backend", "vllm", "--reward.fn", "math_shaped", "--run.progress",
+            "false", "--run.tensorboard", "false", *FP8, *extra]
+
+
+def test_an_rl_run_starts_vllm_with_fp8_and_says_the_correction_is_on(tiny_model_path, llm_calls, as_gpu, tmp_path,
+                                                                       dist_single, capsys):
+    from ds_rlhf.recipes.rl import RLTrainer
+
+    with pytest.raises(LLMBuilt):
+        RLTrainer(parse_config(_rl_argv(tiny_model_path, tmp_path, "--rollout.fp8_scales", "block")))
+    assert llm_calls[-1]["quantization"] == "fp8_per_block"
+    lines = [line for line in capsys.readouterr().out.splitlines() if "rollout.quantization=fp8" in line]
+    assert len(lines) == 1 and "rl.mismatch=tis" in lines[0]
+
+
+def test_an_rl_run_on_vllm_cpu_is_refused_before_vllm_starts(tiny_model_path, llm_calls, tmp_path, dist_single):
+    from ds_rlhf.recipes.rl import RLTrainer
+
+    with pytest.raises(ConfigError, match="needs vLLM on a CUDA GPU"):
+        RLTrainer(parse_config(_rl_argv(tiny_model_path, tmp_path)))
+    assert llm_calls == []
