@@ -218,13 +218,17 @@ class VLLMHandle:
         """In-process only: every local worker loads the full tensors (vLLM's loaders slice for TP)."""
         if not self.in_process:
             raise RolloutError("load_weights hands tensors by reference and needs an in-process executor")
+        if self._reloading:  # the reload keeps them until their layer is complete: copies, as vLLM's IPC engine makes
+            named_tensors = [(name, t.clone()) for name, t in named_tensors]
         self.llm.collective_rpc("ds_rlhf_load_weights", args=(list(named_tensors),))
 
     def begin_reload(self) -> None:
         """Open the reload of one sync's weights in a quantized engine (FP8 rollouts; a no-op otherwise or when one
         is open): vLLM's layerwise reload, in which every layer loads the incoming bf16 weights and is quantized
         again once all of them arrived, into the storage its CUDA graphs read. `end_reload` closes it after the
-        sync's last bucket (layers split over buckets are complete only then)."""
+        sync's last bucket (layers split over buckets are complete only then). The reload holds the tensors it was
+        given until their layer is complete, so `load_weights` hands it copies meanwhile (a server's buckets are
+        views of a buffer the trainer refills)."""
         if self.quantized and not self._reloading:
             self.llm.collective_rpc("ds_rlhf_begin_reload")
             self._reloading = True

@@ -121,9 +121,12 @@ def test_hf_backend_refuses_fp8(tiny_model_path):
 class FakeLLM:
     def __init__(self) -> None:
         self.rpcs: list[str] = []
+        self.loaded: list[torch.Tensor] = []
 
     def collective_rpc(self, method, args=()):
         self.rpcs.append(method if method != "ds_rlhf_load_weights" else f"load {[n for n, _ in args[0]]}")
+        if method == "ds_rlhf_load_weights":
+            self.loaded += [t for _, t in args[0]]
 
     def reset_prefix_cache(self) -> None:
         self.rpcs.append("reset_prefix_cache")
@@ -180,9 +183,12 @@ def test_a_servers_ipc_sync_is_one_reload_from_its_first_bucket_to_update_done()
     session.engine = FakeEngine(handle)
     session.engine.weights = type("W", (), {"record": lambda *a: None})()
     session.ipc_buffer = torch.zeros(64, dtype=torch.uint8)
-    for bucket in _buckets():
+    for i, bucket in enumerate(_buckets()):
+        session.ipc_buffer.view(torch.float32)[:4] = float(i + 1)  # the trainer fills the shared buffer
         session.update_ipc(plan_to_wire([[TensorMeta(n, tuple(t.shape), t.dtype) for n, t in bucket]]))
     session.update_done()
+    # the reload held copies: the first bucket's tensor kept its values when the buffer was refilled
+    assert [t.tolist() for t in handle.llm.loaded] == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]
     assert handle.llm.rpcs == ["ds_rlhf_begin_reload", "load ['a.weight']", "load ['b.weight', 'c.weight']",
                                "ds_rlhf_end_reload", "reset_prefix_cache"]
 
