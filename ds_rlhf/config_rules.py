@@ -40,6 +40,20 @@ def check_cross_section(cfg: WholeConfig) -> None:
     _check_eval(cfg)
 
 
+def fp8_mismatch_note(cfg: WholeConfig) -> str | None:
+    """FP8 rollouts (`rollout.quantization fp8`) sample from FP8 weights while the trainer scores its own weights,
+    so their log-probs differ more than in bf16; the mismatch correction (`rl.mismatch`, default `tis`) corrects
+    that and stays on unless set off. Returns the one line a run prints about it (None without FP8 rollouts)."""
+    if cfg.rollout.quantization == "none":
+        return None
+    where = f"rollout.quantization={cfg.rollout.quantization}"
+    if cfg.rl.mismatch == "off":
+        return (f"[rl] {where} with rl.mismatch=off (as set): the FP8 rollouts' log-prob mismatch trains "
+                "uncorrected; --rl.mismatch tis corrects it")
+    return (f"[rl] {where}: the mismatch correction rl.mismatch={cfg.rl.mismatch} (cap rl.tis_cap="
+            f"{cfg.rl.tis_cap:g}) corrects the FP8 rollouts' log-prob mismatch; --rl.mismatch off turns it off")
+
+
 def _check_quantize_base(cfg: WholeConfig) -> None:
     """A quantized base is whole on each rank (ZeRO-0/1/2: ZeRO-3's partitioning drops bitsandbytes' quantization
     state); the stage is --zero_stage, else the ds_config file's when readable."""

@@ -135,6 +135,11 @@ class RolloutConfig:
     max_num_batched_tokens: int = opt(0, ge=0)  # vLLM: most tokens per engine step; 0 = vLLM's default
     cudagraph_sizes: str = ""  # vLLM CUDA-graph batch sizes, comma list ("8,16,32"); "" = vLLM's (ignored on CPU)
     enforce_eager: bool = False  # vLLM without CUDA graphs / torch.compile (always eager on CPU)
+    # FP8 rollouts (docs/FP8_ROLLOUTS.md): vLLM holds the linear layers' weights in FP8 (e4m3), quantized from the
+    # trainer's weights at start and again at every sync (vLLM's online FP8 with its layerwise reload); training
+    # stays in its own precision; CUDA vLLM only; the mismatch correction (rl.mismatch) stays on unless set
+    quantization: str = opt("none", choices=("none", "fp8"))  # rollout engine weights: none (as trained) | fp8
+    fp8_scales: str = opt("tensor", choices=("tensor", "block"))  # fp8: one scale per weight | per 128x128 block
 
     def cudagraph_size_list(self) -> list[int]:
         """`cudagraph_sizes` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
@@ -150,7 +155,7 @@ class RolloutConfig:
     def vllm_options(self) -> dict:
         """The vLLM engine options set away from their defaults, as `make_rollout_engine` keywords (empty by
         default, so vLLM keeps its own choices): async_scheduling (bool), max_num_seqs, max_num_batched_tokens,
-        cudagraph_sizes (list of ints), enforce_eager."""
+        cudagraph_sizes (list of ints), enforce_eager; with FP8 rollouts quantization and fp8_scales."""
         out: dict = {}
         if self.async_scheduling != "auto":
             out["async_scheduling"] = self.async_scheduling == "true"
@@ -162,6 +167,8 @@ class RolloutConfig:
             out["cudagraph_sizes"] = sizes
         if self.enforce_eager:
             out["enforce_eager"] = True
+        if self.quantization != "none":
+            out.update(quantization=self.quantization, fp8_scales=self.fp8_scales)
         return out
 
     def _check_vllm_options(self) -> None:
@@ -195,9 +202,24 @@ class RolloutConfig:
                               f"weights at every sleep and adapter sync never sends them again ({allowed}): use "
                               "--rollout.sleep_level 1, --rollout.sleep false, or --rollout.lora_sync merged")
 
+    def _check_quantization(self) -> None:
+        if self.quantization == "none":
+            if self.fp8_scales != "tensor":
+                raise ConfigError(f"rollout.fp8_scales={self.fp8_scales} sets the scales of FP8 rollouts: add "
+                                  "--rollout.quantization fp8 or leave rollout.fp8_scales at tensor")
+            return
+        where = f"rollout.quantization={self.quantization}"
+        if self.backend == "hf":
+            raise ConfigError(f"{where} runs vLLM's FP8 kernels; rollout.backend=hf generates with the trainer's "
+                              "own model (no FP8): use --rollout.backend vllm (or auto) or --rollout.quantization none")
+        if self.lora_sync == "adapter":
+            raise ConfigError(f"{where} with rollout.lora_sync=adapter: adapter sync serves LoRA adapters over the "
+                              "base vLLM loaded once; use --rollout.lora_sync merged with FP8 rollouts")
+
     def check(self) -> None:
         self._check_vllm_options()
         self._check_lora_sync()
+        self._check_quantization()
         if self.sidecar_engines > 1 and self.placement != "sidecar":
             raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
                               f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")

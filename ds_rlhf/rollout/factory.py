@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.rollout import vllm_adapter  # module attributes: tests replace them
 from ds_rlhf.rollout.base import RolloutEngine
 from ds_rlhf.rollout.hf_engine import HFRolloutEngine
@@ -50,6 +51,7 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     weight_backend, load_format, skip_tokenizer_init, batch_size for HF), among them the vLLM engine options of
     `RolloutConfig.vllm_options()` (async_scheduling, max_num_seqs, max_num_batched_tokens, cudagraph_sizes,
     enforce_eager) for every placement; the HF backend has none of those and says so when one is set.
+    `quantization="fp8"` (with `fp8_scales` "tensor" / "block"): FP8 rollouts, vLLM only (ConfigError on HF).
     `lora={"rank": r, "targets": ...}` starts the engine with LoRA for adapter sync (colocated vLLM only).
     `weight_transport="vllm"` (sidecar and disaggregated): the servers' engines are built with vLLM's weight-transfer
     config and syncs go through vLLM's weight-transfer engine: CUDA IPC on the sidecar
@@ -75,6 +77,11 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
         kw.pop("lora", None)  # lora=None: an ordinary engine, whatever the backend
     common = dict(dtype=dtype, max_model_len=max_model_len, seed=seed)
     if backend == "hf":
+        if kw.pop("quantization", "none") != "none":
+            raise ConfigError("rollout.quantization=fp8 runs vLLM's FP8 kernels, but the rollout backend is HF "
+                              "generate (vLLM is not importable or not a supported version here): install vLLM 0.26 "
+                              "to 0.32 on a CUDA machine or use --rollout.quantization none")
+        kw.pop("fp8_scales", None)
         if placement != "colocated":
             raise ValueError("the HF generate backend only runs colocated (in the trainer's process)")
 

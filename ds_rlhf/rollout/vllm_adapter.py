@@ -14,6 +14,12 @@ Engine options (`rollout.async_scheduling`, `max_num_seqs`, `max_num_batched_tok
 `enforce_eager`): `engine_option_kwargs` turns them into `LLM(...)` keywords (`cudagraph_sizes` ->
 `cudagraph_capture_sizes`, an `EngineArgs` field in both versions) and refuses, naming the option and the vLLM
 version, any the installed vLLM has no engine argument for; options left at their defaults are not passed at all.
+
+FP8 rollouts (`rollout.quantization fp8`): `engine_quantization_kwargs` picks vLLM's online FP8 method
+(`fp8_per_tensor` / `fp8_per_block`, names in 0.26 and 0.32): vLLM quantizes the checkpoint's bf16 linear weights as
+they load. Each later sync loads the trainer's bf16 weights inside vLLM's layerwise reload
+(`vllm_worker.WeightSyncWorkerExtension.ds_rlhf_begin_reload` / `ds_rlhf_end_reload`, opened and closed once per
+sync by `vllm_handle.VLLMHandle.begin_reload` / `end_reload`), which quantizes them again; see docs/FP8_ROLLOUTS.md.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import typing
 from collections.abc import Collection, Sequence
 
 from ds_rlhf.rollout.base import RolloutError
-from ds_rlhf.rollout.vllm_mapping import check_version, option_kwargs
+from ds_rlhf.rollout.vllm_mapping import check_version, option_kwargs, quantization_kwargs
 
 
 def vllm_version() -> str | None:
@@ -79,6 +85,23 @@ def engine_option_kwargs(*, cpu: bool, version: str | None, arg_names: Collectio
                          modes=logprobs_modes() if modes is None else modes, enforce_eager=enforce_eager,
                          async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, cudagraph_sizes=cudagraph_sizes)
+
+
+def quantization_methods() -> frozenset[str]:
+    """The quantization method names the installed vLLM accepts for `LLM(quantization=...)`."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return frozenset(QUANTIZATION_METHODS)
+
+
+def engine_quantization_kwargs(quantization: str, scales: str, *, cpu: bool, version: str | None,
+                               methods: Collection[str] | None = None) -> dict:
+    """`LLM(...)` keywords for FP8 rollouts (`vllm_mapping.quantization_kwargs`; `methods` default to the installed
+    vLLM's); nothing for `quantization="none"`."""
+    if quantization == "none":
+        return {}
+    return quantization_kwargs(quantization, scales, cpu=cpu, version=version,
+                               methods=quantization_methods() if methods is None else methods)
 
 
 def lora_engine_kwargs(rank: int) -> dict:

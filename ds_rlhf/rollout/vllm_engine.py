@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ds_rlhf.distributed import world as dist_world
-from ds_rlhf.rollout.base import InProcessWeights, RolloutEngine, RolloutSample, SamplingSpec
+from ds_rlhf.rollout.base import InProcessWeights, Pending, RolloutEngine, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.vllm_handle import VLLMHandle
 
 
@@ -74,6 +74,15 @@ class VLLMWeights(InProcessWeights):
     def __init__(self, engine: VLLMRolloutEngine) -> None:
         super().__init__(self._load, engine.handle.dtype, engine.handle.reset_prefix_cache)
         self.engine = engine
+
+    def send(self, buckets, plan=None, *, wait=True) -> Pending:
+        """Every bucket of one sync, inside one reload of a quantized engine (`VLLMHandle.begin_reload`)."""
+        handle = self.engine.handle
+        handle.begin_reload()
+        try:
+            return super().send(buckets, plan, wait=wait)
+        finally:
+            handle.end_reload()
 
     def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.require_weights("updating weights")

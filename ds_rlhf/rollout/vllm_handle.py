@@ -52,6 +52,7 @@ from ds_rlhf.rollout.vllm_adapter import (
     effective_engine_options,
     engine_arg_names,
     engine_option_kwargs,
+    engine_quantization_kwargs,
     is_cpu_platform,
     lora_engine_kwargs,
     vllm_version,
@@ -97,7 +98,7 @@ class VLLMHandle:
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
                  weight_transport: str = "own", weight_transfer_backend: str = "ipc", kv_cache_bytes: int = 0,
-                 **llm_kwargs) -> None:
+                 quantization: str = "none", fp8_scales: str = "tensor", **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in IN_PROCESS_EXECUTORS:
@@ -118,6 +119,8 @@ class VLLMHandle:
                                            async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            cudagraph_sizes=cudagraph_sizes))
+        kwargs.update(engine_quantization_kwargs(quantization, fp8_scales, cpu=self.cpu, version=self.version))
+        self.quantized, self._reloading = quantization != "none", False
         if data_parallel_size > 1:
             kwargs["data_parallel_size"] = data_parallel_size
         if lora_rank > 0:
@@ -218,7 +221,26 @@ class VLLMHandle:
         """In-process only: every local worker loads the full tensors (vLLM's loaders slice for TP)."""
         if not self.in_process:
             raise RolloutError("load_weights hands tensors by reference and needs an in-process executor")
+        if self._reloading:  # the reload keeps them until their layer is complete: copies, as vLLM's IPC engine makes
+            named_tensors = [(name, t.clone()) for name, t in named_tensors]
         self.llm.collective_rpc("ds_rlhf_load_weights", args=(list(named_tensors),))
+
+    def begin_reload(self) -> None:
+        """Open the reload of one sync's weights in a quantized engine (FP8 rollouts; a no-op otherwise or when one
+        is open): vLLM's layerwise reload, in which every layer loads the incoming bf16 weights and is quantized
+        again once all of them arrived, into the storage its CUDA graphs read. `end_reload` closes it after the
+        sync's last bucket (layers split over buckets are complete only then). The reload holds the tensors it was
+        given until their layer is complete, so `load_weights` hands it copies meanwhile (a server's buckets are
+        views of a buffer the trainer refills)."""
+        if self.quantized and not self._reloading:
+            self.llm.collective_rpc("ds_rlhf_begin_reload")
+            self._reloading = True
+
+    def end_reload(self) -> None:
+        """Close the reload `begin_reload` opened (quantizes what is left); a no-op when none is open."""
+        if self._reloading:
+            self._reloading = False
+            self.llm.collective_rpc("ds_rlhf_end_reload")
 
     def load_adapter(self, path: str) -> int:
         """Serve the peft adapter directory `path` from now on, under a new LoRA id (returned). vLLM caches adapters

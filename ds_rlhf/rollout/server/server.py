@@ -88,8 +88,13 @@ class ServerSession:
 
     def update(self, wire_plan) -> dict:
         t0 = time.perf_counter()
-        self.engine.handle.receive_buckets(wire_plan)
-        self.engine.handle.reset_prefix_cache()
+        handle = self.engine.handle
+        handle.begin_reload()  # FP8 rollouts: the whole sync in one reload (no-op otherwise)
+        try:
+            handle.receive_buckets(wire_plan)
+        finally:
+            handle.end_reload()
+        handle.reset_prefix_cache()
         nbytes = sum(m.numel * torch.empty((), dtype=m.dtype).element_size()
                      for bucket in plan_from_wire(wire_plan) for m in bucket)
         self.engine.weights.record(nbytes, time.perf_counter() - t0)
@@ -104,15 +109,19 @@ class ServerSession:
     def update_ipc(self, wire_plan) -> None:
         t0 = time.perf_counter()
         metas = plan_from_wire(wire_plan)[0]
+        self.engine.handle.begin_reload()  # FP8 rollouts: opened by a sync's first bucket, closed by update_done
         self.engine.handle.load_weights(unpack_bucket(self.ipc_buffer[: bucket_nbytes(metas)], metas))
         if self.ipc_buffer.is_cuda:
             torch.cuda.synchronize()  # our copies out of the shared buffer are done: the trainer may refill it
         self._loaded(bucket_nbytes(metas), t0)
 
     def update_done(self) -> dict:
-        """Replies with this sync's loading time (every bucket's), then starts the next count."""
+        """Replies with this sync's loading time (every bucket's and the reload's close), then starts the next
+        count."""
+        t0 = time.perf_counter()
+        self.engine.handle.end_reload()
         self.engine.handle.reset_prefix_cache()
-        return self._sync_done()
+        return self._sync_done(time.perf_counter() - t0)
 
     def wt_init(self, init_info: dict) -> None:  # vLLM's weight-transfer API (rollout.weight_transport vllm)
         self.engine.handle.transfer_init(init_info)
