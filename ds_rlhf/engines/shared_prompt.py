@@ -120,11 +120,11 @@ def _shared_pass(hf, rows: dict[str, torch.Tensor], *, temperature: float, with_
     prefix = Cache(layer_class_to_replicate=_PrefixLayer)
     with _cache_through_checkpointing(backbone):
         prompt_hidden = backbone(input_ids=prompts, attention_mask=rows["prompt_mask"], position_ids=positions,
-                                 past_key_values=prefix, use_cache=True).last_hidden_state
+                                 past_key_values=prefix, use_cache=False).last_hidden_state
         mask = torch.cat([rows["prompt_mask"].index_select(0, group_index), rows["response_mask"]], dim=1)
         response_hidden = backbone(input_ids=rows["response_ids"], attention_mask=mask,
                                    position_ids=rows["response_positions"],
-                                   past_key_values=_expanded(prefix, group_index), use_cache=True).last_hidden_state
+                                   past_key_values=_expanded(prefix, group_index), use_cache=False).last_hidden_state
     last = prompt_hidden[torch.arange(prompts.shape[0], device=prompts.device), rows["prompt_lens"] - 1]
     hidden = torch.cat([last.index_select(0, group_index)[:, None], response_hidden[:, :-1]], dim=1)
     return head_logprobs(hf.get_output_embeddings(), hidden, rows["targets"], rows["score_mask"],

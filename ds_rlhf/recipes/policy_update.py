@@ -81,6 +81,13 @@ def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_row
     return [[rows[i] for i in group] for group in groups]
 
 
+def rl_packing(cfg: Config) -> bool:
+    """`data.rl_packing`, with the schema's rule for it (`DataConfig.check`: packing needs a token budget)
+    re-checked, for configs built without `parse_config`."""
+    cfg.data.check()
+    return cfg.data.rl_packing
+
+
 SHARED_PROMPT_MIN_SAVING = 0.05  # `auto`: the least share of forward tokens the shared-prompt layout must save
 
 
