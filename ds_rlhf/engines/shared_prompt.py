@@ -90,7 +90,7 @@ def supports_shared_prompt(model) -> str:
         return f"attention kernel {kernel!r} reads no KV cache (one of {', '.join(ATTENTION)} does)"
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        return f"layers other than full attention ({', '.join(sorted(kinds))})"
+        return f"sliding-window or other layers than full attention (layer types {', '.join(sorted(kinds))})"
     return ""
 
 
