@@ -87,3 +87,24 @@ def test_shared_prompt_updates_match_padded_rows(tiny_model_path, dist_single, c
         with torch.no_grad():
             a, b = _logprobs(reference, rows, False), _logprobs(reference, rows, True)
         assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5
+
+
+def test_llama_logprobs_match_padded_rows_and_sliding_windows_are_refused():
+    """SmolLM2's architecture (Llama) reads the shared prompt as the padded rows do; a model with sliding-window
+    layers is refused (its cache keeps a window, not the whole prompt)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    llama.config._attn_implementation = "sdpa"
+    rows = _rows()
+    with torch.no_grad():
+        a, b = _logprobs(llama, rows, False), _logprobs(llama, rows, True)
+    assert supports_shared_prompt(llama) == ""
+    assert max((x - y).abs().max().item() for x, y in zip(a, b)) < 1e-5
+    assert (a[0][rows[2] > 0] != 0).all()
+    windowed = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    windowed.config._attn_implementation = "sdpa"
+    assert "sliding-window" in supports_shared_prompt(windowed)
