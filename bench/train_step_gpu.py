@@ -46,7 +46,7 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
     import functools
 
     from ds_rlhf.algos import logprobs
-    from ds_rlhf.engines import policy_forward
+    from ds_rlhf.engines import policy_forward, shared_prompt
     from ds_rlhf.recipes import policy_update as rl_update
 
     if backward == "fp32":
@@ -55,6 +55,7 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
         logprobs._fused = lambda fn, device: fn
     if chunk:
         rl_update.sequence_logprobs = functools.partial(policy_forward.sequence_logprobs, chunk_size=chunk)
+        rl_update.shared_prompt_logprobs = functools.partial(shared_prompt.shared_prompt_logprobs, chunk_size=chunk)
 
 
 def _time_optimizer_steps(actor, sync) -> list[float]:
