@@ -51,7 +51,7 @@ from gpu_timeline import Sampler, render
 from gpu_timeline import summarize as summarize_gpu
 from low_memory_machine import git_commit
 from process_memory import ProcessMemory, trainer_torch_memory
-from train_figures import kernels_used, train_mfu
+from train_figures import kernels_used, train_mfu, unforwarded_prompts
 from train_profile import PhaseProfiler
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -344,11 +344,11 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     window = (step_ends[args.warmup_steps - 1] if len(step_ends) > args.warmup_steps else t_train, step_ends[-1])
     events = list(trainer.timer.events)
     result = {"tag": tag, "commit": git_commit(), "config": vars(args), "weight_transport": args.weight_transport,
-              "overrides": extra, "bench_switches": switches,
+              "overrides": extra, "bench_switches": switches, "rl_shared_prompt": trainer.cfg.data.rl_shared_prompt,
               "kernels": kernels_used(trainer.parts.actor), "setup_seconds": setup_s,
               "engine_reused": rollout is not None, "memory_split": split, "total_seconds": time.time() - t0,
               **summarize(history, args.warmup_steps, args.prompts * args.samples),
-              "mfu": train_mfu(history[args.warmup_steps:] or history, model, args.prompts * args.samples),
+              "mfu": train_mfu(history[args.warmup_steps:] or history, model, unforwarded_prompts(args, trainer.cfg)),
               "gpu": summarize_gpu(sampler.samples, events, window), "history": history,
               "gpu_processes": {**processes.summary(), "trainer_torch": trainer_torch_memory()},
               "train_profile": profiler.summary() if profiler else None,

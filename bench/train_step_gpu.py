@@ -25,15 +25,16 @@ PEAK_TFLOPS = 790.0
 
 
 def synthetic_trajectory(cfg, n: int, prompt: int, response: int, vocab: int, device):
-    """n samples of random token ids (8 per prompt), random rewards, GRPO advantages."""
+    """n samples of random token ids (8 per prompt, the group sharing its prompt's tokens), random rewards, GRPO
+    advantages."""
     import torch
 
     from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
     from ds_rlhf.rollout.base import RolloutSample
 
     gen = torch.Generator().manual_seed(0)
-    samples = [RolloutSample(prompt_index=i // 8, sample_index=i % 8,
-                             prompt_ids=torch.randint(10, vocab, (prompt,), generator=gen).tolist(),
+    prompts = [torch.randint(10, vocab, (prompt,), generator=gen).tolist() for _ in range(-(-n // 8))]
+    samples = [RolloutSample(prompt_index=i // 8, sample_index=i % 8, prompt_ids=prompts[i // 8],
                              response_ids=torch.randint(10, vocab, (response,), generator=gen).tolist(),
                              logprobs=[-11.0] * response, finish_reason="length") for i in range(n)]
     scores = torch.rand(n, generator=gen).tolist()
@@ -45,7 +46,7 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
     import functools
 
     from ds_rlhf.algos import logprobs
-    from ds_rlhf.engines import policy_forward
+    from ds_rlhf.engines import policy_forward, shared_prompt
     from ds_rlhf.recipes import policy_update as rl_update
 
     if backward == "fp32":
@@ -54,6 +55,7 @@ def _patch_head(backward: str, chunk: int, eager: bool) -> None:
         logprobs._fused = lambda fn, device: fn
     if chunk:
         rl_update.sequence_logprobs = functools.partial(policy_forward.sequence_logprobs, chunk_size=chunk)
+        rl_update.shared_prompt_logprobs = functools.partial(shared_prompt.shared_prompt_logprobs, chunk_size=chunk)
 
 
 def _time_optimizer_steps(actor, sync) -> list[float]:
@@ -93,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-chunk", type=int, default=0, help="log-prob head chunk (tokens); 0 = the trainer's")
     p.add_argument("--head-eager", action="store_true", help="the head's per-logit work without torch.compile")
     p.add_argument("--packing", action="store_true", help="data.rl_packing: one padding-free row per micro-batch")
+    p.add_argument("--shared-prompt", choices=("auto", "on", "off"), default="auto",
+                   help="data.rl_shared_prompt: each group's prompt forwarded once (auto: as the trainer resolves it)")
     p.add_argument("--attn", default="auto", help="model.attn_impl (auto | sdpa | torch_varlen | flash_attention_2)")
     p.add_argument("--kernels", default="auto", help="model.kernels (auto | liger | none)")
     p.add_argument("--full-head", action="store_true",
@@ -132,6 +136,7 @@ def main() -> None:
     from ds_rlhf.config import parse_config
     from ds_rlhf.engines.builder import build_actor
     from ds_rlhf.recipes.policy_update import policy_update
+    from ds_rlhf.recipes.rl_build import resolve_shared_prompt
     from ds_rlhf.run.context import setup_run
 
     _patch_head(args.head_backward, args.head_chunk, args.head_eager)
@@ -143,13 +148,17 @@ def main() -> None:
                         args.ds_config, "--model.gradient_checkpointing", str(args.grad_ckpt), "--run.tensorboard",
                         "false", "--rollout.max_new_tokens", str(args.response_len), "--data.rl_packing",
                         str(args.packing), "--data.micro_batch_tokens", str(budgets[0]), "--model.attn_impl",
-                        args.attn, "--model.kernels", args.kernels])
+                        args.attn, "--model.kernels", args.kernels, "--data.rl_shared_prompt", args.shared_prompt,
+                        "--rollout.n_samples", "8", "--data.max_prompt_len", str(args.prompt_len)])
     ctx = setup_run(cfg, "train-bench")
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=4, lr=1e-6, total_steps=1000),
                         attn_impl=cfg.model.attn_impl, gradient_checkpointing=args.grad_ckpt,
                         kernels=cfg.model.kernels)
+    resolve_shared_prompt(ctx, actor)  # on | off for this actor, printed
     traj = synthetic_trajectory(cfg, args.samples, args.prompt_len, args.response_len, 400, ctx.dist.device)
     tokens = float(traj.seq_lens.sum())
+    groups = -(-args.samples // 8)  # the shared-prompt layout: each group's prompt once (a group per micro-batch)
+    forwarded = tokens - (args.samples - groups) * args.prompt_len if cfg.data.rl_shared_prompt == "on" else tokens
     n_params = train_mfu_params(model)
     from ds_rlhf.engines.models import unwrap
 
@@ -165,8 +174,9 @@ def main() -> None:
         timed = time_budget(actor, traj, cfg, budget, args.repeats, gen, sync, step_times)
         best = min(timed["seconds"])
         row = {"micro_batch_tokens": budget, "packing": args.packing, "attn": attn, "kernels": kernels,
+               "shared_prompt": cfg.data.rl_shared_prompt,
                "full_head": args.full_head, "seconds": timed["seconds"],
-               "tokens": tokens, "tokens_per_s": tokens / best,
+               "tokens": tokens, "forwarded_tokens": forwarded, "tokens_per_s": tokens / best,
                "mfu": 6 * n_params * tokens / best / (PEAK_TFLOPS * 1e12),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
         if "optimizer_step_seconds" in timed:
@@ -188,7 +198,8 @@ def write_results(args, attn: str, kernels: str, n_params: int, results: list[di
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = (f"{args.model}-{args.head_backward}-chunk{args.head_chunk or 'default'}{'-eager' if args.head_eager else ''}"
-           f"{'-packed' if args.packing else ''}-{attn}-{kernels}{'-fullhead' if args.full_head else ''}")
+           f"{'-packed' if args.packing else ''}-{attn}-{kernels}{'-fullhead' if args.full_head else ''}"
+           f"{'-sharedprompt' if args.shared_prompt == 'on' else '-rows' if args.shared_prompt == 'off' else ''}")
     (out / f"train_step_{tag}.json").write_text(json.dumps({"config": vars(args), "params": n_params,
                                                                    "results": results}, indent=1))
 

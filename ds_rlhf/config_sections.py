@@ -57,6 +57,9 @@ class DataConfig:
     max_len: int = opt(512, ge=2)  # SFT/RM sequence length
     micro_batch_tokens: int = opt(0, ge=0)  # token budget per micro-batch; 0 = fixed `optim.micro_batch_size`
     rl_packing: bool = False  # RL: each micro-batch as one padding-free packed row (needs micro_batch_tokens)
+    # RL log-prob passes: each group's shared prompt forwarded once (recipes/shared_prompt_batch.py); auto: on with
+    # rollout.n_samples > 1, no rl_packing and a prompt share worth it (recipes/policy_update.py:shared_prompt)
+    rl_shared_prompt: str = opt("auto", choices=("auto", "on", "off"))
     shuffle: bool = True
     reader: str = opt("auto", choices=("auto", "uring", "mmap"))  # auto | uring | mmap
 
@@ -64,6 +67,10 @@ class DataConfig:
         if self.rl_packing and self.micro_batch_tokens <= 0:
             raise ConfigError("data.rl_packing=true packs each RL micro-batch up to a token budget: set "
                               f"data.micro_batch_tokens > 0 (got {self.micro_batch_tokens})")
+        if self.rl_packing and self.rl_shared_prompt == "on":
+            raise ConfigError("data.rl_shared_prompt=on forwards padded prompt and response rows, and "
+                              "data.rl_packing=true packs each micro-batch into one row for a kernel that reads no "
+                              "cache: choose one (--data.rl_shared_prompt auto picks off under packing)")
 
 
 @dataclass

@@ -38,7 +38,7 @@ def _replaced_forward(module: torch.nn.Module, forward):
 
 
 
-def _as_root_forward(model, forward, **inputs):
+def as_root_forward(model, forward, **inputs):
     """`forward(**inputs)` run as the forward of `model`'s root module, called through `model` as given: for a
     DeepSpeed engine that is `DeepSpeedEngine.forward`, where ZeRO-3 counts micro-batches. A model-like view that is
     no module (engines/shared_base.py) runs `forward` on its submodules directly."""
@@ -85,7 +85,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         return _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, temperature=temperature,
                              with_entropy=with_entropy, chunk_size=chunk_size, truncation=(top_p, top_k))
 
-    return _as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
+    return as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, score_mask=score_mask)
 
 
@@ -104,7 +104,7 @@ def response_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor |
     def forward(input_ids, attention_mask, position_ids, score_mask):
         return _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask)
 
-    return _as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
+    return as_root_forward(model, forward, input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, score_mask=score_mask)
 
 
@@ -126,13 +126,22 @@ def _logits_pass(hf, input_ids, attention_mask, position_ids, score_mask) -> tor
 def _logprob_pass(hf, input_ids, attention_mask, position_ids, score_mask, *, temperature: float,
                   with_entropy: bool, chunk_size: int, truncation: tuple[float, int] = (1.0, -1)):
     """The backbone and the chunked head of `sequence_logprobs` (run as the root module's forward)."""
-    backbone = hf.get_decoder()
-    head = hf.get_output_embeddings()
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    targets = input_ids[:, 1:]
+    hidden = hf.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    return head_logprobs(hf.get_output_embeddings(), hidden[:, :-1], input_ids[:, 1:], score_mask,
+                         temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size,
+                         truncation=truncation)
+
+
+def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor | None,
+                  *, temperature: float, with_entropy: bool, chunk_size: int,
+                  truncation: tuple[float, int] = (1.0, -1)):
+    """The chunked head over `hidden` `[B, T, D]`: the log-prob (and entropy, or None) of `targets` `[B, T]`, each
+    `[B, T]`. With `score_mask` (bool `[B, T]`) only those positions go through the head and the others read 0;
+    where it selects nothing every position goes through the head and all read 0 (a zero gradient for the head's
+    weight on every rank alike)."""
     shape = targets.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     rows, nothing = None, False
     if score_mask is not None:

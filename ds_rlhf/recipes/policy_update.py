@@ -9,7 +9,9 @@ Non-finite rewards, losses and gradient norms are checked on the way (`recipes/n
 
 With `data.rl_packing` each micro-batch runs as one padding-free packed row (`recipes/packed_batch.py`): the token
 budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so
-the loss maths are the same as for padded rows.
+the loss maths are the same as for padded rows. With the shared-prompt layout (`shared_prompt`) the log-prob passes
+forward each group's prompt once and its samples' responses after it (`recipes/shared_prompt_batch.py`,
+`engines/shared_prompt.py`), in micro-batches of whole groups, their outputs gathered back to the same layout.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from ds_rlhf.algos.truncation import truncated_logprobs_from_logits, truncates
 from ds_rlhf.config import Config, RLConfig
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.policy_forward import response_logits, sequence_logprobs
+from ds_rlhf.engines.shared_prompt import shared_prompt_logprobs
 from ds_rlhf.recipes.batching import split_micro
 from ds_rlhf.recipes.nonfinite import check_grad_norm, check_inputs, check_losses, finite_or_zero
 from ds_rlhf.recipes.packed_batch import pack_rows
+from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, share_prompts
 from ds_rlhf.recipes.trajectory import Trajectory
 
 
@@ -64,10 +68,14 @@ class UpdateResult:
 
 
 def micro_batches(traj: Trajectory, rows: list[int], *, max_tokens: int, max_rows: int,
-                  packed: bool = False) -> list[list[int]]:
+                  packed: bool = False, shared: bool = False) -> list[list[int]]:
     """Split trajectory rows `rows` into micro-batches (lists of row indices; possibly empty, see split_micro: the
     caller then runs its first row with zero weight to keep the collectives in step). The token budget costs a
-    padded micro-batch as rows x longest, a `packed` one as its real tokens."""
+    padded micro-batch as rows x longest, a `packed` one as its real tokens; `shared` (the shared-prompt layout)
+    keeps each group's rows in one micro-batch (`shared_prompt_batch.group_micro_batches`)."""
+    if shared:
+        return group_micro_batches(traj.prompt_lens.tolist(), traj.response_lens.tolist(), traj.group_ids.tolist(),
+                                   rows, max_tokens=max_tokens, max_rows=max_rows, device=traj.input_ids.device)
     groups = split_micro(traj.seq_lens[rows].tolist(), max_tokens=max_tokens, max_rows=max_rows,
                          padded=not packed, device=traj.input_ids.device)
     return [[rows[i] for i in group] for group in groups]
@@ -80,14 +88,39 @@ def rl_packing(cfg: Config) -> bool:
     return cfg.data.rl_packing
 
 
+SHARED_PROMPT_MIN_SAVING = 0.05  # `auto`: the least share of forward tokens the shared-prompt layout must save
+
+
+def shared_prompt(cfg: Config) -> bool:
+    """Whether the log-prob passes use the shared-prompt layout (`data.rl_shared_prompt`). `auto`, from settings
+    only so every rank takes the same path (ZeRO-3 gathers weights in every forward): on when each prompt has several
+    samples, micro-batches are not packed, and the prompt tokens forwarded once instead of `rollout.n_samples` times
+    save at least `SHARED_PROMPT_MIN_SAVING` of the tokens of full-length rows (`data.max_prompt_len`,
+    `rollout.max_new_tokens`). The RL build resolves `auto` once for the run, off where the model cannot
+    (`rl_build.resolve_shared_prompt`)."""
+    setting = cfg.data.rl_shared_prompt
+    if setting != "auto":
+        return setting == "on"
+    n, prompt, response = cfg.rollout.n_samples, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens
+    if n <= 1 or cfg.data.rl_packing:
+        return False
+    return (n - 1) / n * prompt / (prompt + response) >= SHARED_PROMPT_MIN_SAVING
+
+
 def micro_logprobs(model, mb: Trajectory, cfg: Config, *, with_entropy: bool = False):
     """Log-probs (and entropy, or None) of micro-batch `mb` under `model`, both `[b, w-1]`: its padded rows with
-    their attention mask, or with `data.rl_packing` one packed row gathered back to that layout. Positions outside
+    their attention mask, with `data.rl_packing` one packed row gathered back to that layout, or the shared-prompt
+    layout (`shared_prompt`) gathered back likewise. Positions outside
     `mb.action_mask` read 0 (every consumer masks them). Under top-p / top-k rollouts they are of the sampler's
     truncated, renormalised distribution (`ds_rlhf.algos.truncation`), for the policy, old policy and reference."""
     temperature = cfg.rollout.temperature
     truncation = {"top_p": cfg.rollout.top_p, "top_k": cfg.rollout.top_k}  # the rollout sampler's kept set
     scored = mb.action_mask > 0  # the losses read the response positions only: the head scores just those
+    if shared_prompt(cfg):
+        layout = share_prompts(mb.input_ids, mb.prompt_lens, mb.response_lens, mb.group_ids)
+        logp, entropy = shared_prompt_logprobs(model, layout.inputs(scored), temperature=temperature,
+                                               with_entropy=with_entropy, **truncation)
+        return layout.unpack(logp), (layout.unpack(entropy) if entropy is not None else None)
     if not cfg.data.rl_packing:
         return sequence_logprobs(model, mb.input_ids, mb.attention_mask, temperature=temperature,
                                  with_entropy=with_entropy, score_mask=scored, **truncation)
@@ -242,7 +275,8 @@ def _mini_batch(actor, critic, exp: Trajectory, rows: list[int], cfg: Config, *,
     total_seqs = scored_rows(exp.action_mask[rows])
     found = []  # this rank's micro-batches with a non-finite loss, described
     for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
-                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg),
+                               shared=shared_prompt(cfg) and teacher is None):
         real = bool(micro)  # an empty micro-batch: run a row with zero weight
         micro = micro or [0]
         mb = exp.select(micro)
@@ -319,7 +353,7 @@ def forward_logprobs(model, exp: Trajectory, cfg: Config) -> torch.Tensor:
     out = torch.zeros_like(exp.action_mask)
     rows = list(range(len(exp)))
     for micro in micro_batches(exp, rows, max_tokens=cfg.data.micro_batch_tokens,
-                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg)):
+                               max_rows=cfg.optim.micro_batch_size, packed=rl_packing(cfg), shared=shared_prompt(cfg)):
         mb = exp.select(micro or [0])
         logp, _ = micro_logprobs(model, mb, cfg)
         if not micro:

@@ -25,6 +25,7 @@ from ds_rlhf.engines.builder import build_actor, build_critic, build_reference, 
 from ds_rlhf.engines.model_source import resolve_model_path
 from ds_rlhf.engines.models import as_dtype, lora_settings
 from ds_rlhf.engines.shared_critic import build_shared_critic, check_shared_critic_stage
+from ds_rlhf.engines.shared_prompt import supports_shared_prompt
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
@@ -33,6 +34,7 @@ from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
 from ds_rlhf.recipes.curriculum import CurriculumStream
+from ds_rlhf.recipes.policy_update import shared_prompt
 from ds_rlhf.recipes.reward_stage import RewardStage
 from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.judge import JudgeReward
@@ -108,6 +110,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                       lora=lora_settings(cfg.model), quantize=cfg.model.quantize_base, kernels=cfg.model.kernels)
     actor = build_actor(ctx.model_path, ctx.ds_config(role="actor", micro_batch_size=_micro_size(cfg),
                                                       lr=cfg.optim.lr, total_steps=steps_total), **model_opts)
+    resolve_shared_prompt(ctx, actor)
     critic = None
     if ADVANTAGE_ESTIMATORS.get(rl.algo).meta.get("critic"):
         critic = _build_critic(ctx, actor, ctx.ds_config(role="critic", micro_batch_size=_micro_size(cfg),
@@ -300,6 +303,25 @@ def _reward_stage(ctx: RunContext, functions: RewardSet | None, attn: str, actor
         ctx.print(f"[rl] model.share_base: the reward model is a separate frozen model with its own weights: {why}")
     return RewardStage(ctx, fn=functions,
                        model=build_reward(path, ds_config, attn_impl=attn, kernels=ctx.cfg.model.kernels))
+
+
+def resolve_shared_prompt(ctx: RunContext, actor: Engine) -> None:
+    """`data.rl_shared_prompt` for the run, once: on or off in `ctx.cfg` (every rank alike), `auto` off where the
+    actor cannot run the shared-prompt passes (`engines/shared_prompt.py:supports_shared_prompt`); the layout of the
+    log-prob passes printed once."""
+    cfg = ctx.cfg
+    setting = cfg.data.rl_shared_prompt
+    why = supports_shared_prompt(actor) if shared_prompt(cfg) else ""
+    if why and setting == "on":
+        raise ConfigError(f"data.rl_shared_prompt=on: the actor cannot forward a shared prompt: {why}; set "
+                          "--data.rl_shared_prompt off (or auto)")
+    cfg.data.rl_shared_prompt = "on" if shared_prompt(cfg) and not why else "off"
+    if cfg.data.rl_shared_prompt == "on":
+        layout = "shared prompt (each group's prompt forwarded once; micro-batches of whole groups)"
+    else:
+        layout = "packed rows" if cfg.data.rl_packing else "padded rows"
+        layout += f" (data.rl_shared_prompt {setting}{': ' + why if why else ''})"
+    ctx.print(f"[rl] log-prob passes: {layout}")
 
 
 def rl_attention(ctx: RunContext) -> str:

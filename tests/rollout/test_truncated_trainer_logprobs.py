@@ -78,7 +78,14 @@ def test_trainer_truncated_logprobs_equal_hf_backend(hf_rollout, hf_model, tempe
     _assert_exact(gaps(hf_rollout, hf_model, temperature, top_p, top_k), top_p, top_k)
 
 
-def _rl_step(rollout, tiny_model_path, tmp_path, packing: bool) -> dict:
+def _untruncated(original):
+    def untruncated(*args, top_p=1.0, top_k=-1, **kwargs):
+        return original(*args, **kwargs)
+
+    return untruncated
+
+
+def _rl_step(rollout, tiny_model_path, tmp_path, layout: str) -> dict:
     from ds_rlhf.config import parse_config
     from ds_rlhf.recipes.rl import RLTrainer
     from tests.recipes.stores import prompt_store
@@ -89,8 +96,9 @@ def _rl_step(rollout, tiny_model_path, tmp_path, packing: bool) -> dict:
             "--rollout.n_samples", "2", "--rollout.max_new_tokens", "8", "--rollout.temperature", "0.8",
             "--rollout.top_p", "0.9", "--rl.mismatch", "tis", "--optim.micro_batch_size", "8",
             "--run.progress", "false", "--run.tensorboard", "false", "--run.export_hf", "false"]
-    if packing:
+    if layout == "packed":
         args += ["--data.rl_packing", "true", "--data.micro_batch_tokens", "256"]
+    args += ["--data.rl_shared_prompt", "on" if layout == "shared" else "off"]
     try:
         history = RLTrainer(parse_config(args), rollout=rollout).train()
     finally:
@@ -99,21 +107,18 @@ def _rl_step(rollout, tiny_model_path, tmp_path, packing: bool) -> dict:
     return history[0]
 
 
-@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_rl_step_with_top_p_has_no_mismatch(vllm_rollout, tiny_model_path, dist_single, tmp_path, monkeypatch,
-                                            packing):
+                                            layout):
     """Same weights before the first update, float32: the trainer's truncated log-probs are the rollout's, so
-    mismatch KL ~ 0; with the trainer's log-probs untruncated (the feature off) it is the kept mass's KL."""
-    on = _rl_step(vllm_rollout, tiny_model_path, tmp_path / "on", packing)
-    original = policy_update.sequence_logprobs
-
-    def untruncated(*args, top_p=1.0, top_k=-1, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(policy_update, "sequence_logprobs", untruncated)
-    off = _rl_step(vllm_rollout, tiny_model_path, tmp_path / "off", packing)
+    mismatch KL ~ 0; with the trainer's log-probs untruncated (the feature off) it is the kept mass's KL. Padded
+    rows, packed rows and the shared-prompt layout (`data.rl_shared_prompt`) alike."""
+    on = _rl_step(vllm_rollout, tiny_model_path, tmp_path / "on", layout)
+    for name in ("sequence_logprobs", "shared_prompt_logprobs"):
+        monkeypatch.setattr(policy_update, name, _untruncated(getattr(policy_update, name)))
+    off = _rl_step(vllm_rollout, tiny_model_path, tmp_path / "off", layout)
     key = "mismatch/kl_rollout_trainer"
-    print(f"packing={packing}: {key} on={on[key]:.2e} off={off[key]:.2e}")
+    print(f"{layout}: {key} on={on[key]:.2e} off={off[key]:.2e}")
     assert on[key] < 1e-5, on
     assert off[key] > 1e-3 and off[key] > 100 * on[key], (on[key], off[key])
     assert on["sync/canary_max_abs_diff"] < 1e-3
