@@ -72,17 +72,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import learn_seeds
 from gpu_timeline import Sampler
+from learn_inputs import HELDOUT, ds_rlhf, prep_stores, task_files
 from learn_results import curve, gpu_use, merge, plot
-from learn_tasks.tasks import INSTRUCTION, heldout_rows, training_rows, write_arithmetic, write_gsm8k
+from learn_tasks.tasks import INSTRUCTION, heldout_rows, training_rows
 from transformers import AutoTokenizer
 
 from ds_rlhf.agent.adapters import load_environment
@@ -97,7 +95,6 @@ TASKS = ROOT / "bench" / "learn_tasks"
 SHARED_GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 TRAIN_REWARDS = {"strict": "train_reward", "lenient": "lenient_train_reward", "none": ""}
 EPISODE_OBSERVATION_TOKENS = 64  # --environment: room per turn for a tool's result turn beside the generated tokens
-HELDOUT = 500  # arithmetic: held-out problems
 WARM_START_BATCH = 32  # --warm-start-steps: demonstrations per SFT step, each used once (--tiny: 4)
 WARM_START_TOOL = "calculator"  # the tool the demonstrations call, with the problem's expression
 
@@ -200,49 +197,6 @@ def has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def ds_rlhf(*argv: str, log: Path | None = None, minutes: float = 0) -> None:
-    """One `ds-rlhf` command in a child process (this Python), its output to `log` (or through). With `minutes`, a
-    command still running then gets SIGTERM (the trainer finishes its step, saves and exits 128 + 15): not a
-    failure."""
-    cmd = [sys.executable, "-m", "ds_rlhf.entrypoints", *argv]
-    with open(log, "w") if log else open(os.devnull, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink if log else None, stderr=subprocess.STDOUT if log else None)
-        try:
-            code = proc.wait(timeout=minutes * 60 or None)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait()
-            if code == 128 + signal.SIGTERM:
-                print(f"learn: stopped after the {minutes:g}-minute limit", flush=True)
-                return
-    if code:
-        tail = log.read_text()[-3000:] if log else ""
-        raise SystemExit(f"learn: `ds-rlhf {' '.join(argv[:1])}` failed (exit {code})\n{tail}")
-
-
-def task_files(args, work: Path) -> dict[str, Path]:
-    if args.task == "arithmetic":
-        n_train = args.steps * args.prompts_per_step + 64  # an unlimited stream: never a prompt twice
-        return write_arithmetic(work / "task", n_train, HELDOUT)
-    if not args.gsm8k.is_file():
-        raise SystemExit(f"learn: GSM8K file not found: {args.gsm8k} (pass --gsm8k PATH/test.jsonl)")
-    return write_gsm8k(args.gsm8k, work / "task")
-
-
-def prep_stores(files: dict[str, Path], model: str, work: Path, max_prompt_len: int,
-                text: bool = False) -> dict[str, Path]:
-    """The prompt stores; `text`: the prompts as plain text (no chat template), as episodes read them."""
-    stores = {}
-    for key, src in files.items():
-        out = work / f"store_{key}{'_text' if text else ''}"
-        if not (out / "manifest.json").is_file():
-            ds_rlhf("prep-prompts", "--tokenizer", model, "--input", str(src), "--output", str(out), "--quiet",
-                    "--max_prompt_len", str(max_prompt_len), *(["--no-apply_chat_template"] if text else []),
-                    log=work / f"prep_{out.name}.log")
-        stores[key] = out
-    return stores
 
 
 def trainer_args(args, model: str, stores: dict[str, Path], run_dir: Path, mode: str, gpu: bool,

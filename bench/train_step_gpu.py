@@ -135,7 +135,6 @@ def main() -> None:
 
     from ds_rlhf.config import parse_config
     from ds_rlhf.engines.builder import build_actor
-    from ds_rlhf.recipes.policy_update import policy_update
     from ds_rlhf.recipes.rl_build import resolve_shared_prompt
     from ds_rlhf.run.context import setup_run
 
@@ -184,13 +183,21 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        profile_update(actor, traj, cfg, gen)
     write_results(args, attn, kernels, n_params, results)
+
+
+def profile_update(actor, traj, cfg, gen) -> None:
+    """`--profile`: one policy update under the torch profiler, its top CUDA kernels printed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_rlhf.recipes.policy_update import policy_update
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        policy_update(actor, None, traj, cfg, kl_coef=0.0, generator=gen)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
 def write_results(args, attn: str, kernels: str, n_params: int, results: list[dict]) -> None:

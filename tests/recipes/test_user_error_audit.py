@@ -76,8 +76,7 @@ def make_inputs(tmp: Path, model: Path) -> None:
 def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     """name -> (argv after `python -m ds_rlhf.entrypoints`, text the last stderr line must hold); the inputs are
     make_inputs'."""
-    prompts, sft, pref = (tmp / "data" / kind for kind in ("prompts", "sft", "preference"))
-    out = tmp / "runs"
+    prompts, sft, out = tmp / "data" / "prompts", tmp / "data" / "sft", tmp / "runs"
 
     def ppo(name, *extra, store=prompts, model_path=model):
         return ["train-ppo", *_tiny_run(model_path, store, out / name, "--rollout.backend", "hf", "--reward.fn",
@@ -86,19 +85,20 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
     def sft_run(name, *extra, store=sft, model_path=model):
         return ["train-sft", *_tiny_run(model_path, store, out / name, "--optim.batch_size", "4", *extra)]
 
+    return {**_store_and_batch_cases(tmp, model, ppo, sft_run), **_model_cases(tmp, ppo, sft_run),
+            **_config_reward_and_resume_cases(tmp, ppo, sft_run), **_command_cases(tmp, model)}
+
+
+def _store_and_batch_cases(tmp: Path, model: Path, ppo, sft_run) -> dict[str, tuple[list[str], str]]:
+    """The wrong kind of store for the command, stores that are not there or not whole, and batch sizes."""
+    prompts, sft, pref = (tmp / "data" / kind for kind in ("prompts", "sft", "preference"))
     empty, no_manifest, no_data, other_tok = (tmp / n for n in ("empty_store", "no_manifest", "no_data", "other_tok"))
-    bad_tok, bad_weights, not_model, a_file = (tmp / n for n in ("bad_tokenizer", "bad_weights", "not_a_model",
-                                                                 "a_file.txt"))
-    bad_json, conflict, bad_yaml, unknown_key = (tmp / n for n in ("bad_ds.json", "conflict_ds.json", "bad.yaml",
-                                                                   "unknown.yaml"))
-    raising, no_fn, not_ckpt = tmp / "raising_reward.py", tmp / "no_fn_reward.py", tmp / "not_a_checkpoint"
-    rows, wrong_cols, empty_in, fake_gguf = (tmp / n for n in ("rows.jsonl", "wrong_cols.jsonl", "empty.jsonl",
-                                                               "model.gguf"))
+    conflict = tmp / "conflict_ds.json"
     return {
         # the wrong kind of store for the command
         "sft_store_to_train_ppo": (ppo("a", store=sft), str(sft)),
         "prompt_store_to_train_sft": (sft_run("b", store=prompts), str(prompts)),
-        "sft_store_to_train_rm": (["train-rm", *_tiny_run(model, sft, out / "c")], str(sft)),
+        "sft_store_to_train_rm": (["train-rm", *_tiny_run(model, sft, tmp / "runs" / "c")], str(sft)),
         "preference_store_to_train_sft": (sft_run("d", store=pref), str(pref)),
         # stores that are not there or not whole
         "store_does_not_exist": (ppo("e", store=tmp / "nope"), "data.train"),
@@ -112,6 +112,14 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "batch_size_larger_than_store": (sft_run("l", "--optim.batch_size", "64"), "optim.batch_size"),
         "zero_steps_negative": (sft_run("m", "--run.steps", "-3"), "run.steps"),
         "zero_batch_size": (sft_run("n", "--optim.batch_size", "0"), "optim.batch_size"),
+    }
+
+
+def _model_cases(tmp: Path, ppo, sft_run) -> dict[str, tuple[list[str], str]]:
+    """Model, tokenizer, reward-model and output paths that are broken, missing or of the wrong kind."""
+    bad_tok, bad_weights, not_model, a_file = (tmp / n for n in ("bad_tokenizer", "bad_weights", "not_a_model",
+                                                                 "a_file.txt"))
+    return {
         # models
         "corrupt_tokenizer_json": (ppo("o", model_path=bad_tok), "tokenizer.json"),
         "truncated_model_safetensors": (sft_run("p", model_path=bad_weights), str(bad_weights)),
@@ -128,6 +136,14 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         "tokenizer_path_does_not_exist": (ppo("t", "--model.tokenizer", str(tmp / "no_tok")), "model.tokenizer"),
         "lora_targets_not_in_model": (sft_run("u", "--model.lora_rank", "4", "--model.lora_targets", "qkv_proj"),
                                       "model.lora_targets"),
+    }
+
+
+def _config_reward_and_resume_cases(tmp: Path, ppo, sft_run) -> dict[str, tuple[list[str], str]]:
+    """Config files, algorithms and rewards, and resume paths."""
+    bad_json, bad_yaml, unknown_key = (tmp / n for n in ("bad_ds.json", "bad.yaml", "unknown.yaml"))
+    raising, no_fn, not_ckpt = tmp / "raising_reward.py", tmp / "no_fn_reward.py", tmp / "not_a_checkpoint"
+    return {
         # config files
         "ds_config_missing": (sft_run("v", "--ds_config", str(tmp / "nope.json")), "nope.json"),
         "ds_config_invalid_json": (sft_run("w", "--ds_config", str(bad_json)), str(bad_json)),
@@ -145,6 +161,15 @@ def build_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
         # resume
         "resume_from_nothing": (sft_run("ab", "--run.resume", str(tmp / "no_ckpt")), "no_ckpt"),
         "resume_from_a_non_checkpoint_dir": (sft_run("ac", "--run.resume", str(not_ckpt)), str(not_ckpt)),
+    }
+
+
+def _command_cases(tmp: Path, model: Path) -> dict[str, tuple[list[str], str]]:
+    """The commands besides training: export, doctor, data prep and GGUF conversion."""
+    not_model, not_ckpt = tmp / "not_a_model", tmp / "not_a_checkpoint"
+    rows, wrong_cols, empty_in, fake_gguf = (tmp / n for n in ("rows.jsonl", "wrong_cols.jsonl", "empty.jsonl",
+                                                               "model.gguf"))
+    return {
         # export
         "export_missing_checkpoint": (["export", str(tmp / "no_ckpt"), str(tmp / "exp")], "no_ckpt"),
         "export_a_non_checkpoint_dir": (["export", str(not_ckpt), str(tmp / "exp2")], str(not_ckpt)),
