@@ -25,6 +25,7 @@ work; the trainer's is `rollout.trainer_sm_percent`, else 100 minus the engines'
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -162,10 +163,9 @@ class GPUSplit:
         self._saved.clear()
         if self.guard is not None:
             self.guard.stdin.close()
-            try:
+            # the daemon waits for its clients (this process among them): past wait_s the guard goes on in its session
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.guard.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                pass  # the daemon waits for its clients (this process among them): the guard goes on in its session
             self.guard = None
 
 

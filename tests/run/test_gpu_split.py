@@ -26,10 +26,11 @@ from ds_rlhf.memory.sm_share import MAX_PERCENT, MIN_PERCENT, PlannedWork, engin
 from ds_rlhf.rollout.server.process import ServerProcess, spawn_servers
 from ds_rlhf.run import gpu_split
 from ds_rlhf.run.gpu_split import PERCENT_VAR, Probe, decide_split, start_split
+from ds_rlhf.testing import fake_mps
+from ds_rlhf.testing.fake_mps import MPS_VARS, calls
 
 BENCH = ["--rl.prompts_per_step", "32", "--rollout.n_samples", "8", "--rollout.max_new_tokens", "256",
          "--data.max_prompt_len", "128", "--rollout.placement", "sidecar"]
-MPS_VARS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", PERCENT_VAR)
 
 
 def cfg_of(*extra: str):
@@ -125,32 +126,13 @@ def test_auto_falls_back_where_the_binary_is_absent(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_control(tmp_path, monkeypatch):
     """A fake `nvidia-cuda-mps-control` first on PATH; returns the file its calls are recorded in (JSON lines)."""
-    bin_dir, record = tmp_path / "bin", tmp_path / "calls.jsonl"
-    bin_dir.mkdir()
-    script = bin_dir / "nvidia-cuda-mps-control"
-    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""
-        import json, os, sys
-        stdin = "" if "-d" in sys.argv else sys.stdin.read()
-        call = {{"argv": sys.argv[1:], "stdin": stdin, **{{k: os.environ.get(k) for k in {MPS_VARS!r}}}}}
-        with open({str(record)!r}, "a") as f:
-            f.write(json.dumps(call) + "\\n")
-        """))
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    record = tmp_path / "calls.jsonl"
+    fake_mps.install(tmp_path / "bin", record)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     for var in MPS_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(gpu_split, "compute_mode", lambda: "Default")
     return record
-
-
-def calls(record: Path, n: int, timeout: float = 30.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = record.read_text().splitlines() if record.exists() else []
-        if len(lines) >= n:
-            return [json.loads(line) for line in lines]
-        time.sleep(0.1)
-    raise AssertionError(f"expected {n} calls of the fake control, got {record.read_text() if record.exists() else 0}")
 
 
 def test_mps_starts_a_private_daemon_sets_each_share_and_stops_it_at_close(fake_control):
@@ -214,22 +196,27 @@ def test_a_daemon_that_fails_to_start_is_one_error_line(tmp_path, monkeypatch):
 
 
 # ---- each spawned process carries its share ------------------------------------------------------------------------
-def environ_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads a child's environment from /proc")
-def test_each_spawned_engine_process_carries_the_engine_share(fake_control):
+def test_each_spawned_engine_process_carries_the_engine_share(fake_control, tmp_path, monkeypatch):
+    """The servers are spawned by `spawn_servers` / `ServerProcess` as in a run; each runs a module that writes its
+    environment to a file (vLLM's server renames its process, which blanks /proc/PID/environ)."""
+    dumps = tmp_path / "envs"
+    dumps.mkdir()
+    (tmp_path / "env_dump.py").write_text(
+        "import json, os\n"
+        f"open(os.path.join({str(dumps)!r}, str(os.getpid())), 'w').write(json.dumps(dict(os.environ)))\n")
+    monkeypatch.setattr(ServerProcess, "module", "env_dump")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     split = start_split(cfg_of("--rollout.sm_split", "mps", "--rollout.engine_sm_percent", "65"),
                         probe=Probe(compute_mode=lambda: "Default"))
     servers: list = []
     try:
         servers = [*spawn_servers(2, extra_env=split.engine_env()), ServerProcess(extra_env=split.engine_env())]
         for server in servers:
-            env = environ_of(server.proc.pid)
+            assert server.proc.wait(60) == 0
+            env = json.loads((dumps / str(server.proc.pid)).read_text())
             assert env[PERCENT_VAR] == "65"  # the engines' share, not the trainer's 35
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(Path(split.directory) / "pipe")
+            assert "DS_RLHF_ROLLOUT_ADDR" in env  # the server's own variables beside the split's
         assert os.environ[PERCENT_VAR] == "35"
     finally:
         for server in servers:

@@ -31,6 +31,8 @@ from ds_rlhf.rollout.base import RolloutError
 class ServerProcess:
     """The server process, the listener it connects back to (authenticated, on `host`) and its log file."""
 
+    module = "ds_rlhf.rollout.server.server"  # what the process runs (`python -m`)
+
     def __init__(self, *, devices: Sequence[int] | None = None, log_path: str | None = None,
                  host: str = "127.0.0.1", extra_env: Mapping[str, str] | None = None) -> None:
         """`extra_env`: variables the server gets on top of this process's environment (the SM split's per-process
@@ -47,7 +49,7 @@ class ServerProcess:
         self.log, self.proc = None, None
         try:
             self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
-            self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.server.server"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         except BaseException:
             self.close()
