@@ -139,6 +139,18 @@ def decide_split(cfg, *, world_size: int = 1, probe: Probe = Probe()) -> SplitDe
                          f"[sm_split] {asked}: CUDA MPS, engines {engines}% of the SMs ({source}), trainer {trainer}%")
 
 
+def daemon_env(directory: str) -> dict[str, str]:
+    """The control daemon's environment: this process's, the run's MPS directories, no client percentage, and no
+    `CUDA_VISIBLE_DEVICES` of indices (a daemon started with one renumbers the devices its clients see, so the
+    clients' own indices would name other GPUs; UUIDs, `GPU-...`, mean the same GPU to both and are kept)."""
+    env = dict(os.environ, **mps_env(directory))
+    env.pop(PERCENT_VAR, None)
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and not all(d.strip().startswith(("GPU-", "MIG-")) for d in visible.split(",")):
+        env.pop("CUDA_VISIBLE_DEVICES")
+    return env
+
+
 @dataclass
 class GPUSplit:
     """A started split: `engine_env()` for each engine process; `close()` (idempotent) restores this process's
@@ -183,7 +195,7 @@ def start_split(cfg, *, world_size: int | None = None, probe: Probe = Probe(),
     env = mps_env(directory)
     for path in env.values():
         os.makedirs(path, exist_ok=True)
-    started = subprocess.run([decision.control, "-d"], env=dict(os.environ, **env), capture_output=True, text=True,
+    started = subprocess.run([decision.control, "-d"], env=daemon_env(directory), capture_output=True, text=True,
                              timeout=60)
     if started.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)

@@ -160,6 +160,16 @@ def test_mps_starts_a_private_daemon_sets_each_share_and_stops_it_at_close(fake_
     assert all(var not in os.environ for var in MPS_VARS)  # this process's environment as it was
 
 
+def test_the_daemon_keeps_no_client_share_and_no_device_indices(monkeypatch, tmp_path):
+    monkeypatch.setenv(PERCENT_VAR, "10")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    env = gpu_split.daemon_env(str(tmp_path))
+    assert PERCENT_VAR not in env and "CUDA_VISIBLE_DEVICES" not in env  # index 3 of a renumbered list: another GPU
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8e1c0a2b")
+    assert gpu_split.daemon_env(str(tmp_path))["CUDA_VISIBLE_DEVICES"] == "GPU-8e1c0a2b"
+
+
 def test_the_daemon_is_stopped_when_the_run_is_killed(fake_control, tmp_path):
     """SIGKILL runs no handler: the guard sees its pipe close and stops the daemon all the same."""
     code = textwrap.dedent(f"""
