@@ -21,6 +21,8 @@ on one machine, async 138.9 completions/s with two engines against 117.4 with th
 in-process engine). The 1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...  # other shapes / algorithms; --tiny --steps 3: CPU check
     python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
+    OUT=$OUT bash bench/sm_split_sweep.sh off mps50 ...      # async under CUDA MPS, the engines on P% of the SMs
+        # (one run by hand: --async --cfg rollout.sm_split=mps --cfg rollout.engine_sm_percent=50)
 
 `--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens, gradient
 checkpointing and (when they do not fit) the sidecar engine count are then chosen by the run
