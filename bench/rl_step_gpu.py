@@ -21,6 +21,8 @@ on one machine, async 138.9 completions/s with two engines against 117.4 with th
 in-process engine). The 1.5B shape defaults to the in-process engine (`colocated`), the only placement measured for it.
     python3 bench/rl_step_gpu.py --model 1.5b --algo ppo ...  # other shapes / algorithms; --tiny --steps 3: CPU check
     python3 bench/rl_step_gpu.py --max-gpu-memory-gb 48 ...   # under a cap: the run picks the memory split
+    OUT=$OUT bash bench/sm_split_sweep.sh off mps50 ...      # async under CUDA MPS, the engines on P% of the SMs
+        # (one run by hand: --async --cfg rollout.sm_split=mps --cfg rollout.engine_sm_percent=50)
 
 `--max-gpu-memory-gb X` passes `run.max_gpu_memory_gb X`; vLLM's share, the micro-batch tokens, gradient
 checkpointing and (when they do not fit) the sidecar engine count are then chosen by the run
@@ -289,6 +291,22 @@ def memory_split(cfg, total: int | None) -> dict | None:
     return {"max_gpu_memory_gb": cfg.run.max_gpu_memory_gb, **(split.to_dict() if split else {"picked": []})}
 
 
+def device_total_bytes(cfg) -> int | None:
+    """GPU 0's memory: torch's figure, or under rollout.sm_split NVML's (the trainer's CUDA must start after the
+    split's MPS variables are set: `RLTrainer` starts them; torch's query would start CUDA here first)."""
+    import torch
+
+    if cfg.rollout.sm_split == "off":
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:  # noqa: BLE001  no NVML: the cap itself stands for the device
+        return None
+
+
 def used_split(cfg) -> dict:
     r = cfg.rollout
     return {"rollout.gpu_memory_utilization": r.gpu_memory_utilization,
@@ -321,7 +339,7 @@ def run_one(args, model: Path, prompts: Path, placement: str, tag: str, extra: l
     run_dir = Path(args.workdir) / f"run-{tag}"
     argv, defaults = config_argv(args, model, prompts, placement, run_dir, extra)
     cfg = parse_config(argv, defaults)
-    split = memory_split(cfg, torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    split = memory_split(cfg, device_total_bytes(cfg))
     t1 = time.time()
     with Sampler(0.1) as sampler, ProcessMemory(0.5) as processes:
         trainer = RLTrainer(cfg, rollout=rollout)

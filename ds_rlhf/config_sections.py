@@ -107,6 +107,12 @@ class RolloutConfig:
     # gpu_memory_utilization is split evenly too; why several: vLLM's decode is bound by per-step host work, and N
     # processes run N of those loops at once (rollout/server/sharded.py)
     sidecar_engines: int = opt(1, ge=1)  # sidecar: vLLM processes on the GPU, the batch split between them
+    # sidecar: the trainer and the engines each on a share of the GPU's SMs instead of taking turns (run/gpu_split.py):
+    # mps: a CUDA MPS daemon of the run's own (no change to the compute mode), each process's active-thread percentage;
+    # green: CUDA green contexts (refused with what is missing); auto: mps where it can run, else off (time-slicing)
+    sm_split: str = opt("off", choices=("off", "mps", "green", "auto"))  # off | mps | green | auto
+    engine_sm_percent: int = opt(0, ge=0, le=100)  # sm_split: the engines' % of SMs; 0 = from the planned work
+    trainer_sm_percent: int = opt(0, ge=0, le=100)  # sm_split: the trainer's % of SMs; 0 = 100 - the engines'
     # own: our CUDA-IPC buffer (sidecar) / weight group (disaggregated); vllm: vLLM's weight_transfer engine, IPC on
     # the sidecar (vLLM 0.26's ipc_engine imports ray and requests), NCCL on a disaggregated server (GPU only)
     weight_transport: str = opt("own", choices=("own", "vllm"))  # how a sync moves weights into a vLLM server
@@ -223,6 +229,17 @@ class RolloutConfig:
             raise ConfigError(f"{where} with rollout.lora_sync=adapter: adapter sync serves LoRA adapters over the "
                               "base vLLM loaded once; use --rollout.lora_sync merged with FP8 rollouts")
 
+    def _check_sm_split(self) -> None:
+        shares = [f"rollout.{k}={v}" for k, v in (("engine_sm_percent", self.engine_sm_percent),
+                                                  ("trainer_sm_percent", self.trainer_sm_percent)) if v]
+        if self.sm_split == "off" and shares:
+            raise ConfigError(f"{' and '.join(shares)} sets a share of the SMs, but rollout.sm_split=off (the "
+                              "processes take turns on the GPU): add --rollout.sm_split mps (or auto), or leave them 0")
+        if self.sm_split in ("mps", "green") and (self.placement != "sidecar" or self.backend == "hf"):
+            raise ConfigError(f"rollout.sm_split={self.sm_split} splits the GPU between the trainer and the vLLM "
+                              f"engine processes beside it; it needs --rollout.placement sidecar (got placement="
+                              f"{self.placement}, backend={self.backend}): use sidecar, or --rollout.sm_split off")
+
     def check(self) -> None:
         self._check_vllm_options()
         self._check_lora_sync()
@@ -230,6 +247,7 @@ class RolloutConfig:
         if self.sidecar_engines > 1 and self.placement != "sidecar":
             raise ConfigError(f"rollout.sidecar_engines={self.sidecar_engines} splits the batch over vLLM processes on "
                               f"the training GPU; it needs --rollout.placement sidecar (got {self.placement!r})")
+        self._check_sm_split()
         if self.partial_tokens and self.partial_tokens >= self.max_new_tokens:
             raise ConfigError(f"rollout.partial_tokens={self.partial_tokens} is not below rollout.max_new_tokens="
                               f"{self.max_new_tokens}: every sample finishes in one call, so nothing is carried over; "

@@ -49,6 +49,7 @@ from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
 from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
+from ds_rlhf.run.gpu_split import start_split
 from ds_rlhf.run.lifecycle import RunLifecycle
 from ds_rlhf.run.preflight import check_rl_run, rl_eval_on
 from ds_rlhf.telemetry import PhaseTimer, system_stats
@@ -71,12 +72,21 @@ def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
 class RLTrainer:
     def __init__(self, cfg: Config, rollout=None):
         self.cfg = cfg
+        self.split = start_split(cfg)  # rollout.sm_split: before anything initialises CUDA in this process
+        try:
+            self._start(cfg, rollout)
+        except BaseException:
+            self.split.close()
+            raise
+
+    def _start(self, cfg: Config, rollout) -> None:
         check_rl_run(cfg)  # inputs on disk, before any process group, engine or vLLM starts
         self.ctx: RunContext = setup_run(cfg, "rl")
         self.step = 0
         # a signal stops the remote rewards' requests too (`interrupt`); a request it cut ends the step unsaved
         self.lifecycle = RunLifecycle(self.ctx, "rl", cfg.run.steps, save=self._save, step=lambda: self.step,
-                                      on_signal=(interrupt,), on_exit=(clear_interrupt,), cut_short=(Interrupted,))
+                                      on_signal=(interrupt,), on_exit=(clear_interrupt, self.split.close),
+                                      cut_short=(Interrupted,))
         self.monitor = self.lifecycle.monitor  # status.json, health warnings, live metrics
         self.lifecycle.build(lambda: self._build(rollout))
 
@@ -88,7 +98,7 @@ class RLTrainer:
                                       resume_fallback=cfg.run.resume_fallback, log=self.ctx.print)
         # the checkpoint to resume is verified (every file's sha256) before any model or vLLM engine loads
         resume_from = self.ckpt.resolve(cfg.run.resume)
-        self.parts = rl_build.build_parts(self.ctx, rollout=rollout)
+        self.parts = rl_build.build_parts(self.ctx, rollout=rollout, server_env=self.split.engine_env())
         self.ckpt.check_room(self.parts.engines_to_checkpoint())  # the first save fits, or stop now
         rl = cfg.rl
         self.kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target > 0

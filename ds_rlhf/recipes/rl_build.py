@@ -89,8 +89,9 @@ def _micro_size(cfg) -> int:
     return max(1, cfg.optim.micro_batch_size)
 
 
-def build_parts(ctx: RunContext, rollout=None) -> RLParts:
-    """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise."""
+def build_parts(ctx: RunContext, rollout=None, server_env: dict | None = None) -> RLParts:
+    """`rollout`: an existing RolloutEngine to use (tests share one vLLM per session); built here otherwise.
+    `server_env`: what each engine process gets on top of this process's environment (the SM split's share)."""
     cfg, dist = ctx.cfg, ctx.dist
     rl = cfg.rl
     check_share_base_critic(cfg)  # before the reward workers, the loader or any model
@@ -129,6 +130,7 @@ def build_parts(ctx: RunContext, rollout=None) -> RLParts:
                                                     and cfg.rollout.placement == "colocated"),
                                       sleep_level=cfg.rollout.sleep_level, **placement.engine_kwargs(),
                                       lora=lora_engine, sidecar_engines=cfg.rollout.sidecar_engines,
+                                      **({"server_env": server_env} if server_env else {}),
                                       **cfg.rollout.vllm_options())
         if kv is not None and getattr(rollout, "backend", "") == "vllm":
             ctx.print(kv_line)

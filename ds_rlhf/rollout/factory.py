@@ -58,6 +58,8 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
     (`server/transports.py:VLLMIPC`), NCCL into a server on other GPUs (`VLLMNCCL`). `transport=name` (sidecar and
     disaggregated) picks a registered transport of `server/transports.py:TRANSPORTS` by name instead.
     `kv_cache_bytes` (vLLM only; 0 = vLLM's own sizing): the KV cache `memory/kv_cache.py` sized for the run.
+    `server_env={...}` (sidecar and disaggregated): variables every server process gets on top of this process's
+    environment (the SM split's share, `run/gpu_split.py`).
     `sidecar_engines=N` (sidecar only): N server processes, each with 1/N of `gpu_memory_utilization` (and of
     `kv_cache_bytes`) and its own seed, behind one `ShardedRolloutEngine` that splits every batch between them
     (`server/sharded.py`)."""
@@ -97,7 +99,7 @@ def make_rollout_engine(backend: str = "auto", placement: str = "colocated", *, 
         return VLLMRolloutEngine(str(model_path), **vllm_kw, **kw)
 
     client_keys = ("devices", "weight_backend", "timeout_s", "startup_timeout_s", "bucket_bytes", "log_path", "host",
-                   "transport")
+                   "transport", "server_env")
     client = {k: kw.pop(k) for k in client_keys if k in kw}
     if n_engines == 1:
         return server_client.RemoteVLLMEngine(str(model_path), **client, **vllm_kw, **kw)
@@ -110,7 +112,8 @@ def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> 
     the servers already running and those not yet started."""
     log_paths = [f"{client['log_path']}.{i}" if client.get("log_path") else None for i in range(n)]
     processes = server_process.spawn_servers(n, devices=client.get("devices"), log_paths=log_paths,
-                                             host=client.get("host", "127.0.0.1"))
+                                             host=client.get("host", "127.0.0.1"),
+                                             extra_env=client.get("server_env"))
     engines: list = []
     try:
         for i in range(n):

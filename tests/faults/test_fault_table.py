@@ -336,6 +336,13 @@ FAULTS = [
     Fault("train/fp8-scales-without-fp8", lambda c: _exit_status(
         "train-ppo", "--model.path", str(c.tokenizer), "--rollout.fp8_scales", "block"),
           "add --rollout.quantization fp8", code=1),
+    # the SM split where it cannot run
+    Fault("train/sm-split-on-the-colocated-engine", lambda c: _exit_status(
+        "train-ppo", "--model.path", str(c.tokenizer), "--rollout.sm_split", "mps"),
+          "it needs --rollout.placement sidecar", code=1),
+    Fault("train/sm-split-green", lambda c: _exit_status(
+        "train-ppo", "--model.path", str(c.tokenizer), "--rollout.placement", "sidecar", "--rollout.sm_split", "green"),
+          "rollout.sm_split=green: ", code=1),
     # earlier rounds' cheap ones
     Fault("prep/missing-input", lambda c: _prep(c, c.tmp / "absent.jsonl"), "does not exist", code=2,
           left=_nothing_at("store")),

@@ -73,8 +73,11 @@ def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failu
         def close(self):
             processes_closed.append(self.i)
 
-    def fake_spawn(n, *, devices=None, log_paths=(), host="127.0.0.1"):
+    envs = []
+
+    def fake_spawn(n, *, devices=None, log_paths=(), host="127.0.0.1", extra_env=None):
         spawned.extend(log_paths)
+        envs.append(extra_env)
         return [FakeProcess(i) for i in range(n)]
 
     class FakeRemote:
@@ -108,8 +111,9 @@ def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failu
     monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", Starts)
     monkeypatch.setattr(sharded_mod, "ShardedRolloutEngine", lambda engines: engines)
     engines = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6,
-                                  seed=5, sidecar_engines=3)
+                                  seed=5, sidecar_engines=3, server_env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"})
     assert len(engines) == 3
+    assert envs == [None, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}]  # every server spawned gets the split's share
     assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 3
     assert [kw["seed"] for kw in started] == [5, 6, 7]  # unseeded requests must not repeat across shards
     with pytest.raises(ValueError, match="placement='sidecar'"):

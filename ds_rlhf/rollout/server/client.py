@@ -28,7 +28,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -59,7 +59,8 @@ class RemoteVLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, devices: Sequence[int] | None = None, weight_backend: str | None = None,
                  timeout_s: float = 600.0, startup_timeout_s: float = 900.0, bucket_bytes: int = 1 << 30,
                  log_path: str | None = None, host: str = "127.0.0.1", process: ServerProcess | None = None,
-                 transport: str | None = None, **engine_kwargs) -> None:
+                 transport: str | None = None, server_env: Mapping[str, str] | None = None,
+                 **engine_kwargs) -> None:
         super().__init__()
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
@@ -79,7 +80,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.owner = self._d is None or self._d.get_rank() == 0
         info = None
         if self.owner:  # a server spawned ahead (`process.spawn_servers`) or one of its own
-            process = process or ServerProcess(devices=devices, log_path=log_path, host=host)
+            process = process or ServerProcess(devices=devices, log_path=log_path, host=host, extra_env=server_env)
             info = self._start(process, model_path, startup_timeout_s, engine_kwargs)
         if self._d is not None:
             box = [info]

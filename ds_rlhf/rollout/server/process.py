@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -31,8 +31,12 @@ from ds_rlhf.rollout.base import RolloutError
 class ServerProcess:
     """The server process, the listener it connects back to (authenticated, on `host`) and its log file."""
 
+    module = "ds_rlhf.rollout.server.server"  # what the process runs (`python -m`)
+
     def __init__(self, *, devices: Sequence[int] | None = None, log_path: str | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", extra_env: Mapping[str, str] | None = None) -> None:
+        """`extra_env`: variables the server gets on top of this process's environment (the SM split's per-process
+        share, `run/gpu_split.py`)."""
         authkey = secrets.token_bytes(16)
         self.listener = Listener((host, 0), authkey=authkey)
         root = str(Path(__file__).resolve().parents[2])
@@ -41,10 +45,11 @@ class ServerProcess:
                              PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        env.update(extra_env or {})
         self.log, self.proc = None, None
         try:
             self.log = open(log_path, "ab") if log_path else None  # noqa: SIM115  closed in close()
-            self.proc = subprocess.Popen([sys.executable, "-m", "ds_rlhf.rollout.server.server"], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT if self.log else None)
         except BaseException:
             self.close()
@@ -65,15 +70,16 @@ class ServerProcess:
 
 
 def spawn_servers(n: int, *, devices: Sequence[int] | None = None, log_paths: Sequence[str | None] = (),
-                  host: str = "127.0.0.1") -> list[ServerProcess | None]:
-    """`n` servers started at once on trainer rank 0 (None for each on other ranks, which run no server)."""
+                  host: str = "127.0.0.1", extra_env: Mapping[str, str] | None = None) -> list[ServerProcess | None]:
+    """`n` servers started at once on trainer rank 0 (None for each on other ranks, which run no server), each
+    with `extra_env` on top of this process's environment."""
     if world()[0] != 0:
         return [None] * n
     log_paths = list(log_paths) or [None] * n
     out: list[ServerProcess | None] = []
     try:
         for i in range(n):
-            out.append(ServerProcess(devices=devices, log_path=log_paths[i], host=host))
+            out.append(ServerProcess(devices=devices, log_path=log_paths[i], host=host, extra_env=extra_env))
     except BaseException:
         for p in out:
             p.close()
