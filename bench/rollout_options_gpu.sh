@@ -49,23 +49,9 @@ plain_of() {  # the same settings as vllm_plain_gpu.py flags
   esac
 }
 
-run() {
-  echo "+ $*"
-  if [ "${DRY:-0}" = 1 ]; then return 0; fi
-  "$@"
-}
-
-failed() {
-  echo "$*" >&2
-  [ "${DRY:-0}" = 1 ] || echo "$*" >> "$OUT/failed.txt"
-}
-
-selected=("$@")
-[ ${#selected[@]} -gt 0 ] || selected=("${NAMES[@]}")
-for name in "${selected[@]}"; do
-  cfg_of "$name" > /dev/null || { echo "unknown run '$name' (known: ${NAMES[*]})" >&2; exit 2; }
-done
-[ "${DRY:-0}" = 1 ] || mkdir -p "$OUT"
+# shellcheck source=bench/sweep_lib.sh
+. ./sweep_lib.sh
+select_runs "$@"
 for name in "${selected[@]}"; do
   overrides=$(cfg_of "$name")
   cfg_args=()

@@ -29,22 +29,13 @@ cfg_of() {  # config overrides of one run (rl_step_gpu.py --cfg KEY=VALUE)
   esac
 }
 
-run() {
-  echo "+ $*"
-  if [ "${DRY:-0}" = 1 ]; then return 0; fi
-  "$@"
-}
-
-selected=("$@")
-[ ${#selected[@]} -gt 0 ] || selected=("${NAMES[@]}")
-for name in "${selected[@]}"; do
-  cfg_of "$name" > /dev/null || { echo "unknown run '$name' (known: ${NAMES[*]})" >&2; exit 2; }
-done
-[ "${DRY:-0}" = 1 ] || mkdir -p "$OUT"
+# shellcheck source=bench/sweep_lib.sh
+. ./sweep_lib.sh
+select_runs "$@"
 for name in "${selected[@]}"; do
   cfg_args=()
   for kv in $(cfg_of "$name"); do cfg_args+=(--cfg "$kv"); done
   # shellcheck disable=SC2086  # EXTRA is a list of arguments
   run python3 rl_step_gpu.py --async --steps "$STEPS" --out "$OUT" --tag "sm_$name" $EXTRA "${cfg_args[@]}" \
-      || { echo "rl_step sm_$name failed" >&2; [ "${DRY:-0}" = 1 ] || echo "rl_step sm_$name failed" >> "$OUT/failed.txt"; }
+      || failed "rl_step sm_$name failed"
 done

@@ -5,6 +5,7 @@ GPU and driver. `install(bin_dir, record)` writes an executable that appends eac
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 import time
@@ -26,6 +27,17 @@ def install(bin_dir: Path, record: Path) -> Path:
         """))
     script.chmod(0o755)
     return script
+
+
+def install_on_path(tmp_path: Path, monkeypatch) -> Path:
+    """`install` under `tmp_path/bin`, first on PATH, with no MPS variable in the environment (pytest's
+    `monkeypatch` undoes both); returns the file its calls are recorded in (JSON lines)."""
+    record = tmp_path / "calls.jsonl"
+    install(tmp_path / "bin", record)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    for var in MPS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return record
 
 
 def calls(record: Path, n: int, timeout: float = 30.0) -> list[dict]:

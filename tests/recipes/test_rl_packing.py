@@ -24,6 +24,10 @@ from ds_rlhf.recipes.policy_update import (
 )
 from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
 from ds_rlhf.rollout.base import RolloutSample
+from tests.recipes import policy_fixtures
+from tests.recipes.policy_fixtures import as_engine
+
+actor, one_thread = policy_fixtures.actor, policy_fixtures.one_thread  # the module's fixtures
 
 # (prompt, response) lengths: ragged, one response of a single token, one row as long as the batch.
 SHAPES = [(3, 5), (6, 1), (2, 9), (5, 4), (4, 7), (7, 2), (3, 3), (2, 6)]
@@ -45,32 +49,6 @@ def _cfg(packing: bool, budget: int = 40, **rl) -> Config:
     cfg = Config()
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, rl_packing=packing, micro_batch_tokens=budget),
                                rl=dataclasses.replace(cfg.rl, **rl))
-
-
-def _as_engine(module, lr: float = 0.05):
-    """The slice of DeepSpeedEngine that `policy_update` calls, on a plain module (SGD)."""
-    opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=lr)
-    module.backward = lambda loss, scale_wrt_gas=True: loss.backward()
-    module.step = lambda: (opt.step(), opt.zero_grad())
-    return module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors here are tiny: one intra-op thread is as fast alone and far faster on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def actor(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +135,7 @@ def test_actor_gradients_match_padded(actor, agg):
     mb = mb.replace(ref_logp=mb.rollout_logp + 0.1 * mb.action_mask)
     grads, results = [], []
     for packing in (False, True):
-        model = _as_engine(actor)
+        model = as_engine(actor)
         model.zero_grad()
         metrics, logp = actor_micro_step(model, mb, _cfg(packing, **rl), kl_coef=0.05, share=0.375)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -175,7 +153,7 @@ def test_actor_gradients_match_padded(actor, agg):
 
 def _run(actor, critic, packing: bool, rl: dict, budget: int = 40):
     cfg = _cfg(packing, budget, **rl)
-    actor, critic = _as_engine(copy.deepcopy(actor)), (_as_engine(copy.deepcopy(critic)) if critic else None)
+    actor, critic = as_engine(copy.deepcopy(actor)), (as_engine(copy.deepcopy(critic)) if critic else None)
     traj = _traj(cfg, advantages=critic is None)
     if rl.get("ppo_epochs", 1) > 1:
         traj = traj.replace(old_logp=forward_logprobs(actor, traj, cfg))

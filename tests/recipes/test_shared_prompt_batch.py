@@ -25,6 +25,10 @@ from ds_rlhf.recipes.rl_build import resolve_shared_prompt
 from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, share_prompts
 from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
 from ds_rlhf.rollout.base import RolloutSample
+from tests.recipes import policy_fixtures
+from tests.recipes.policy_fixtures import as_engine
+
+actor, one_thread = policy_fixtures.actor, policy_fixtures.one_thread  # the module's fixtures
 
 PROMPTS = [5, 9, 2, 7, 3]  # prompt lengths of the groups: ragged, so the prompt pass pads too
 
@@ -53,31 +57,6 @@ def _cfg(mode: str, budget: int = 0, micro_rows: int = 4, **rollout) -> Config:
         cfg, data=dataclasses.replace(cfg.data, rl_shared_prompt=mode, micro_batch_tokens=budget),
         optim=dataclasses.replace(cfg.optim, micro_batch_size=micro_rows),
         rollout=dataclasses.replace(cfg.rollout, **rollout), rl=dataclasses.replace(cfg.rl, entropy_coef=0.01))
-
-
-def _as_engine(module, lr: float = 0.05):
-    """The slice of DeepSpeedEngine that `policy_update` calls, on a plain module (SGD)."""
-    opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=lr)
-    module.backward = lambda loss, scale_wrt_gas=True: loss.backward()
-    module.step = lambda: (opt.step(), opt.zero_grad())
-    return module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def actor(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
 
 
 def test_layout_forwards_each_prompt_once_and_maps_back_to_the_padded_rows():
@@ -132,7 +111,7 @@ def test_loss_gradients_match_the_padded_rows(actor, checkpointing):
     traj = _traj(8)
     grads, results = [], []
     for mode in ("off", "on"):
-        model = _as_engine(copy.deepcopy(actor))
+        model = as_engine(copy.deepcopy(actor))
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=GC_KWARGS)
         model.train()
@@ -155,7 +134,7 @@ def test_policy_update_matches_the_padded_rows(actor, rl):
     for mode in ("off", "on"):
         cfg = _cfg(mode, budget=160)
         cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, **rl))
-        model = _as_engine(copy.deepcopy(actor))
+        model = as_engine(copy.deepcopy(actor))
         traj = _traj(8)
         if rl:
             traj = traj.replace(old_logp=forward_logprobs(model, traj, cfg))

@@ -21,13 +21,9 @@ from tests.recipes.stores import prompt_store
 
 @pytest.fixture
 def fake_control(tmp_path, monkeypatch):
-    record = tmp_path / "calls.jsonl"
-    fake_mps.install(tmp_path / "bin", record)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    for var in MPS_VARS:
-        monkeypatch.delenv(var, raising=False)
+    """A fake `nvidia-cuda-mps-control` first on PATH; returns the file its calls are recorded in (JSON lines)."""
     monkeypatch.setattr(gpu_split, "compute_mode", lambda: "Default")
-    return record
+    return fake_mps.install_on_path(tmp_path, monkeypatch)
 
 
 def sidecar_mps(tmp_path, train, *extra):

@@ -126,13 +126,8 @@ def test_auto_falls_back_where_the_binary_is_absent(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_control(tmp_path, monkeypatch):
     """A fake `nvidia-cuda-mps-control` first on PATH; returns the file its calls are recorded in (JSON lines)."""
-    record = tmp_path / "calls.jsonl"
-    fake_mps.install(tmp_path / "bin", record)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    for var in MPS_VARS:
-        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(gpu_split, "compute_mode", lambda: "Default")
-    return record
+    return fake_mps.install_on_path(tmp_path, monkeypatch)
 
 
 def test_mps_starts_a_private_daemon_sets_each_share_and_stops_it_at_close(fake_control):
