@@ -3,7 +3,7 @@ others, or to rehearse a 24 GiB card on a bigger one).
 
 Three parts, all derived from the cap C and the device's total memory T:
 
-- `check_memory_cap` (called by `run/preflight.py`, before any process group or model): the memory plan
+- `check_memory_cap` (called by `run/preflight_memory.py`, before any process group or model): the memory plan
   (`plan.plan_memory`, the numbers of `ds-rlhf memory`) of the configured run on a GPU of min(C, T) bytes;
   when it does not fit, one `ConfigError` line naming the biggest contributors and the settings that would shrink
   them. Without a visible GPU it plans for a GPU of exactly C (what the run would need there);

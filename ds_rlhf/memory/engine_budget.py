@@ -11,19 +11,33 @@ engines' bytes in the memory plan (weights, warm-up, KV cache; `plan.plan_rollou
 
 With `rollout.kv_cache_gb` the KV cache is the user's and the share follows it the same way.
 `choose_engine_budget` is pure (it plans the config; no weights load); `apply_engine_budget` writes the share into
-the config. `recipes/rl_build.py` calls both before it builds the engines and logs `EngineBudget.line()`;
-`ds-rlhf memory` shows the same plan. None wherever the user's `rollout.gpu_memory_utilization`,
-`run.max_gpu_memory_gb` (its split) or a disaggregated server (GPUs of its own) decide instead.
+the config. `engine_share` is the share of the trainer's GPU the engines take, whoever sizes them: the one rule the
+RL build (`recipes/rl_build.py`, which starts the engines with it and logs `EngineBudget.line()`) and the JSD
+memory preflight (`run/preflight_memory.py`, which leaves the rest to the trainer) both call; `ds-rlhf memory`
+shows the same plan.
+
+The run directory records the budget (`record_engine_budget`, rank 0, by the RL build): its config.json holds the
+share and the KV cache the engines got (`recorded_settings`: `rollout.gpu_memory_utilization`, and
+`rollout.kv_cache_gb` where the work sized it), so it says what ran and `--config config.json` starts the same
+engines (both given: vLLM gets the same share and `kv_cache_memory_bytes`); `engine_budget.json` beside it holds the
+budget and names those keys as the run's choice, not the user's (a key the user gave is never chosen: no budget
+then). A resume with the run's own command line computes the same budget again (pure, on the same device). No budget
+wherever the user's `rollout.gpu_memory_utilization`, `run.max_gpu_memory_gb` (its split) or a disaggregated
+server (GPUs of its own) decide instead.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from ds_rlhf.config import set_value
 from ds_rlhf.memory import meta_models
-from ds_rlhf.memory.kv_cache import KVCacheSize, share_by_engines, vllm_kv_cache
+from ds_rlhf.memory.cap import vllm_memory_fraction
+from ds_rlhf.memory.kv_cache import GiB, KVCacheSize, share_by_engines, vllm_kv_cache
 from ds_rlhf.memory.plan import fmt_bytes, plan_memory
 from ds_rlhf.memory.settings import rollout_backend
 
@@ -76,3 +90,42 @@ def apply_engine_budget(cfg, budget: EngineBudget) -> None:
     """Write the budget's share into `cfg` (`rollout.gpu_memory_utilization`; not a key the user gave)."""
     set_value(cfg, "rollout.gpu_memory_utilization", budget.fraction)
 
+
+
+def engine_share(cfg, device_total: int, *, world_size: int = 1) -> tuple[float, EngineBudget | None]:
+    """(the share of the trainer's GPU of `device_total` bytes the run's vLLM engines take, the budget by the work
+    or None): 0 with the HF backend or a disaggregated server (GPUs of its own), the budget's share where the
+    engines are sized by their work (`choose_engine_budget`), else `rollout.gpu_memory_utilization` (of the cap
+    under `run.max_gpu_memory_gb`, `cap.vllm_memory_fraction`). Pure; the caller applies the budget."""
+    if rollout_backend(cfg, "cuda") != "vllm" or cfg.rollout.placement == "disaggregated":
+        return 0.0, None
+    budget = choose_engine_budget(cfg, device_total, world_size=world_size)
+    return (budget.fraction if budget else vllm_memory_fraction(cfg, device_total)), budget
+
+
+def recorded_settings(budget: EngineBudget) -> dict[str, float]:
+    """The settings that start the same engines when given (`--config` of the run's config.json): the share, and
+    the KV cache where the work sized it (`rollout.kv_cache_gb`: whole MiB, exact as a float of GiB)."""
+    out = {"rollout.gpu_memory_utilization": budget.fraction}
+    if budget.kv.source == "work":
+        out["rollout.kv_cache_gb"] = budget.kv.bytes / GiB
+    return out
+
+
+BUDGET_FILE = "engine_budget.json"  # in the run directory, beside config.json
+
+
+def record_engine_budget(cfg, budget: EngineBudget | None, run_dir: str | Path) -> None:
+    """Write `budget` into the run directory: config.json as `cfg` with `recorded_settings`, and `BUDGET_FILE`
+    (the budget and the settings it chose; module docstring). No budget: an earlier run's `BUDGET_FILE` goes (the
+    run's config.json, written at set-up, holds what sizes the engines)."""
+    path = Path(run_dir) / BUDGET_FILE
+    if budget is None:
+        path.unlink(missing_ok=True)
+        return
+    recorded = copy.deepcopy(cfg)
+    chosen = recorded_settings(budget)
+    for key, value in chosen.items():
+        set_value(recorded, key, value)
+    recorded.save(Path(run_dir) / "config.json")
+    path.write_text(json.dumps({**budget.to_dict(), "chosen_settings": chosen}, indent=2, sort_keys=True) + "\n")

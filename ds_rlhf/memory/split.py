@@ -24,7 +24,7 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   when nothing fits with it.
 
 `choose_split` is pure (it plans copies of the config); `apply_split` writes the picks into the config, and
-`run/preflight.py` calls both before it checks the cap. When nothing fits, one `ConfigError` line says what the
+`run/preflight_memory.py` calls both before it checks the cap. When nothing fits, one `ConfigError` line says what the
 smallest split needs and what would shrink it.
 """
 

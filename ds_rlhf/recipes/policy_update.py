@@ -11,7 +11,8 @@ With `data.rl_packing` each micro-batch runs as one padding-free packed row (`re
 budget counts real tokens, and the packed outputs are gathered back to the `[B, L-1]` layout before any loss, so
 the loss maths are the same as for padded rows. With the shared-prompt layout (`shared_prompt`) the log-prob passes
 forward each group's prompt once and its samples' responses after it (`recipes/shared_prompt_batch.py`,
-`engines/shared_prompt.py`), in micro-batches of whole groups, their outputs gathered back to the same layout.
+`engines/shared_prompt.py`), in micro-batches of whole groups, their outputs gathered back to the same layout;
+with several mini-batches per batch they are shuffled by whole groups (`mini_batch_rows`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ds_rlhf.engines.shared_prompt import shared_prompt_logprobs
 from ds_rlhf.recipes.batching import split_micro
 from ds_rlhf.recipes.nonfinite import check_grad_norm, check_inputs, check_losses, finite_or_zero
 from ds_rlhf.recipes.packed_batch import pack_rows
-from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, share_prompts
+from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, group_mini_batches, group_order, share_prompts
 from ds_rlhf.recipes.trajectory import Trajectory
 
 
@@ -330,20 +331,31 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
     if critic is not None:
         critic.train()
     for _ in range(cfg.rl.ppo_epochs):
-        order = torch.randperm(n, generator=generator).tolist() if (cfg.rl.ppo_epochs > 1 or mini < n) \
-            else list(range(n))
         # Same number of mini-batches on every rank (ranks can hold different sample counts after drops).
         n_mini = agree_max(-(-n // mini), exp.input_ids.device)
-        per = -(-n // n_mini)
-        for k in range(n_mini):
-            _mini_batch(actor, critic, exp, order[k * per : (k + 1) * per], cfg, kl_coef=kl_coef, teacher=teacher,
-                        stats=stats, record=record)
+        for rows in mini_batch_rows(exp, n_mini, generator, shuffle=cfg.rl.ppo_epochs > 1 or mini < n,
+                                    grouped=shared_prompt(cfg) and teacher is None):
+            _mini_batch(actor, critic, exp, rows, cfg, kl_coef=kl_coef, teacher=teacher, stats=stats, record=record)
             steps += 1
     out = stats.result()
     out["guard/nonfinite_micro_batches"] = stats.sums["guard/nonfinite_micro_batches"]  # a count, not a mean
     out["actor/optimizer_steps"] = steps
     out["actor/lr"] = actor.get_lr()[0] if hasattr(actor, "get_lr") else cfg.optim.lr
     return UpdateResult(metrics=out, trainer_logp=record if record is not None else exp.old_logp)
+
+
+def mini_batch_rows(exp: Trajectory, count: int, generator: torch.Generator, *, shuffle: bool,
+                    grouped: bool) -> list[list[int]]:
+    """One epoch's `count` mini-batches of `exp`'s rows: shuffled row by row (`shuffle`), or with the shared-prompt
+    layout (`grouped`) by whole groups, so each group's prompt is forwarded once per mini-batch
+    (`shared_prompt_batch.group_mini_batches` says where the cuts fall); in order when not `shuffle`."""
+    n = len(exp)
+    if shuffle and grouped:
+        groups = exp.group_ids.tolist()
+        return group_mini_batches(groups, group_order(groups, generator), count)
+    order = torch.randperm(n, generator=generator).tolist() if shuffle else list(range(n))
+    per = -(-n // count)
+    return [order[k * per : (k + 1) * per] for k in range(count)]
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from ds_rlhf.engines.shared_prompt import supports_shared_prompt
 from ds_rlhf.engines.shared_reward import build_shared_reward, shared_reward_refusal
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.cap import allow_unmapped, apply_trainer_cap, outside_bytes, outside_warning, vllm_memory_fraction
-from ds_rlhf.memory.engine_budget import EngineBudget, apply_engine_budget, choose_engine_budget
+from ds_rlhf.memory.engine_budget import EngineBudget, apply_engine_budget, engine_share, record_engine_budget
 from ds_rlhf.memory.kv_cache import KVCacheSize, vllm_kv_cache
 from ds_rlhf.memory.meta_models import hf_config
 from ds_rlhf.memory.plan import fmt_bytes
@@ -105,6 +105,8 @@ def build_parts(ctx: RunContext, rollout=None, server_env: dict | None = None) -
     loader = _prompt_loader(ctx)
     steps_total = _optimizer_steps(cfg)
     vllm_fraction, fraction, budget = _memory_fractions(ctx, placement.mode)
+    if dist.is_main:  # config.json says the share and KV cache the engines get
+        record_engine_budget(cfg, budget, ctx.run_dir)
     kv, kv_line = _vllm_kv_cache(ctx, local_world, budget)
     attn = rl_attention(ctx)
     model_opts = dict(attn_impl=attn, gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -182,7 +184,7 @@ def _memory_fractions(ctx: RunContext, placement_mode: str) -> tuple[float, floa
     vllm_fraction, fraction, budget = cfg.rollout.gpu_memory_utilization, None, None
     if dist.device.type == "cuda":
         total = torch.cuda.get_device_properties(dist.device).total_memory
-        if cfg.rollout.backend != "hf" and (budget := choose_engine_budget(cfg, total, world_size=dist.world_size)):
+        if (budget := engine_share(cfg, total, world_size=dist.world_size)[1]) is not None:
             apply_engine_budget(cfg, budget)
         fraction = apply_trainer_cap(cfg, dist.device, placement_mode)
         vllm_fraction = vllm_memory_fraction(cfg, total)

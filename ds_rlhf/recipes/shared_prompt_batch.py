@@ -12,7 +12,12 @@ layout the losses use: response token j of row i is padded position p_i - 1 + j.
 gather (autograd flows back); the prompt positions and the padding read 0, as in `packed_batch.py`.
 
 `group_micro_batches` splits rows into micro-batches that hold whole groups (a group is split only when it alone
-exceeds the budget), so each group's prompt is forwarded once per micro-batch.
+exceeds the budget), so each group's prompt is forwarded once per micro-batch. With several mini-batches per batch
+(`rl.ppo_epochs` > 1 or `rl.mini_batch_size`), `group_order` shuffles whole groups and `group_mini_batches` cuts
+them into mini-batches at group boundaries: the cut falls where the row-wise shuffle's would (every
+`ceil(rows / mini-batches)` rows), moved to the nearest group boundary when it would split a group, and left
+where it falls when a mini-batch is smaller than a group. The loss weighting within a mini-batch is the row-wise
+one (`policy_update._share`), so the update is the padded rows' on the same mini-batches.
 """
 
 from __future__ import annotations
@@ -162,3 +167,35 @@ def group_micro_batches(prompt_lens: list[int], response_lens: list[int], group_
         half = len(rows_of) // 2
         bins[largest:largest] = [rows_of[:half], rows_of[half:]]
     return bins
+
+
+def group_order(group_ids: list[int], generator: torch.Generator) -> list[int]:
+    """The rows in a random order of whole groups: the groups (in order of first appearance) permuted by
+    `generator`, each group's rows together in their own order."""
+    units: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        units.setdefault(g, []).append(i)
+    groups = list(units.values())
+    return [i for k in torch.randperm(len(groups), generator=generator).tolist() for i in groups[k]]
+
+
+def group_mini_batches(group_ids: list[int], order: list[int], count: int) -> list[list[int]]:
+    """`order` (whole groups together, `group_order`) cut into `count` mini-batches of about `ceil(n / count)` rows,
+    each cut moved to the nearest group boundary (a tie: after the group) so no group is split; where that size is
+    under the largest group's row count every cut stays where it falls (the groups stay contiguous, each spans the
+    fewest mini-batches). Mini-batches past the rows are empty, as the row-wise cut's are."""
+    n = len(order)
+    per = -(-n // count) if count else n
+    starts = [k for k in range(n) if k == 0 or group_ids[order[k]] != group_ids[order[k - 1]]] + [n]
+    largest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+    cuts, prev = [], 0
+    for k in range(1, count):
+        target = min(k * per, n)
+        if per >= largest and target not in starts:
+            after = next(s for s in starts if s > target)
+            before = max(s for s in starts if s < target)
+            target = after if after - target <= target - before else before
+        prev = max(prev, target)
+        cuts.append(prev)
+    bounds = [0, *cuts, n]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -6,9 +6,9 @@ Hugging Face Hub id resolved to its cached snapshot, downloaded only when online
 prompt store (opened, which verifies its checksums and statistics; the held-out eval store too when RL evaluation
 is on), the RL sequence budget against the models' context (config.json), the reward function file,
 the resume directory, the DeepSpeed config, and the
-low-memory mode: `model.share_base` needs LoRA, and with `run.max_gpu_memory_gb` an RL run takes the split of the
-cap its memory plan picks for what the user left unset (`memory/split.py`), then the run's memory plan (from the
-models' config.json files only) must fit the cap (`memory/cap.py`). Each
+low-memory mode: `model.share_base` needs LoRA, and the memory checks (`preflight_memory.py`: with
+`run.max_gpu_memory_gb` the split of the cap and the plan against it, without one a JSD micro-batch against what
+the vLLM engines leave of the GPU). What the model directories say is `model_files.py`'s. Each
 problem is one `ConfigError` naming the key, the value and what to do, so a run that would fail hours in (a prompt
 longer than the rollout budget, say) fails at once.
 """
@@ -16,7 +16,6 @@ longer than the rollout budget, say) fails at once.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ds_rlhf.config import Config
@@ -28,10 +27,6 @@ from ds_rlhf.engines.ds_config import check_top_level_keys
 from ds_rlhf.engines.model_source import resolve_model_source
 from ds_rlhf.engines.rm_head import check_causal_lm_dir, check_reward_model_dir
 from ds_rlhf.errors import ConfigError
-from ds_rlhf.memory import cap as memory_cap
-from ds_rlhf.memory.plan import jsd_bytes_per_token, jsd_response_tokens
-from ds_rlhf.memory.settings import sequence_tokens
-from ds_rlhf.memory.split import apply_split, choose_split
 from ds_rlhf.redaction import redact_urls
 from ds_rlhf.rewards.builtin import BUILTIN_REWARDS
 from ds_rlhf.rewards.judge import endpoint
@@ -40,6 +35,8 @@ from ds_rlhf.rewards.loading import check_spec, split_style
 from ds_rlhf.rewards.remote import check_remote, is_remote
 from ds_rlhf.rewards.reward_set import parse_weights
 from ds_rlhf.run.context import find_ds_config
+from ds_rlhf.run.model_files import is_tiny, model_config, model_context, model_dir
+from ds_rlhf.run.preflight_memory import check_jsd_memory, check_memory_cap
 
 
 def _manifest(store_dir: str, key: str) -> dict:
@@ -182,16 +179,6 @@ def check_ds_config(cfg: Config) -> None:
         print(f"[ds_config] {path}: keys DeepSpeed does not read (ignored): {', '.join(unknown)}", flush=True)
 
 
-def _is_tiny(spec: str) -> bool:
-    return spec == "tiny" or spec.startswith("tiny:")
-
-
-def model_dir(cfg: Config) -> str | None:
-    """The local directory of `model.path` (a Hub id resolved to its snapshot); None for `tiny` models, which
-    set-up builds."""
-    return None if _is_tiny(cfg.model.path) else resolve_model_source(cfg.model.path, "model.path")
-
-
 POLICY_ROLES = {"rl": "RL policy (and its reference)", "sft": "SFT model", "dpo": "DPO policy (and its reference)"}
 
 
@@ -208,12 +195,12 @@ def check_model_sources(cfg: Config, kind: str = "rl") -> None:
         resolve_model_source(cfg.model.tokenizer, "model.tokenizer", "tokenizer")
     if kind != "rl":
         return
-    if cfg.rl.teacher and not _is_tiny(cfg.rl.teacher):
+    if cfg.rl.teacher and not is_tiny(cfg.rl.teacher):
         teacher = resolve_model_source(cfg.rl.teacher, "rl.teacher")
         check_causal_lm_dir(teacher, "rl.teacher", "teacher (the reference of the KL term)")
         check_teacher(cfg, teacher)
     for key, spec in (("reward.model", cfg.reward.model), ("critic.path", cfg.critic.path)):
-        if spec and not _is_tiny(spec):
+        if spec and not is_tiny(spec):
             local = resolve_model_source(spec, key)
             if key == "reward.model":  # a causal LM would score with a random head: refused now, in one line
                 check_reward_model_dir(local)
@@ -234,35 +221,6 @@ def check_teacher(cfg: Config, teacher_dir: str) -> None:
     if ours and theirs and ours != theirs:
         raise ConfigError(f"rl.teacher={cfg.rl.teacher!r} has a vocabulary of {theirs} tokens, the actor "
                           f"{cfg.model.path!r} of {ours}: a teacher must share the actor's tokenizer")
-
-
-def model_config(local_dir: str) -> dict | None:
-    """The text model's settings from `local_dir`'s config.json (a multimodal config's `text_config`); None when
-    there is no config.json (a peft adapter directory)."""
-    path = Path(local_dir) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: unreadable model config ({exc})") from None
-    return config.get("text_config") or config
-
-
-# config.json keys that give a model's context, as vLLM reads them (the smallest one present is the limit)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "max_seq_length", "seq_len")
-
-
-def model_context(local_dir: str) -> tuple[str, int] | None:
-    """(config key, tokens): the longest sequence the model in `local_dir` takes, from its config.json (a
-    multimodal config's `text_config`). None when config.json is absent (a peft adapter directory), names no
-    context, or sets `rope_scaling` (a stretched context: vLLM derives it from the scaling)."""
-    config = model_config(local_dir)
-    if config is None or config.get("rope_scaling"):
-        return None
-    found = [(key, config[key]) for key in CONTEXT_KEYS if isinstance(config.get(key), int) and config[key] > 0]
-    return min(found, key=lambda kv: kv[1]) if found else None
 
 
 def rollout_context(cfg: Config) -> tuple[str, int]:
@@ -287,7 +245,7 @@ def check_context(cfg: Config) -> None:
     what, need = rollout_context(cfg)
     roles = [("model.path", cfg.model.path)]
     roles += [(key, spec) for key, spec in (("reward.model", cfg.reward.model),
-                                            ("critic.path", cfg.critic.path)) if spec and not _is_tiny(spec)]
+                                            ("critic.path", cfg.critic.path)) if spec and not is_tiny(spec)]
     for key, spec in roles:
         local = resolve_model_source(spec, key)  # `tiny` is built here, as set-up would build it
         limit = model_context(local)
@@ -296,66 +254,6 @@ def check_context(cfg: Config) -> None:
                               f"{Path(local) / 'config.json'}): lower --data.max_prompt_len or "
                               "--rollout.max_new_tokens (and --rollout.max_model_len, --eval.max_new_tokens when "
                               f"set) so the sum is at most {limit[1]}")
-
-
-def check_memory_cap(cfg: Config, kind: str = "rl", total_bytes: int | None = None) -> None:
-    """With `run.max_gpu_memory_gb`: an RL run first takes the split of the cap the plan picks for the settings
-    the user left unset (`memory/split.py`: vLLM's share, the micro-batch tokens, fewer sidecar engines when
-    needed; one line says what), then the run's plan fits the cap, else one line naming what to change."""
-    if cfg.run.max_gpu_memory_gb <= 0:
-        return
-
-    try:
-        if kind == "rl":
-            total = total_bytes or memory_cap.local_gpu_total() or memory_cap.cap_bytes(cfg)
-            split = choose_split(cfg, total, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-            if split is not None:
-                apply_split(cfg, split)
-                if int(os.environ.get("RANK", 0)) == 0:
-                    print(split.line(cfg.run.max_gpu_memory_gb), flush=True)
-        memory_cap.check_memory_cap(cfg, kind=kind, total_bytes=total_bytes)
-    except ConfigError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"run.max_gpu_memory_gb={cfg.run.max_gpu_memory_gb:g}: the memory plan needs each "
-                          f"model's config.json and cannot be made: {type(exc).__name__}: {exc}") from None
-
-
-JSD_SHARE = 0.8  # of what vLLM leaves of the GPU: the most one micro-batch's JSD tensors may take without a cap
-
-
-def check_jsd_memory(cfg: Config, total_bytes: int | None = None) -> None:
-    """`rl.distill_loss jsd` without `run.max_gpu_memory_gb` (a cap sizes the micro-batch itself): one micro-batch's
-    `[response tokens, vocab]` logits of both models and the loss's fp32 tensors (`memory/plan.py`) must fit in
-    `JSD_SHARE` of what the vLLM engines on this GPU leave of it, else one line naming the micro-batch setting,
-    instead of CUDA running out of memory at the first update. Checked on a CUDA device (or `total_bytes`)."""
-    if cfg.rl.distill_loss != "jsd" or cfg.run.max_gpu_memory_gb > 0:
-        return
-    total = total_bytes or memory_cap.local_gpu_total()
-    local = model_dir(cfg)
-    vocab = ((local and model_config(local)) or {}).get("vocab_size")
-    if not total or not vocab:
-        return
-    precision = cfg.model.dtype if cfg.model.dtype != "auto" else "bf16"
-    per_token = jsd_bytes_per_token(vocab, precision, cfg.rl.jsd_beta)
-    tokens = jsd_response_tokens(cfg, sequence_tokens(cfg, "rl")[0])  # as the memory plan counts them
-    if cfg.data.micro_batch_tokens > 0:
-        key = f"data.micro_batch_tokens={cfg.data.micro_batch_tokens}"
-    else:
-        key = (f"optim.micro_batch_size x rollout.max_new_tokens = {cfg.optim.micro_batch_size} x "
-               f"{cfg.rollout.max_new_tokens}")
-    vllm = cfg.rollout.gpu_memory_utilization
-    if cfg.rollout.backend == "hf" or cfg.rollout.placement == "disaggregated":
-        vllm = 0.0
-    room = JSD_SHARE * total * (1 - vllm)
-    if tokens * per_token > room:
-        fits = int(room // per_token)
-        fits = fits // 1024 * 1024 or fits
-        raise ConfigError(
-            f"rl.distill_loss=jsd: {key} response tokens x a {vocab}-token vocabulary hold "
-            f"{tokens * per_token / 2**30:.1f} GiB of logits and JSD tensors per micro-batch, more than "
-            f"{JSD_SHARE:.0%} of the {total * (1 - vllm) / 2**30:.1f} GiB vLLM leaves of this GPU: set "
-            f"--data.micro_batch_tokens {fits} or less (or --run.max_gpu_memory_gb, which picks it)")
 
 
 def check_kernels(cfg: Config) -> None:

@@ -204,13 +204,15 @@ def _jsd_config(tmp_path, vocab, *flags):
     student.mkdir(exist_ok=True)
     (student / "config.json").write_text(f'{{"model_type": "llama", "vocab_size": {vocab}}}')
     return parse_config(["--model.path", str(student), "--rl.teacher", str(student), "--rl.distill_loss", "jsd",
-                         "--rl.jsd_beta", "1", *flags])
+                         "--rl.jsd_beta", "1", "--rollout.backend", "vllm", "--rollout.gpu_memory_utilization", "0.5",
+                         *flags])
 
 
 def test_a_jsd_micro_batch_too_big_for_the_gpu_is_refused_in_one_line(tmp_path):
     gpu = 140 * 2**30  # an H200
     # 49152 tokens x 49152 vocabulary x (2 bf16 logits + 8 fp32 tensors: 36 bytes) = 81 GiB > 0.8 x 70 GiB left by
-    # vLLM (0.5 of the GPU); 56 GiB / 1.69 MiB per token = 33982 tokens, 33792 in steps of 1024
+    # vLLM (the user's 0.5 of the GPU); 56 GiB / 1.69 MiB per token = 33982 tokens, 33792 in steps of 1024 (the
+    # share the work sizes: tests/memory/test_engine_budget_use.py)
     cfg = _jsd_config(tmp_path, 49152, "--data.micro_batch_tokens", "49152")
     with pytest.raises(ConfigError, match=r"data.micro_batch_tokens=49152 response tokens x a 49152-token vocabulary "
                        r"hold 81.0 GiB .* more than 80% of the 70.0 GiB vLLM leaves of this GPU: set "

@@ -1,5 +1,6 @@
 """A batch's loss and gradient do not depend on how `policy_update` cuts it into micro-batches: every aggregation
-mode, padded and packed, with a row that has no response token (`rl.overlong_mask`), actor and critic."""
+mode, padded, packed and the shared-prompt layout (its mini-batches of whole groups too), with a row that has no
+response token (`rl.overlong_mask`), actor and critic."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ SHAPES = [(3, 5), (6, 1), (2, 9), (5, 4), (4, 7), (7, 2)]
 TRUNCATED = 3
 
 
-def _cfg(agg: str, packing: bool, split: bool, algo: str) -> Config:
+def _cfg(agg: str, packing: bool, split: bool, algo: str, shared: bool = False, mini: int = 0) -> Config:
     cfg = Config()
     budget = (16 if split else 1000) if packing else 0  # packing counts real tokens; else rows per micro-batch
     return dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, rl_packing=packing, micro_batch_tokens=budget),
+        cfg, data=dataclasses.replace(cfg.data, rl_packing=packing, micro_batch_tokens=budget,
+                                      rl_shared_prompt="on" if shared else "off"),
         optim=dataclasses.replace(cfg.optim, micro_batch_size=2 if split else len(SHAPES)),
         rollout=dataclasses.replace(cfg.rollout, max_new_tokens=12),
-        rl=dataclasses.replace(cfg.rl, algo=algo, loss_agg=agg, overlong_mask=True, entropy_coef=0.01))
+        rl=dataclasses.replace(cfg.rl, algo=algo, loss_agg=agg, overlong_mask=True, entropy_coef=0.01,
+                               mini_batch_size=mini))
 
 
 def _traj(cfg: Config, critic=None):
@@ -75,14 +78,16 @@ def models(tiny_model_path):
     torch.set_num_threads(threads)
 
 
-def _update(models, agg, packing, split, algo):
-    cfg = _cfg(agg, packing, split, algo)
+def _update(models, agg, packing, split, algo, shared=False, mini=0, steps=1):
+    cfg = _cfg(agg, packing, split, algo, shared, mini)
     actor_grads, critic_grads = [], []
     actor = _recording(copy.deepcopy(models[0]), actor_grads)
     critic = _recording(copy.deepcopy(models[1]), critic_grads) if algo == "ppo" else None
     traj = _traj(cfg, critic)
     result = policy_update(actor, critic, traj, cfg, kl_coef=0.05, generator=torch.Generator().manual_seed(3))
-    assert len(actor_grads) == 1
+    assert len(actor_grads) == steps
+    if steps > 1:
+        return result.metrics, actor_grads, critic_grads
     return result.metrics, actor_grads[0], (critic_grads[0] if critic_grads else {})
 
 
@@ -109,3 +114,16 @@ def test_value_loss_gradient_does_not_depend_on_the_micro_batch_split(models, ag
     cut, _, cut_grads = _update(models, agg, False, split=True, algo="ppo")
     assert float(cut["critic/loss"]) == pytest.approx(float(whole["critic/loss"]), rel=1e-5)
     _same_grads(whole_grads, cut_grads)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_shared_prompt_mini_batches_do_not_depend_on_the_micro_batch_split(models, agg):
+    """Three groups of two rows, mini-batches of 4 rows: whole groups (4 + 2 rows) in one micro-batch each or cut
+    into micro-batches of one group; each optimizer step's gradient and the mean loss agree."""
+    whole, whole_grads, _ = _update(models, agg, False, split=False, algo="grpo", shared=True, mini=4, steps=2)
+    cut, cut_grads, _ = _update(models, agg, False, split=True, algo="grpo", shared=True, mini=4, steps=2)
+    assert float(whole["actor/loss"]) != 0.0
+    for key in ("actor/loss", "actor/kl_loss"):
+        assert float(cut[key]) == pytest.approx(float(whole[key]), rel=1e-5, abs=1e-7), key
+    for a, b in zip(whole_grads, cut_grads):
+        _same_grads(a, b)

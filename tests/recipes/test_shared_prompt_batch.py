@@ -13,16 +13,18 @@ import torch
 
 from ds_rlhf.config import Config, ConfigError
 from ds_rlhf.engines.models import GC_KWARGS
+from ds_rlhf.recipes import policy_update as policy_update_module
 from ds_rlhf.recipes.policy_update import (
     actor_micro_step,
     forward_logprobs,
     micro_batches,
     micro_logprobs,
+    mini_batch_rows,
     policy_update,
     shared_prompt,
 )
 from ds_rlhf.recipes.rl_build import resolve_shared_prompt
-from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, share_prompts
+from ds_rlhf.recipes.shared_prompt_batch import group_micro_batches, group_mini_batches, group_order, share_prompts
 from ds_rlhf.recipes.trajectory import pad_trajectory, with_advantages
 from ds_rlhf.rollout.base import RolloutSample
 from tests.recipes import policy_fixtures
@@ -129,8 +131,18 @@ def test_loss_gradients_match_the_padded_rows(actor, checkpointing):
 
 @pytest.mark.parametrize("rl", [dict(), dict(algo="grpo", ppo_epochs=2, mini_batch_size=16)],
                          ids=["single-update", "two-epochs"])
-def test_policy_update_matches_the_padded_rows(actor, rl):
-    results = []
+def test_policy_update_matches_the_padded_rows(actor, rl, monkeypatch):
+    """The padded rows run on the shared layout's mini-batches (whole groups), so the two updates see the same
+    mini-batch composition and must agree."""
+    results, seen = [], {"off": [], "on": []}
+    mode = "off"
+
+    def same_mini_batches(exp, count, generator, *, shuffle, grouped):
+        rows = mini_batch_rows(exp, count, generator, shuffle=shuffle, grouped=True)
+        seen[mode].append(rows)
+        return rows
+
+    monkeypatch.setattr(policy_update_module, "mini_batch_rows", same_mini_batches)
     for mode in ("off", "on"):
         cfg = _cfg(mode, budget=160)
         cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, **rl))
@@ -141,6 +153,8 @@ def test_policy_update_matches_the_padded_rows(actor, rl):
         result = policy_update(model, None, traj, cfg, kl_coef=0.05, generator=torch.Generator().manual_seed(3))
         results.append((result, dict(model.named_parameters()), traj))
     (r0, p0, t0), (r1, p1, t1) = results
+    assert seen["off"] == seen["on"] and len(seen["on"]) == (2 if rl else 1)  # one call per epoch
+    assert all(set(_pieces(epoch, t1.group_ids.tolist()).values()) == {1} for epoch in seen["on"])
     if rl:
         assert (t0.old_logp - t1.old_logp).abs().max() < 1e-5
     assert (r0.trainer_logp - r1.trainer_logp).abs().max() < 1e-5
@@ -212,3 +226,70 @@ def test_the_build_resolves_the_setting_once_and_says_which_layout(actor):
     assert resolve("auto", "torch_varlen") == "off" and "reads no KV cache" in printed[-1]
     with pytest.raises(ConfigError, match="rl_shared_prompt=on"):
         resolve("on", "torch_varlen")
+
+
+def _pieces(mini: list[list[int]], groups: list[int]) -> dict[int, int]:
+    """For each group, the mini-batches holding some of its rows."""
+    return {g: sum(any(groups[i] == g for i in m) for m in mini) for g in set(groups)}
+
+
+@pytest.mark.parametrize("sizes, mini, expected", [
+    ([8] * 5, 16, [16, 16, 8]),  # cuts at 14 and 28 move to the group boundaries 16 and 32 (a tie: after)
+    ([8] * 5, 8, [8] * 5),
+    ([8, 5, 8, 3, 8], 12, [13, 8, 11]),  # groups that lost samples: cuts at 11 and 22 -> 13 and 21
+])
+def test_mini_batches_hold_whole_groups_of_the_users_size(sizes, mini, expected):
+    groups = [g for g, size in enumerate(sizes) for _ in range(size)]
+    rows = group_mini_batches(groups, list(range(len(groups))), -(-len(groups) // mini))
+    assert [len(m) for m in rows] == expected
+    assert set(_pieces(rows, groups).values()) == {1}, rows
+    shuffled = group_order(groups, torch.Generator().manual_seed(1))
+    assert sorted(shuffled) == list(range(len(groups))) and shuffled != list(range(len(groups)))
+    starts = [k for k in range(len(groups)) if k == 0 or groups[shuffled[k]] != groups[shuffled[k - 1]]]
+    assert len(starts) == len(sizes)  # each group's rows together
+
+
+def test_mini_batches_smaller_than_a_group_cut_it_where_they_fall():
+    groups = [g for g in range(4) for _ in range(8)]
+    rows = group_mini_batches(groups, group_order(groups, torch.Generator().manual_seed(1)), 8)
+    assert [len(m) for m in rows] == [4] * 8
+    assert set(_pieces(rows, groups).values()) == {2}  # each group in two consecutive mini-batches, no more
+
+
+def _forward_tokens(traj, mini: list[list[int]], budget: int) -> int:
+    total = 0
+    for rows in mini:
+        for micro in micro_batches(traj, rows, max_tokens=budget, max_rows=0, shared=True):
+            mb = traj.select(micro)
+            total += share_prompts(mb.input_ids, mb.prompt_lens, mb.response_lens, mb.group_ids).forward_tokens
+    return total
+
+
+def test_group_shuffling_forwards_fewer_tokens_than_row_wise_shuffling():
+    traj = _traj(8, prompts=[40, 36, 44, 38], max_response=12)  # 32 rows, long prompts
+    groups = traj.group_ids.tolist()
+    grouped = mini_batch_rows(traj, 4, torch.Generator().manual_seed(0), shuffle=True, grouped=True)
+    row_wise = mini_batch_rows(traj, 4, torch.Generator().manual_seed(0), shuffle=True, grouped=False)
+    assert set(_pieces(grouped, groups).values()) == {1} and max(_pieces(row_wise, groups).values()) > 1
+    assert sorted(i for m in grouped for i in m) == list(range(len(traj)))
+    assert _forward_tokens(traj, grouped, 1000) < 0.75 * _forward_tokens(traj, row_wise, 1000)
+    assert mini_batch_rows(traj, 2, torch.Generator(), shuffle=False, grouped=True) == [
+        list(range(16)), list(range(16, 32))]
+
+
+def test_policy_update_shuffles_whole_groups_with_the_shared_layout(monkeypatch):
+    from ds_rlhf.recipes import policy_update as module
+
+    seen = []
+    monkeypatch.setattr(module, "_mini_batch", lambda actor, critic, exp, rows, cfg, **kw: seen.append(rows))
+    traj = _traj(4)
+    groups = traj.group_ids.tolist()
+    for mode in ("on", "off"):
+        cfg = _cfg(mode)
+        cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, ppo_epochs=2, mini_batch_size=8))
+        seen.clear()
+        policy_update(SimpleNamespace(train=lambda: None, get_lr=lambda: [0.0]), None, traj, cfg, kl_coef=0.0,
+                      generator=torch.Generator().manual_seed(5))
+        assert len(seen) == 2 * 3 and sorted(i for m in seen[:3] for i in m) == list(range(len(traj)))
+        whole = all(set(_pieces(m, groups).values()) <= {0, 1} for m in [seen[:3], seen[3:]])
+        assert whole == (mode == "on"), (mode, seen)
