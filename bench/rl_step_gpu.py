@@ -53,6 +53,7 @@ from gpu_timeline import Sampler, render
 from gpu_timeline import summarize as summarize_gpu
 from low_memory_machine import git_commit
 from process_memory import ProcessMemory, trainer_torch_memory
+from rl_step_memory import device_total_bytes, memory_split, used_split
 from train_figures import kernels_used, train_mfu, unforwarded_prompts
 from train_profile import PhaseProfiler
 
@@ -278,39 +279,6 @@ def config_argv(args, model: Path, prompts: Path, placement: str, run_dir: Path,
         "--run.tensorboard", "false", "--run.export_hf", "false", "--run.keep_last", "1",
         *(["--run.max_gpu_memory_gb", f"{args.max_gpu_memory_gb:g}"] if args.max_gpu_memory_gb > 0 else []), *extra]
     return argv, defaults
-
-
-def memory_split(cfg, total: int | None) -> dict | None:
-    """The split of the cap the run picks (`memory/split.py`, planned on a copy before the run starts), or None
-    without a cap; `used` is filled in with the values the run then trained with."""
-    from ds_rlhf.memory.split import choose_split
-
-    if cfg.run.max_gpu_memory_gb <= 0:
-        return None
-    split = choose_split(cfg, total or int(cfg.run.max_gpu_memory_gb * 1024 ** 3))
-    return {"max_gpu_memory_gb": cfg.run.max_gpu_memory_gb, **(split.to_dict() if split else {"picked": []})}
-
-
-def device_total_bytes(cfg) -> int | None:
-    """GPU 0's memory: torch's figure, or under rollout.sm_split NVML's (the trainer's CUDA must start after the
-    split's MPS variables are set: `RLTrainer` starts them; torch's query would start CUDA here first)."""
-    import torch
-
-    if cfg.rollout.sm_split == "off":
-        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
-    except Exception:  # noqa: BLE001  no NVML: the cap itself stands for the device
-        return None
-
-
-def used_split(cfg) -> dict:
-    r = cfg.rollout
-    return {"rollout.gpu_memory_utilization": r.gpu_memory_utilization,
-            "data.micro_batch_tokens": cfg.data.micro_batch_tokens, "rollout.sidecar_engines": r.sidecar_engines}
 
 
 def _overrides(p, items: list[str]) -> list[str]:

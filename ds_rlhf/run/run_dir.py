@@ -42,7 +42,8 @@ LOCK_NAME = ".lock"
 # What runs write at the top of a run directory (the trainers, the run monitor, the telemetry, `ds-rlhf report`,
 # wandb), and what a fresh run sets aside (`<name>.before-<time>`).
 RUN_FILES = frozenset({LOCK_NAME, "config.json", "engine_budget.json", "metrics.jsonl", "samples.jsonl",
-                       "status.json", "environment.json", "doctor.json", "checkpoints", "tensorboard", "export", "export_adapter", "report", "wandb"})
+                       "status.json", "environment.json", "doctor.json", "checkpoints", "tensorboard", "export",
+                       "export_adapter", "report", "wandb"})
 _RUN_PATTERNS = re.compile(r"^(ds_config\.[\w-]+\.json|(metrics|samples)\.before-[\d-]+\.jsonl|"
                            r"(export|export_adapter)\.before-[\d-]+)$")
 EXPORTS = ("export", "export_adapter")

@@ -57,65 +57,82 @@ def test_sidecar_engines_needs_the_sidecar_placement():
     assert cfg.rollout.sidecar_engines == 3
 
 
-def test_factory_splits_the_memory_and_seeds_and_closes_started_servers_on_failure(monkeypatch, tiny_model_path):
-    from ds_rlhf.rollout import factory, make_rollout_engine
-    from ds_rlhf.rollout.base import RolloutError
+def _fake_servers(monkeypatch, remote_cls):
+    """`spawn_servers` and `RemoteVLLMEngine` replaced: the returned state records the servers spawned (their log
+    paths and extra environments), the processes closed and, through `remote_cls(state)`, the engines started."""
+    from types import SimpleNamespace
+
+    from ds_rlhf.rollout import factory
     from ds_rlhf.rollout.server import client as remote_mod
     from ds_rlhf.rollout.server import process as server_process
-    from ds_rlhf.rollout.server import sharded as sharded_mod
 
-    spawned, spawned_when_started, started, closed, processes_closed = [], [], [], [], []
+    state = SimpleNamespace(spawned=[], envs=[], started=[], closed=[], processes_closed=[], spawned_when_started=[])
 
     class FakeProcess:
         def __init__(self, i):
             self.i = i
 
         def close(self):
-            processes_closed.append(self.i)
-
-    envs = []
+            state.processes_closed.append(self.i)
 
     def fake_spawn(n, *, devices=None, log_paths=(), host="127.0.0.1", extra_env=None):
-        spawned.extend(log_paths)
-        envs.append(extra_env)
+        state.spawned.extend(log_paths)
+        state.envs.append(extra_env)
         return [FakeProcess(i) for i in range(n)]
 
-    class FakeRemote:
-        def __init__(self, model_path, *, process, **kw):
-            spawned_when_started.append(len(spawned))
-            if len(started) == 1:
-                raise RolloutError("second server failed to start")
-            assert process.i == len(started)  # engine i takes server i over
-            started.append(kw)
-
-        def close(self):
-            closed.append(True)
-
     monkeypatch.setattr(server_process, "spawn_servers", fake_spawn)
-    monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", FakeRemote)
+    monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", remote_cls(state))
     monkeypatch.setattr(factory, "resolve_backend", lambda backend: "vllm")
+    return state
+
+
+def test_factory_closes_the_started_servers_when_one_fails_to_start(monkeypatch, tiny_model_path):
+    from ds_rlhf.rollout import make_rollout_engine
+    from ds_rlhf.rollout.base import RolloutError
+
+    def remote(state):
+        class FakeRemote:
+            def __init__(self, model_path, *, process, **kw):
+                state.spawned_when_started.append(len(state.spawned))
+                if len(state.started) == 1:
+                    raise RolloutError("second server failed to start")
+                assert process.i == len(state.started)  # engine i takes server i over
+                state.started.append(kw)
+
+            def close(self):
+                state.closed.append(True)
+        return FakeRemote
+
+    state = _fake_servers(monkeypatch, remote)
     with pytest.raises(RolloutError, match="second server"):
         make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6, seed=5,
                             sidecar_engines=3, log_path="/tmp/server.log")
-    assert spawned == ["/tmp/server.log.0", "/tmp/server.log.1", "/tmp/server.log.2"]
-    assert spawned_when_started == [3, 3]  # every server runs (importing vLLM) before the first engine starts
-    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)]
-    assert [kw["log_path"] for kw in started] == ["/tmp/server.log.0"]
-    assert len(closed) == 1 and processes_closed == [1, 2]  # the engine started, the failed server and the last
-    started.clear()  # all three start: their memory shares and seeds
+    assert state.spawned == ["/tmp/server.log.0", "/tmp/server.log.1", "/tmp/server.log.2"]
+    assert state.spawned_when_started == [3, 3]  # every server runs (importing vLLM) before the first engine starts
+    assert [kw["gpu_memory_utilization"] for kw in state.started] == [pytest.approx(0.2)]
+    assert [kw["log_path"] for kw in state.started] == ["/tmp/server.log.0"]
+    # the engine started, the failed server and the last
+    assert len(state.closed) == 1 and state.processes_closed == [1, 2]
 
-    class Starts(FakeRemote):
-        def __init__(self, model_path, *, process, **kw):
-            started.append(kw)
 
-    monkeypatch.setattr(remote_mod, "RemoteVLLMEngine", Starts)
+def test_factory_splits_the_memory_seeds_and_environment_over_the_servers(monkeypatch, tiny_model_path):
+    from ds_rlhf.rollout import make_rollout_engine
+    from ds_rlhf.rollout.server import sharded as sharded_mod
+
+    def remote(state):
+        class Starts:
+            def __init__(self, model_path, *, process, **kw):
+                state.started.append(kw)
+        return Starts
+
+    state = _fake_servers(monkeypatch, remote)
     monkeypatch.setattr(sharded_mod, "ShardedRolloutEngine", lambda engines: engines)
     engines = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), gpu_memory_utilization=0.6,
                                   seed=5, sidecar_engines=3, server_env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"})
     assert len(engines) == 3
-    assert envs == [None, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}]  # every server spawned gets the split's share
-    assert [kw["gpu_memory_utilization"] for kw in started] == [pytest.approx(0.2)] * 3
-    assert [kw["seed"] for kw in started] == [5, 6, 7]  # unseeded requests must not repeat across shards
+    assert state.envs == [{"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}]  # every server spawned gets the split's share
+    assert [kw["gpu_memory_utilization"] for kw in state.started] == [pytest.approx(0.2)] * 3
+    assert [kw["seed"] for kw in state.started] == [5, 6, 7]  # unseeded requests must not repeat across shards
     with pytest.raises(ValueError, match="placement='sidecar'"):
         make_rollout_engine("vllm", "colocated", model_path=str(tiny_model_path), sidecar_engines=2)
 
