@@ -46,9 +46,10 @@ def _traj(cfg: Config, shapes=SHAPES, seed: int = 0, advantages: bool = True):
 
 
 def _cfg(packing: bool, budget: int = 40, **rl) -> Config:
+    """Packed or padded rows (the shared-prompt layout off: its whole-group mini-batches are tested apart)."""
     cfg = Config()
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, rl_packing=packing, micro_batch_tokens=budget),
-                               rl=dataclasses.replace(cfg.rl, **rl))
+    data = dataclasses.replace(cfg.data, rl_packing=packing, micro_batch_tokens=budget, rl_shared_prompt="off")
+    return dataclasses.replace(cfg, data=data, rl=dataclasses.replace(cfg.rl, **rl))
 
 
 @pytest.fixture(scope="module")
