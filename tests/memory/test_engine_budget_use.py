@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.memory.engine_budget import (
@@ -27,24 +26,18 @@ from ds_rlhf.memory.plan import jsd_bytes_per_token
 from ds_rlhf.recipes import rl_build
 from ds_rlhf.run.preflight import check_jsd_memory
 from ds_rlhf.run.run_dir import foreign_entries
+from tests.memory import smol_shape
+from tests.memory.smol_shape import H100, SMOL, SMOL_WORK
 
-SMOL = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-            intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
-H100 = int(79.2 * GiB)
-WORK = ("--rl.prompts_per_step", "32", "--rollout.n_samples", "8", "--data.max_prompt_len", "150",
-        "--rollout.max_new_tokens", "512")
+smol = smol_shape.smol  # the module's fixture
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smol")
-    LlamaConfig(**SMOL).save_pretrained(out)
-    return str(out)
+
 
 
 def _cfg(model: str, *args: str):
     return parse_config(["--model.path", model, "--rollout.backend", "vllm", "--rl.algo", "grpo", "--rl.kl_coef", "0",
-                         *WORK, *args])
+                         *SMOL_WORK, *args])
 
 
 def _build_fractions(cfg, monkeypatch, model_path: str = ""):

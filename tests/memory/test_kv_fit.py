@@ -23,23 +23,16 @@ from ds_rlhf.memory.plan import plan_memory
 from ds_rlhf.ops import memory as memory_cli
 from ds_rlhf.recipes import rl_build
 from ds_rlhf.rollout import factory, vllm_handle
+from tests.memory import smol_shape
+from tests.memory.smol_shape import H100, SMOL, SMOL_WORK
+
+smol = smol_shape.smol  # the module's fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOL = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-            intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 QWEN = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
             intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True)
-H100 = int(79.2 * GiB)
-# the learning bench's work: 32 prompts x 8 samples, ~150-token prompts + 512 new tokens
-SMOL_WORK = ("--rl.prompts_per_step", "32", "--rollout.n_samples", "8", "--data.max_prompt_len", "150",
-             "--rollout.max_new_tokens", "512")
 
 
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smol")
-    LlamaConfig(**SMOL).save_pretrained(out)
-    return str(out)
 
 
 def _cfg(model: str, *args: str):
