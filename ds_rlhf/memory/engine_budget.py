@@ -91,7 +91,6 @@ def apply_engine_budget(cfg, budget: EngineBudget) -> None:
     set_value(cfg, "rollout.gpu_memory_utilization", budget.fraction)
 
 
-
 def engine_share(cfg, device_total: int, *, world_size: int = 1) -> tuple[float, EngineBudget | None]:
     """(the share of the trainer's GPU of `device_total` bytes the run's vLLM engines take, the budget by the work
     or None): 0 with the HF backend or a disaggregated server (GPUs of its own), the budget's share where the

@@ -18,6 +18,16 @@ STALE_MIN = 1e-2
 SMALL_BUCKET = 64 << 10  # 64 KiB: forces many buckets on the tiny model (~1.4 MB)
 
 
+def run_steps(trainer, service, steps: int, start: int = 0) -> list:
+    """Steps `start` .. `start + steps - 1` of a run through a rollout service: each step's batch, then an update
+    published."""
+    batches = []
+    for step in range(start, start + steps):
+        batches.append(service.batch(step))
+        service.publish(trainer.step())
+    return batches
+
+
 def reference_logprobs(logits: torch.Tensor, tokens: list[int], temperature: float = 1.0, top_p: float = 1.0,
                        top_k: int = -1) -> torch.Tensor:
     """Exact processed log-probs of `tokens` ([T]) from the `logits` ([T, vocab]) that predicted them, as vLLM's

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from rollout_helpers import PROBE, TOL
+from rollout_helpers import PROBE, TOL, run_steps
 from test_service import DeferringEngine, Trainer
 
 from ds_rlhf.config import ConfigError, parse_config
@@ -67,19 +67,11 @@ def _service(tiny_model_path, *, asynchronous=False, steps=8, trainer=None, draw
     return trainer, engine, service
 
 
-def _run(trainer, service, steps, start=0):
-    batches = []
-    for step in range(start, start + steps):
-        batches.append(service.batch(step))
-        service.publish(trainer.step())
-    return batches
-
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_carried_samples_continue_with_newer_weights_and_groups_train_when_complete(tiny_model_path, asynchronous):
     trainer, engine, service = _service(tiny_model_path, asynchronous=asynchronous)
     service.start(0)
-    batches = _run(trainer, service, 8)
+    batches = run_steps(trainer, service, 8)
     assert all(limit <= CHUNK for limit, _, _ in engine.calls)
     carried = mixed = 0
     for step, batch in enumerate(batches):
@@ -111,10 +103,10 @@ def test_carried_samples_continue_with_newer_weights_and_groups_train_when_compl
 def test_the_open_groups_resume_exactly(tiny_model_path):
     trainer, _, straight = _service(tiny_model_path)
     straight.start(0)
-    first = _run(trainer, straight, 3)
+    first = run_steps(trainer, straight, 3)
     state, updates = straight.state_dict(), trainer.generator.get_state()
     assert state["partial_groups"], "nothing open at the checkpoint: the test would not exercise resuming"
-    after = _run(trainer, straight, 3, start=3)
+    after = run_steps(trainer, straight, 3, start=3)
 
     # a fresh service with the trainer's weights after step 3 and the loader where the checkpoint left it
     restored_trainer = Trainer(tiny_model_path)
@@ -124,7 +116,7 @@ def test_the_open_groups_resume_exactly(tiny_model_path):
     _, _, resumed = _service(tiny_model_path, trainer=restored_trainer, drawn=3)
     resumed.load_state_dict(state)
     resumed.start(3)
-    again = _run(restored_trainer, resumed, 3, start=3)
+    again = run_steps(restored_trainer, resumed, 3, start=3)
     assert [b.rows for b in again] == [b.rows for b in after]
     assert sum(len(b.rows) for b in first) < 6  # some groups were open at the checkpoint
     for a, b in zip(after, again):
@@ -137,7 +129,7 @@ def test_a_call_that_completes_no_group_continues_the_carried_samples(tiny_model
     """With chunk 1 almost no group of two finishes in one call; the batch is never empty."""
     trainer, engine, service = _service(tiny_model_path, chunk=1)
     service.start(0)
-    batches = _run(trainer, service, 3)
+    batches = run_steps(trainer, service, 3)
     assert all(b.samples for b in batches)
     assert len(engine.calls) > 3  # extra continuation calls were needed
     assert all(limit == 1 for limit, _, _ in engine.calls)

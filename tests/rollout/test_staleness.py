@@ -8,7 +8,7 @@ uninterrupted run; an evaluation's sync to the step's weights changes no later b
 from __future__ import annotations
 
 import pytest
-from rollout_helpers import PROBE, TOL
+from rollout_helpers import PROBE, TOL, run_steps
 from test_service import DeferringEngine, Trainer, _rows, _spec
 
 from ds_rlhf.rollout.service import RolloutService
@@ -39,15 +39,6 @@ def _service(tiny_model_path, k: int, steps: int, trainer=None, skip: int = 0):
     return trainer, service, draws
 
 
-def _batches(trainer, service, steps, start=0):
-    """Steps `start` .. `start + steps - 1` of a run: each step's batch, then an update."""
-    batches = []
-    for step in range(start, start + steps):
-        batches.append(service.batch(step))
-        service.publish(trainer.step())
-    return batches
-
-
 def _key(batch):
     return [(tuple(s.response_ids), s.weights_version) for s in batch.samples]
 
@@ -57,7 +48,7 @@ def test_batches_lag_at_most_k_updates_and_exactly_k_at_times(tiny_model_path, k
     steps = 2 * k + 2
     trainer, service, _ = _service(tiny_model_path, k, steps)
     service.start(0)
-    batches = _batches(trainer, service, steps)
+    batches = run_steps(trainer, service, steps)
     lags = [step - b.weights_version for step, b in enumerate(batches)]
     assert all(0 <= lag <= k for lag in lags), lags
     # one sync every k steps: the weights of a sync serve k batches, 1, 2, ..., k updates old
@@ -79,13 +70,13 @@ def test_a_checkpoint_at_any_step_resumes_onto_the_uninterrupted_batches(tiny_mo
     steps = 8
     trainer, service, _ = _service(tiny_model_path, k, steps)
     service.start(0)
-    straight = _batches(trainer, service, save_at)
+    straight = run_steps(trainer, service, save_at)
     service.quiesce()  # the uninterrupted run saves there too
-    straight += _batches(trainer, service, steps - save_at, start=save_at)
+    straight += run_steps(trainer, service, steps - save_at, start=save_at)
 
     trainer2, first, draws = _service(tiny_model_path, k, steps)
     first.start(0)
-    before = _batches(trainer2, first, save_at)
+    before = run_steps(trainer2, first, save_at)
     first.quiesce()
     state = first.state_dict()
     # the batch in flight, then those the older weights still owe: up to step schedule_version + k
@@ -93,7 +84,7 @@ def test_a_checkpoint_at_any_step_resumes_onto_the_uninterrupted_batches(tiny_mo
     _, resumed, _ = _service(tiny_model_path, k, steps, trainer=trainer2, skip=draws.count)  # loader restored
     resumed.load_state_dict(state)
     resumed.start(save_at)  # the resumed run's first sync: the trainer's weights after save_at updates
-    after = _batches(trainer2, resumed, steps - save_at, start=save_at)
+    after = run_steps(trainer2, resumed, steps - save_at, start=save_at)
     assert [_key(b) for b in before + after] == [_key(b) for b in straight]
     assert max(save_at - v for v in (s.weights_version for s in after[0].samples)) > 0  # older than the engine's
 
@@ -105,11 +96,11 @@ def test_an_evaluation_sync_changes_no_later_batch(tiny_model_path):
     k, steps = 4, 8
     trainer, service, _ = _service(tiny_model_path, k, steps)
     service.start(0)
-    plain = _batches(trainer, service, steps)
+    plain = run_steps(trainer, service, steps)
     trainer2, evaluated, _ = _service(tiny_model_path, k, steps)
     evaluated.start(0)
-    batches = _batches(trainer2, evaluated, 2)
+    batches = run_steps(trainer2, evaluated, 2)
     evaluated.quiesce(2)
     assert evaluated.engine_version == 2 and evaluated.schedule_version == 0
-    batches += _batches(trainer2, evaluated, steps - 2, start=2)
+    batches += run_steps(trainer2, evaluated, steps - 2, start=2)
     assert [_key(b) for b in batches] == [_key(b) for b in plain]
