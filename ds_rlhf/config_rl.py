@@ -80,6 +80,12 @@ class RLConfig:
                               "or --rl.distill_loss jsd")
         self._check_distill()
 
+    def single_update(self) -> bool:
+        """One optimizer update per rollout batch (one epoch, one mini-batch): that update's own forward pass gives
+        the pre-update policy's log-probs, so no separate old-policy pass is needed. Decided from settings only, never
+        from a rank's sample count, so every rank takes the same (collective) path."""
+        return self.ppo_epochs == 1 and self.mini_batch_size == 0
+
     def uses_reference(self) -> bool:
         """A frozen reference (the teacher, with `rl.teacher`) is built: for the KL term or the distillation loss."""
         return self.kl_coef > 0 or self.kl_target > 0 or self.distill_loss != "none"

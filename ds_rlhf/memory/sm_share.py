@@ -50,7 +50,7 @@ def planned_work(cfg) -> PlannedWork:
     """The work of one step per rank as the config plans it (the memory plan's shapes): prompts x samples
     generated tokens at `rollout.max_new_tokens`; the same samples trained at `data.max_prompt_len` +
     `rollout.max_new_tokens`; 3 passes per update epoch (4 with gradient checkpointing), plus a forward for the
-    old log-probs when there are several updates per batch (as `policy_update.single_update` decides), one for a
+    old log-probs when there are several updates per batch (`RLConfig.single_update`), one for a
     reference (`rl.kl_coef` / `rl.kl_target` > 0) and the actor's passes again for a critic (counted at the
     actor's size)."""
     rl, ro = cfg.rl, cfg.rollout
@@ -59,7 +59,7 @@ def planned_work(cfg) -> PlannedWork:
     train = samples * (cfg.data.max_prompt_len + ro.max_new_tokens)
     per_epoch = 4.0 if cfg.model.gradient_checkpointing else 3.0
     passes = per_epoch * rl.ppo_epochs
-    if rl.ppo_epochs > 1 or rl.mini_batch_size > 0:
+    if not rl.single_update():
         passes += 1.0  # the old policy's log-probs
     if rl.kl_coef > 0 or rl.kl_target > 0:
         passes += 1.0  # the reference's log-probs

@@ -26,7 +26,7 @@ from ds_rlhf.algos.distill import generalized_jsd
 from ds_rlhf.algos.losses import aggregate, entropy_bonus, kl_loss, value_loss
 from ds_rlhf.algos.registry import MISMATCH_MODES, POLICY_LOSSES
 from ds_rlhf.algos.truncation import truncated_logprobs_from_logits, truncates
-from ds_rlhf.config import Config, RLConfig
+from ds_rlhf.config import Config
 from ds_rlhf.distributed import agree_max
 from ds_rlhf.engines.policy_forward import response_logits, sequence_logprobs
 from ds_rlhf.engines.shared_prompt import shared_prompt_logprobs
@@ -53,13 +53,6 @@ class _Mean:
         """Every metric seen, 0.0 for those seen only with weight 0 (a rank whose every token is masked, e.g. by
         `rl.overlong_mask`, still reports the same keys: the ranks average them in one collective)."""
         return {k: self.sums[k] / self.weights[k] if self.weights[k] > 0 else 0.0 for k in self.sums}
-
-
-def single_update(rl: RLConfig) -> bool:
-    """One optimizer update per rollout batch (one epoch, one mini-batch): that update's own forward pass gives
-    the pre-update policy's log-probs, so no separate old-policy pass is needed. Decided from settings only, never
-    from a rank's sample count, so every rank takes the same (collective) path."""
-    return rl.ppo_epochs == 1 and rl.mini_batch_size == 0
 
 
 @dataclass(frozen=True)
@@ -315,7 +308,7 @@ def policy_update(actor, critic, exp: Trajectory, cfg: Config, *, kl_coef: float
                generator: torch.Generator, teacher=None) -> UpdateResult:
     """Run the configured PPO epochs; returns averaged actor/critic metrics, the optimizer-step count and the
     pre-update policy's log-probs: `exp.old_logp` when that pass was made, else the log-probs of the single
-    update's own forward pass (`single_update`). `teacher` (frozen): the distillation loss's teacher
+    update's own forward pass (`RLConfig.single_update`). `teacher` (frozen): the distillation loss's teacher
     (`rl.distill_loss`), or None. Non-finite rewards, advantages, losses or gradient norms raise `NonFinite`
     (`recipes/nonfinite.py`)."""
     if (teacher is not None) != (cfg.rl.distill_loss != "none"):

@@ -32,7 +32,7 @@ from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.recipes import rl_build, rl_export
 from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
 from ds_rlhf.recipes.nonfinite import guard_step
-from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update, single_update
+from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forward_values, policy_update
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
 from ds_rlhf.recipes.rl_service import rollout_service
@@ -305,7 +305,7 @@ def make_trajectory(parts: RLParts, ctx: RunContext, scored: ScoredBatch, *, kl_
     traj = pad_trajectory(scored.samples, scored.scores, ctx.tokenizer.pad_token_id, device=ctx.dist.device,
                           weights_version=scored.rollout.weights_version, mask_truncated=cfg.rl.overlong_mask)
     with timer.phase("old_logp"):
-        if not single_update(cfg.rl):  # several updates per rollout batch need the pre-update policy's log-probs
+        if not cfg.rl.single_update():  # several updates per rollout batch need the pre-update policy's log-probs
             traj = traj.replace(old_logp=forward_logprobs(parts.actor, traj, cfg))
     with timer.phase("reference"):
         if parts.reference is not None:
