@@ -39,6 +39,7 @@ from ds_rlhf.config_sections import (  # noqa: F401 - re-exported: the schema's 
     OptimConfig,
     RolloutConfig,
     RunConfig,
+    fp8_fp32_refusal,
     opt,
 )
 from ds_rlhf.errors import ConfigError

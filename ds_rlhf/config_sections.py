@@ -36,6 +36,11 @@ class ModelConfig:
     # with lora_rank > 0: the actor's / critic's frozen base linear layers in 4-bit NF4 or int8 (bitsandbytes)
     quantize_base: str = opt("none", choices=("none", "nf4", "int8"))
 
+    def planned_precision(self, device: str) -> str:
+        """The trainer's precision as a memory plan on `device` ("cuda" | "cpu") takes it, without probing a GPU:
+        `dtype`, auto = bf16 on CUDA, fp32 elsewhere (`engines.ds_config.pick_precision` resolves it for a run)."""
+        return self.dtype if self.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+
     def check(self) -> None:
         if self.share_base and self.lora_rank <= 0:
             raise ConfigError("model.share_base=true needs LoRA: the reference is the actor with its adapters "
@@ -153,6 +158,10 @@ class RolloutConfig:
     # stays in its own precision; CUDA vLLM only; the mismatch correction (rl.mismatch) stays on unless set
     quantization: str = opt("none", choices=("none", "fp8"))  # rollout engine weights: none (as trained) | fp8
     fp8_scales: str = opt("tensor", choices=("tensor", "block"))  # fp8: one scale per weight | per 128x128 block
+    # the rollout engines' weight and compute precision, apart from model.dtype (e.g. fp32 training with bf16
+    # rollouts): the weight sync casts to it and the mismatch correction (rl.mismatch) covers the rounding; auto = the
+    # trainer's resolved precision; vLLM on CPU takes fp32 only, vLLM's FP8 quantizes bf16/fp16 weights only
+    dtype: str = opt("auto", choices=("auto", "fp32", "bf16", "fp16"))  # rollout engines' precision; auto = trainer's
 
     def cudagraph_size_list(self) -> list[int]:
         """`cudagraph_sizes` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
@@ -198,6 +207,11 @@ class RolloutConfig:
                               f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} can never run (vLLM "
                               "drops them); keep every size <= it")
 
+    def engine_precision(self, trainer_precision: str) -> str:
+        """The rollout engines' precision (fp32 | bf16 | fp16): `dtype`, or with auto the trainer's resolved
+        precision `trainer_precision`. The one rule the engine, the memory plan and the run's checks read."""
+        return trainer_precision if self.dtype == "auto" else self.dtype
+
     def sync_mode(self) -> str:
         """The weight sync `WeightSync(mode=...)` runs: "adapter" only when asked for, else "merged"."""
         return "adapter" if self.lora_sync == "adapter" else "merged"
@@ -222,6 +236,8 @@ class RolloutConfig:
                                   "--rollout.quantization fp8 or leave rollout.fp8_scales at tensor")
             return
         where = f"rollout.quantization={self.quantization}"
+        if self.dtype == "fp32":
+            raise ConfigError(fp8_fp32_refusal(f"rollout.dtype=fp32 with {where}"))
         if self.backend == "hf":
             raise ConfigError(f"{where} runs vLLM's FP8 kernels; rollout.backend=hf generates with the trainer's "
                               "own model (no FP8): use --rollout.backend vllm (or auto) or --rollout.quantization none")
@@ -257,6 +273,13 @@ class RolloutConfig:
                               f"vLLM server process (got rollout.placement={self.placement}, rollout.backend="
                               f"{self.backend}): use --rollout.placement sidecar or disaggregated, or "
                               "--rollout.weight_transport own")
+
+
+def fp8_fp32_refusal(where: str) -> str:
+    """The line that refuses FP8 rollouts from fp32 engine weights (`where`: the settings that ask for them): vLLM's
+    online FP8 methods take bf16 or fp16 weights only (`get_supported_act_dtypes`)."""
+    return (f"{where}: vLLM's online FP8 quantizes bf16 or fp16 engine weights only; use --rollout.dtype bf16 (the "
+            "trainer keeps model.dtype) or --rollout.quantization none")
 
 
 @dataclass

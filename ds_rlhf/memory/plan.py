@@ -104,7 +104,7 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     """The rollout engine's bytes per GPU (vLLM: its whole budget; HF generate: a model copy and its KV cache),
     and notes on whether its KV cache holds a step's sequences."""
     r = cfg.rollout
-    act = 2 if s.precision in ("bf16", "fp16") else 4
+    act = 2 if s.rollout_precision in ("bf16", "fp16") else 4  # the engine's weights and KV cache (rollout.dtype)
     if s.rollout == "none":
         return None, []
     per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
@@ -115,8 +115,9 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         return RolePlan("rollout (HF)", num_params, num_params * act, kv_cache=batch * s.seq_len * per_token,
                         detail=f"generate, batches of {batch}"), []
     engines = r.sidecar_engines if r.placement == "sidecar" else 1  # each holds its own weights and profile pass
+    engine = s.rollout_precision
     if s.device == "cpu":  # vLLM-CPU runs float32 here (rollout/vllm_adapter.py)
-        act = 4
+        act, engine = 4, "fp32"
         per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
     weights = engines * num_params * act // r.tensor_parallel_size
     profile = activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
@@ -148,7 +149,7 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     elif seqs < step_seqs:
         notes.append(f"vLLM's KV cache holds {seqs} full-length sequences of the step's {step_seqs}: it generates "
                      f"in waves (slower rollouts); raise {knob} for one wave")
-    detail += f", KV {per_token} B/token: {seqs} sequences of {s.seq_len} (step: {step_seqs})"
+    detail += f", {engine} KV {per_token} B/token: {seqs} sequences of {s.seq_len} (step: {step_seqs})"
     return RolePlan("vllm", num_params, weights, activations=overhead, kv_cache=max(kv, 0), detail=detail), notes
 
 
@@ -208,12 +209,13 @@ def plan_phases(roles: list[RolePlan], rollout: RolePlan | None, s: Settings) ->
 def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_name: str = "", world_size: int = 1,
                 reserve: int | None = None) -> MemoryPlan:
     """The plan for `cfg` on `world_size` ranks of `capacity` bytes each (no weights are loaded)."""
-    precision = cfg.model.dtype if cfg.model.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    precision = cfg.model.planned_precision(device)
     zero = resolve_zero(cfg, precision, world_size)
     tokens, length = sequence_tokens(cfg, kind)
     backend = rollout_backend(cfg, device) if kind == "rl" else "none"
     s = Settings(kind, device, device_name, capacity,
                  int(DEFAULT_RESERVE_GB[device] * GiB) if reserve is None else reserve, world_size, precision,
+                 cfg.rollout.engine_precision(precision),
                  zero["stage"], zero["offload_optimizer"], zero["offload_param"], zero["optimizer"], tokens, length,
                  cfg.model.gradient_checkpointing, backend, cfg.rollout.placement, cfg.rollout.sleep,
                  cfg.rollout.sleep_level, zero["prefetch"], zero["reduce_bucket"])

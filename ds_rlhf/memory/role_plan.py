@@ -54,7 +54,8 @@ class Settings:
     capacity: int  # bytes per rank
     reserve: int
     world_size: int
-    precision: str
+    precision: str  # the trainer's
+    rollout_precision: str  # the rollout engines' (rollout.dtype; auto: the trainer's)
     zero_stage: int
     offload_optimizer: bool
     offload_param: bool

@@ -143,7 +143,7 @@ def vllm_share_bytes(cfg, plan: MemoryPlan, engines: int, world_size: int) -> tu
     row = next(r for r in plan.roles if r.role == "vllm")
     planned_engines = cfg.rollout.sidecar_engines if cfg.rollout.placement == "sidecar" else 1
     hf = meta_models.hf_config(cfg.model.path)
-    act = 2 if plan.settings.precision in ("bf16", "fp16") else 4
+    act = 2 if plan.settings.rollout_precision in ("bf16", "fp16") else 4  # the engines' KV dtype (rollout.dtype)
     per_token = kv_bytes_per_token(hf, act, cfg.rollout.tensor_parallel_size)
     seqs = _step_sequences(cfg, world_size)
     kv = work_kv_bytes(per_token, seqs, plan.settings.seq_len, block=GPU_BLOCK_TOKENS, headroom=KV_HEADROOM)

@@ -25,7 +25,7 @@ import torch
 
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
-from ds_rlhf.config import Config
+from ds_rlhf.config import Config, fp8_fp32_refusal
 from ds_rlhf.distributed import all_reduce_mean
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
@@ -61,12 +61,20 @@ PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch
 
 
 def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
-    """vLLM on CPU syncs weights only in float32: refuse another precision before any model is built (vLLM would
-    refuse it only after the actor is loaded and the engine has started)."""
-    if ctx.dist.device.type == "cpu" and ctx.precision != "fp32" and resolve_backend(cfg.rollout.backend) == "vllm":
-        raise ConfigError(f"model.dtype={cfg.model.dtype} ({ctx.precision}) with the vLLM rollout on CPU: vLLM's CPU "
-                          "backend takes weight syncs only in float32; use --model.dtype fp32 (or auto), or "
-                          "--rollout.backend hf")
+    """The rollout engines' precision (`RolloutConfig.engine_precision`: rollout.dtype, auto = the trainer's) where
+    the engine cannot run it, refused before any model is built (vLLM would refuse it only after the actor is loaded
+    and the engine has started): vLLM on CPU syncs weights only in float32; vLLM's FP8 quantizes bf16/fp16 only. The
+    HF backend loads its own copy in any precision."""
+    engine = cfg.rollout.engine_precision(ctx.precision)
+    if resolve_backend(cfg.rollout.backend) != "vllm":
+        return
+    where = (f"rollout.dtype={cfg.rollout.dtype}" if cfg.rollout.dtype != "auto" else
+             f"model.dtype={cfg.model.dtype} ({ctx.precision}, the rollout's too with rollout.dtype auto)")
+    if ctx.dist.device.type == "cpu" and engine != "fp32":
+        raise ConfigError(f"{where} with the vLLM rollout on CPU: vLLM's CPU backend takes weight syncs only in "
+                          "float32; use --rollout.dtype fp32 (the trainer keeps model.dtype), or --rollout.backend hf")
+    if cfg.rollout.quantization != "none" and engine == "fp32":
+        raise ConfigError(fp8_fp32_refusal(f"{where} with rollout.quantization={cfg.rollout.quantization}"))
 
 
 class RLTrainer:

@@ -125,7 +125,7 @@ def build_parts(ctx: RunContext, rollout=None, server_env: dict | None = None) -
     lora_engine = {"rank": cfg.model.lora_rank, "targets": cfg.model.lora_targets} if sync_mode == "adapter" else None
     if rollout is None:
         rollout = make_rollout_engine(cfg.rollout.backend, cfg.rollout.placement, model_path=ctx.model_path,
-                                      dtype=ctx.precision, max_model_len=max_len,
+                                      dtype=ctx.rollout_precision, max_model_len=max_len,
                                       gpu_memory_utilization=vllm_fraction, seed=cfg.run.seed,
                                       kv_cache_bytes=kv.bytes if kv and kv.source != "env" else 0,
                                       enable_sleep=(cfg.rollout.sleep and dist.device.type == "cuda"

@@ -66,6 +66,12 @@ class RunContext:
     precision: str
     lock: RunLock | None = field(default=None, repr=False)
 
+    @property
+    def rollout_precision(self) -> str:
+        """The rollout engines' precision: rollout.dtype, auto = the trainer's `precision`
+        (`RolloutConfig.engine_precision`)."""
+        return self.cfg.rollout.engine_precision(self.precision)
+
     def print(self, text: str) -> None:
         """A line on stdout (rank 0), above the progress bar when one is drawn (`tqdm.write`)."""
         if self.dist.is_main:
@@ -143,12 +149,19 @@ def setup_run(cfg: Config, kind: str) -> RunContext:
     if dist.is_main:
         cfg.save(run_dir / "config.json")
         ctx.print(f"[{kind}] run dir {run_dir} | world size {dist.world_size} | device {dist.device.type} | "
-                  f"precision {precision} | model {model_path}"
+                  f"precision {precision}{_rollout_note(cfg, precision)} | model {model_path}"
                   + (f" ({cfg.model.path})" if model_path != cfg.model.path else ""))
         ctx.print(f"[{kind}] resolved config: {run_dir / 'config.json'}")
         if kind == "rl" and (fp8_note := fp8_mismatch_note(cfg)):
             ctx.print(fp8_note)
     return ctx
+
+
+def _rollout_note(cfg: Config, precision: str) -> str:
+    """The run line's note on the rollout engines' precision where rollout.dtype sets one apart from the trainer's
+    ("" otherwise)."""
+    engine = cfg.rollout.engine_precision(precision)
+    return f", rollout engines {engine} (rollout.dtype)" if engine != precision else ""
 
 
 def claim_run_dir(cfg: Config, dist: DistInfo, kind: str = "run") -> RunLock | None:

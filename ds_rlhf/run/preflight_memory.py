@@ -58,7 +58,7 @@ def check_jsd_memory(cfg: Config, total_bytes: int | None = None) -> None:
     vocab = ((local and model_config(local)) or {}).get("vocab_size")
     if not total or not vocab:
         return
-    precision = cfg.model.dtype if cfg.model.dtype != "auto" else "bf16"
+    precision = cfg.model.planned_precision("cuda")
     per_token = jsd_bytes_per_token(vocab, precision, cfg.rl.jsd_beta)
     tokens = jsd_response_tokens(cfg, sequence_tokens(cfg, "rl")[0])  # as the memory plan counts them
     if cfg.data.micro_batch_tokens > 0:

@@ -169,5 +169,6 @@ class CanaryCheck:
                 f" tokens; max {info['max_abs_diff']:.4g}, mean {info['mean_abs_diff']:.4g}). The rollout engine is "
                 "not serving the trained weights (sync skipped, not applied, or names mis-mapped), so its rollouts "
                 "would be off-policy; stopping instead of training on them. If the difference is only numerical "
-                "noise, raise --rollout.canary_threshold, or train in fp32 (--model.dtype fp32).")
+                "noise, raise --rollout.canary_threshold, or train and roll out in fp32 (--model.dtype fp32 with "
+                "--rollout.dtype auto or fp32).")
         return diff
