@@ -102,6 +102,8 @@ PEERS: dict[str, tuple[Peer, ...]] = {
     "actor_rollout_ref.rollout.top_k": (_alias("verl", "rollout.top_k"),),
     "actor_rollout_ref.rollout.gpu_memory_utilization": (_alias("verl", "rollout.gpu_memory_utilization"),),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": (_alias("verl", "rollout.tensor_parallel_size"),),
+    "actor_rollout_ref.rollout.dtype": (_hint("verl", "--rollout.dtype bf16 | fp16 | fp32 (auto: the trainer's "
+                                                      "precision)"),),
     "actor_rollout_ref.actor.optim.lr": (_alias("verl", "optim.lr"),),
     "actor_rollout_ref.actor.ppo_epochs": (_alias("verl", "rl.ppo_epochs"),),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (_alias("verl", "optim.micro_batch_size"),),

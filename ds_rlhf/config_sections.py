@@ -161,7 +161,7 @@ class RolloutConfig:
     # the rollout engines' weight and compute precision, apart from model.dtype (e.g. fp32 training with bf16
     # rollouts): the weight sync casts to it and the mismatch correction (rl.mismatch) covers the rounding; auto = the
     # trainer's resolved precision; vLLM on CPU takes fp32 only, vLLM's FP8 quantizes bf16/fp16 weights only
-    dtype: str = opt("auto", choices=("auto", "fp32", "bf16", "fp16"))  # rollout engines' precision; auto = trainer's
+    dtype: str = opt("auto", choices=("auto", "fp32", "bf16", "fp16"))  # the engines' precision; auto: as model.dtype
 
     def cudagraph_size_list(self) -> list[int]:
         """`cudagraph_sizes` as ints (ConfigError naming the key when it is not a comma list of ints >= 1)."""
