@@ -63,14 +63,16 @@ PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch
 def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
     """The rollout engines' precision (`RolloutConfig.engine_precision`: rollout.dtype, auto = the trainer's) where
     the engine cannot run it, refused before any model is built (vLLM would refuse it only after the actor is loaded
-    and the engine has started): vLLM on CPU syncs weights only in float32; vLLM's FP8 quantizes bf16/fp16 only. The
-    HF backend loads its own copy in any precision."""
+    and the engine has started): vLLM on CPU syncs weights only in float32; on GPUs vLLM's FP8 quantizes bf16/fp16
+    weights only (on CPU the engine refuses FP8 itself). The HF backend loads its own copy in any precision."""
     engine = cfg.rollout.engine_precision(ctx.precision)
     if resolve_backend(cfg.rollout.backend) != "vllm":
         return
     where = (f"rollout.dtype={cfg.rollout.dtype}" if cfg.rollout.dtype != "auto" else
              f"model.dtype={cfg.model.dtype} ({ctx.precision}, the rollout's too with rollout.dtype auto)")
-    if ctx.dist.device.type == "cpu" and engine != "fp32":
+    if ctx.dist.device.type == "cpu":
+        if engine == "fp32":
+            return
         raise ConfigError(f"{where} with the vLLM rollout on CPU: vLLM's CPU backend takes weight syncs only in "
                           "float32; use --rollout.dtype fp32 (the trainer keeps model.dtype), or --rollout.backend hf")
     if cfg.rollout.quantization != "none" and engine == "fp32":
