@@ -87,6 +87,8 @@ def format_plan(plan: MemoryPlan) -> str:
     if s.rollout != "none":
         rollout += f" {s.placement}" + (", sleeps while training" if s.sleep and s.device == "cuda"
                                           and s.placement == "colocated" else "")
+        if s.rollout_precision != s.precision:
+            rollout += f", engines in {s.rollout_precision} (rollout.dtype)"
     head = (f"memory plan ({s.kind}) per rank: {s.world_size} rank(s) on {s.device} ({s.device_name}, "
             f"{fmt_bytes(s.capacity)}), {s.precision}, {zero}, {s.optimizer}, micro-batch {s.tokens} tokens "
             f"(sequences of {s.seq_len}), gradient checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
