@@ -14,6 +14,7 @@ import torch
 from ds_rlhf.config import ConfigError, help_text, parse_config
 from ds_rlhf.memory.engine_budget import choose_engine_budget
 from ds_rlhf.memory.plan import plan_memory
+from ds_rlhf.ops.memory import format_plan
 from ds_rlhf.recipes import rl_build
 from ds_rlhf.recipes.rl import RLTrainer, check_rollout_precision
 from ds_rlhf.rollout import WeightSync, make_rollout_engine
@@ -79,7 +80,7 @@ class EngineBuilt(Exception):
 
 @pytest.mark.parametrize("extra, want", [([], "fp32"), (["--rollout.dtype", "bf16"], "bf16")])
 def test_the_rl_build_starts_the_engine_in_the_rollout_precision(extra, want, tiny_model_path, tmp_path,
-                                                                 dist_single, monkeypatch):
+                                                                 dist_single, monkeypatch, capsys):
     from ds_rlhf.data.synthetic import write_addition_datasets
 
     calls = []
@@ -97,6 +98,8 @@ def test_the_rl_build_starts_the_engine_in_the_rollout_precision(extra, want, ti
     with pytest.raises(EngineBuilt):
         RLTrainer(parse_config(argv))
     assert calls[-1]["dtype"] == want  # the trainer is fp32 on CPU either way
+    said = "precision fp32, rollout engines bf16 (rollout.dtype)" in capsys.readouterr().out  # the run's first line
+    assert said == (want == "bf16")
 
 
 # ---- the weight sync casts to the engine's dtype ----------------------------------------------------------------
@@ -167,3 +170,5 @@ def test_the_engine_budget_sizes_the_kv_cache_in_the_engines_dtype(smol):
     assert rows["fp32"].params == 2 * rows["bf16"].params and "bf16 KV" in rows["bf16"].detail
     actors = {d: next(r for r in p.roles if r.role == "actor") for d, p in plans.items()}
     assert actors["bf16"] == actors["fp32"]  # the trainer's rows follow model.dtype only
+    assert "engines in bf16 (rollout.dtype)" in format_plan(plans["bf16"])  # `ds-rlhf memory` says so
+    assert "rollout.dtype" not in format_plan(plans["fp32"])  # fp32 engines beside an fp32 trainer: nothing to say
