@@ -111,7 +111,8 @@ def test_fp16_on_cpu_names_the_setting():
 @pytest.mark.skipif(vllm_version() is None, reason="vLLM is not importable here")
 def test_bf16_with_vllm_on_cpu_is_refused_before_any_model_is_built():
     ctx = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu")), precision="bf16")
-    with pytest.raises(ConfigError, match=r"model.dtype=bf16 \(bf16, .*\) with the vLLM rollout on CPU.*--rollout.backend"):
+    refusal = r"model.dtype=bf16 \(bf16, .*\) with the vLLM rollout on CPU.*--rollout.backend"
+    with pytest.raises(ConfigError, match=refusal):
         check_rollout_precision(parse_config(["--model.dtype", "bf16", "--rollout.backend", "vllm"]), ctx)
     check_rollout_precision(parse_config(["--model.dtype", "bf16", "--rollout.backend", "hf"]), ctx)
     check_rollout_precision(parse_config(["--rollout.backend", "vllm"]), SimpleNamespace(
