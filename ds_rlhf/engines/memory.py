@@ -22,6 +22,11 @@ from ds_rlhf.engines.roles import role_info
 OPTIMIZERS = ("adam", "adamw", "onebit_adam", "none")
 
 
+def precision_bytes(precision: str) -> int:
+    """Bytes per value in `precision`: 2 for bf16 / fp16, 4 for fp32."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
 def _module(model_or_engine):
     return getattr(model_or_engine, "module", model_or_engine)
 
@@ -84,7 +89,7 @@ def memory_breakdown(model_or_engine, *, zero_stage: int, world_size: int, optim
     total, n_train = count_params(module)
     if trainable is False:
         n_train = 0
-    wbytes = 2 if precision in ("bf16", "fp16") else 4
+    wbytes = precision_bytes(precision)
     w = max(1, world_size)
     params, grads, opt = _model_states(total, n_train, wbytes, w, zero_stage, optimizer)
     params_device, opt_device, host = _placed(params, opt, zero_stage, offload)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import psutil
 
 from ds_rlhf.config import RolloutConfig
+from ds_rlhf.engines.memory import precision_bytes
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -171,7 +172,7 @@ def vllm_kv_cache(cfg, hf_config, *, device: str, host_bytes: int, world_size: i
 def _dtype_bytes(cfg, device: str) -> int:
     """Bytes per KV value on a GPU: the engines' precision (vLLM's KV cache dtype follows it): rollout.dtype, auto =
     the trainer's (`RolloutConfig.engine_precision`; model.dtype auto planned as bf16)."""
-    return 4 if cfg.rollout.engine_precision(cfg.model.planned_precision(device)) == "fp32" else 2
+    return precision_bytes(cfg.rollout.engine_precision(cfg.model.planned_precision(device)))
 
 
 def available_host_bytes() -> int:

@@ -59,7 +59,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ds_rlhf.engines import quantized
-from ds_rlhf.engines.memory import activation_bytes
+from ds_rlhf.engines.memory import activation_bytes, precision_bytes
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.kv_cache import engine_warmup_bytes, kv_bytes_per_token, vllm_kv_cache
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
@@ -104,7 +104,7 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     """The rollout engine's bytes per GPU (vLLM: its whole budget; HF generate: a model copy and its KV cache),
     and notes on whether its KV cache holds a step's sequences."""
     r = cfg.rollout
-    act = 2 if s.rollout_precision in ("bf16", "fp16") else 4  # the engine's weights and KV cache (rollout.dtype)
+    act = precision_bytes(s.rollout_precision)  # the engine's weights and KV cache (rollout.dtype)
     if s.rollout == "none":
         return None, []
     per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
@@ -181,7 +181,7 @@ def jsd_logits_bytes(cfg, hf_config, s: Settings) -> int:
 def jsd_bytes_per_token(vocab: int, precision: str, beta: float) -> int:
     """Bytes of the JSD path per response token: both models' logits in the compute dtype (`precision`) and
     `JSD_FP32_TENSORS` fp32 rows of `vocab` values (14 for a mixture, 0 < beta < 1; 8 at beta 0 or 1)."""
-    act = 2 if precision in ("bf16", "fp16") else 4
+    act = precision_bytes(precision)
     return vocab * (2 * act + 4 * JSD_FP32_TENSORS["mixture" if 0 < beta < 1 else "one_kl"])
 
 

@@ -8,7 +8,7 @@ import inspect
 from dataclasses import dataclass
 
 from ds_rlhf.engines import quantized
-from ds_rlhf.engines.memory import activation_bytes, memory_breakdown
+from ds_rlhf.engines.memory import activation_bytes, memory_breakdown, precision_bytes
 from ds_rlhf.engines.policy_forward import sequence_logprobs
 
 GiB = 1024 ** 3
@@ -100,7 +100,7 @@ def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, froz
     stage = s.zero_stage if trainable else frozen_stage
     b = _states(module, s, trainable=trainable, stage=stage, offload_param=(s.offload_param if trainable
                                                                            else frozen_offload))
-    act = 2 if s.precision in ("bf16", "fp16") else 4
+    act = precision_bytes(s.precision)
     tokens = s.tokens
     if trainable:
         acts = activation_bytes(hf_config, tokens, act, gradient_checkpointing=s.gradient_checkpointing,
@@ -124,7 +124,7 @@ def plan_role(role: str, module, hf_config, s: Settings, frozen_stage: int, froz
 def quantized_base(plan: RolePlan, module, s: Settings, mode: str) -> RolePlan:
     """`plan` with the frozen base linear weights at their quantized size (`model.quantize_base`); ZeRO-0/1/2 keep
     them whole on the device (the schema refuses ZeRO-3 with a quantized base)."""
-    act = 2 if s.precision in ("bf16", "fp16") else 4
+    act = precision_bytes(s.precision)
     numel, saved = quantized.base_bytes_saved(module, mode, act)
     if not numel or plan.params == 0:
         return plan

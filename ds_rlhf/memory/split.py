@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from ds_rlhf.config import set_value
+from ds_rlhf.engines.memory import precision_bytes
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import capped_total, trainer_memory_fraction, vllm_memory_fraction
@@ -143,7 +144,7 @@ def vllm_share_bytes(cfg, plan: MemoryPlan, engines: int, world_size: int) -> tu
     row = next(r for r in plan.roles if r.role == "vllm")
     planned_engines = cfg.rollout.sidecar_engines if cfg.rollout.placement == "sidecar" else 1
     hf = meta_models.hf_config(cfg.model.path)
-    act = 2 if plan.settings.rollout_precision in ("bf16", "fp16") else 4  # the engines' KV dtype (rollout.dtype)
+    act = precision_bytes(plan.settings.rollout_precision)  # the engines' KV dtype (rollout.dtype)
     per_token = kv_bytes_per_token(hf, act, cfg.rollout.tensor_parallel_size)
     seqs = _step_sequences(cfg, world_size)
     kv = work_kv_bytes(per_token, seqs, plan.settings.seq_len, block=GPU_BLOCK_TOKENS, headroom=KV_HEADROOM)
