@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import ds_rlhf.algos  # noqa: F401  (registers the built-in entries)
 from ds_rlhf import config_keys, config_peers
 from ds_rlhf.algos.registry import ALL
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.config_files import load_file
 from ds_rlhf.config_precedence import check_file_precedence
 from ds_rlhf.config_rl import RLConfig
@@ -94,7 +95,8 @@ class Config:
         return self.rollout.max_model_len or self.data.max_prompt_len + self.rollout.max_new_tokens
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(redacted(self.to_dict()), indent=2, sort_keys=True) + "\n")
+        """The config as JSON at `path`, secrets masked, replaced whole (a run rewrites its config.json)."""
+        write_text_atomic(path, json.dumps(redacted(self.to_dict()), indent=2, sort_keys=True) + "\n")
 
 
 def _field_types(cls) -> dict[str, Any]:

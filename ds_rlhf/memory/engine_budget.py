@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_rlhf.atomic_files import write_text_atomic
 from ds_rlhf.config import set_value
 from ds_rlhf.memory import meta_models
 from ds_rlhf.memory.cap import vllm_memory_fraction
@@ -127,4 +128,5 @@ def record_engine_budget(cfg, budget: EngineBudget | None, run_dir: str | Path) 
     for key, value in chosen.items():
         set_value(recorded, key, value)
     recorded.save(Path(run_dir) / "config.json")
-    path.write_text(json.dumps({**budget.to_dict(), "chosen_settings": chosen}, indent=2, sort_keys=True) + "\n")
+    record = {**budget.to_dict(), "chosen_settings": chosen}
+    write_text_atomic(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
