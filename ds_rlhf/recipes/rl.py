@@ -25,9 +25,8 @@ import torch
 
 from ds_rlhf.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from ds_rlhf.algos.mismatch import mismatch_metrics
-from ds_rlhf.config import Config, fp8_fp32_refusal
+from ds_rlhf.config import Config
 from ds_rlhf.distributed import all_reduce_mean
-from ds_rlhf.errors import ConfigError
 from ds_rlhf.memory.profile import MemoryProfiler
 from ds_rlhf.recipes import rl_build, rl_export
 from ds_rlhf.recipes.dynamic_sampling import dynamic_batch
@@ -36,6 +35,7 @@ from ds_rlhf.recipes.policy_update import UpdateResult, forward_logprobs, forwar
 from ds_rlhf.recipes.rl_build import RLParts
 from ds_rlhf.recipes.rl_eval import RunEvaluation, eval_generate
 from ds_rlhf.recipes.rl_service import rollout_service
+from ds_rlhf.recipes.rollout_precision import check_rollout_precision, mixed_precision_note
 from ds_rlhf.recipes.trajectory import (
     RolloutBatch,
     ScoredBatch,
@@ -45,7 +45,6 @@ from ds_rlhf.recipes.trajectory import (
     with_advantages,
 )
 from ds_rlhf.rewards.bounded_http import Interrupted, clear_interrupt, interrupt
-from ds_rlhf.rollout.factory import resolve_backend
 from ds_rlhf.run.checkpoint.best import BestCheckpointTracker, keep_best
 from ds_rlhf.run.checkpoint.manager import CheckpointManager
 from ds_rlhf.run.context import RunContext, setup_run
@@ -58,25 +57,6 @@ from ds_rlhf.telemetry.samples import SampleLogger, episode_fields, truncate_sam
 
 PROGRESS_KEYS = ("reward/mean", "reward/exact_match", "actor/entropy", "mismatch/kl_rollout_trainer", "time/wall",
                  "eval/pass@1")
-
-
-def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
-    """The rollout engines' precision (`RolloutConfig.engine_precision`: rollout.dtype, auto = the trainer's) where
-    the engine cannot run it, refused before any model is built (vLLM would refuse it only after the actor is loaded
-    and the engine has started): vLLM on CPU syncs weights only in float32; on GPUs vLLM's FP8 quantizes bf16/fp16
-    weights only (on CPU the engine refuses FP8 itself). The HF backend loads its own copy in any precision."""
-    engine = cfg.rollout.engine_precision(ctx.precision)
-    if resolve_backend(cfg.rollout.backend) != "vllm":
-        return
-    where = (f"rollout.dtype={cfg.rollout.dtype}" if cfg.rollout.dtype != "auto" else
-             f"model.dtype={cfg.model.dtype} ({ctx.precision}, the rollout's too with rollout.dtype auto)")
-    if ctx.dist.device.type == "cpu":
-        if engine == "fp32":
-            return
-        raise ConfigError(f"{where} with the vLLM rollout on CPU: vLLM's CPU backend takes weight syncs only in "
-                          "float32; use --rollout.dtype fp32 (the trainer keeps model.dtype), or --rollout.backend hf")
-    if cfg.rollout.quantization != "none" and engine == "fp32":
-        raise ConfigError(fp8_fp32_refusal(f"{where} with rollout.quantization={cfg.rollout.quantization}"))
 
 
 class RLTrainer:
@@ -104,6 +84,8 @@ class RLTrainer:
         cfg = self.cfg
         if rollout is None:
             check_rollout_precision(cfg, self.ctx)
+        if (note := mixed_precision_note(cfg, self.ctx)) is not None:
+            self.ctx.print(note)
         self.ckpt = CheckpointManager(self.ctx.run_dir, rank=self.ctx.dist.rank, keep_last=cfg.run.keep_last,
                                       resume_fallback=cfg.run.resume_fallback, log=self.ctx.print)
         # the checkpoint to resume is verified (every file's sha256) before any model or vLLM engine loads

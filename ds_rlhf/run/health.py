@@ -26,7 +26,13 @@ keeps it in `status.json`'s `health`; `replay` keeps its first step):
   samples got the same reward although an earlier step had a spread: zero advantages, the policy has settled on one
   answer per prompt and learns nothing from its samples.
 
-Each warning names its likely cause from the phase timers: the phase group that grew the most against its own
+One more, also once per run: `rollouts_trail`: the log-prob mismatch between the rollouts and the trainer
+(`mismatch/kl_rollout_trainer`, k3 KL) at `TRAIL_KL` (0.02) or more in each of the last `TRAIL_STEPS` (3) steps.
+Healthy runs of the learning benchmark stay at 0.0006-0.0026 synchronous and 0.0017-0.0073 async (one version
+stale); a float32 trainer with bf16 engines passed 0.02 at step 7 and reached 0.078 at step 13
+(`docs/perf/raw/learn_arithmetic_cap30_precision_h200.json`).
+
+Each timing warning names its likely cause from the phase timers: the phase group that grew the most against its own
 median (for a slowdown) or the largest non-training share of the step (for an idle GPU): rollout-bound,
 training-bound (old log-probs, reference, critic, update), reward-bound, sync-bound, or waiting on data (the prompt
 draw, `time/data`, plus the wall time outside every phase: host work between phases).
@@ -63,7 +69,12 @@ NO_SIGNAL_CAUSE = ("no learning signal: the weights do not change; likely the re
                    "--run.sample_log_every), or it reads the wrong key (ground_truth in the prompt store)")
 COLLAPSE_TRY = ("try rl.scale_rewards batch (the default: `group` scales a partial credit's groups up to a right "
                 "answer's) or none (Dr.GRPO), a lower optim.lr, or rl.entropy_coef > 0")
-ONCE = ("policy_collapse", "flat_rewards")  # raised once per run
+MISMATCH_KEY = "mismatch/kl_rollout_trainer"
+TRAIL_KL, TRAIL_STEPS = 0.02, 3
+TRAIL_CAUSE = ("the rollouts come from a policy the trainer no longer computes (the mismatch correction, rl.mismatch, "
+               "only reweights them): a weight sync that did not apply, --model.dtype fp32 with bf16/fp16 engines "
+               "(Adam steps under half a bf16 step do not reach them), FP8 rollouts, or rollout.max_staleness > 1")
+ONCE = ("policy_collapse", "flat_rewards", "rollouts_trail")  # raised once per run
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,7 @@ def health_warnings(history: list[dict], *, window: int = 20, min_history: int =
     spread_seen = any(zero_spread(r) is False for r in history)
     out += [] if spread_seen else _no_signal(history[-no_signal_steps:] if no_signal_steps > 0 else [], step,
                                              no_signal_steps)
-    out += _policy_collapse(history, step, collapse_window, collapse_drop)
+    out += _policy_collapse(history, step, collapse_window, collapse_drop) + _rollouts_trail(history, step)
     return out + _flat_rewards(history, step, collapse_steps)
 
 
@@ -211,6 +222,20 @@ def _flat_rewards(history: list[dict], step: int, steps: int) -> list[HealthWarn
             f"policy gives one answer per prompt and learns nothing from it; {COLLAPSE_TRY}, or a higher "
             f"rollout.temperature")
     return [HealthWarning("flat_rewards", step, 1.0, 1.0, "", text)]
+
+
+def _rollouts_trail(history: list[dict], step: int) -> list[HealthWarning]:
+    recs = [r for r in history if _num(r, MISMATCH_KEY) is not None]
+    if len(recs) < TRAIL_STEPS or recs[-1] is not history[-1]:
+        return []
+    last = [_num(r, MISMATCH_KEY) for r in recs[-TRAIL_STEPS:]]
+    if min(last) < TRAIL_KL:
+        return []
+    text = (f"rollouts trail the trainer at step {step}: rollout/trainer log-prob mismatch ({MISMATCH_KEY}) "
+            f"{last[-1]:.2g}, at least {TRAIL_KL} in each of the last {TRAIL_STEPS} steps (step "
+            f"{recs[0].get('step', '?')}: {_num(recs[0], MISMATCH_KEY):.2g}; healthy runs stay under 0.008): "
+            f"{TRAIL_CAUSE}")
+    return [HealthWarning("rollouts_trail", step, last[-1], TRAIL_KL, "", text)]
 
 
 def _slow_step(last: dict, before: list[dict], step: int, ratio: float) -> list[HealthWarning]:

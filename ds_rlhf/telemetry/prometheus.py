@@ -22,7 +22,7 @@ dashboard can join the two on `gpu`:
     ds_rlhf_kl_mean                            `kl/mean` (with a reference model)
     ds_rlhf_health_warnings_active             health warnings active at the last step (`health/warnings`)
     ds_rlhf_health_warnings_total{kind}        warnings raised so far, by kind (step_time, throughput, gpu_util,
-                                               no_signal, policy_collapse, flat_rewards)
+                                               no_signal, policy_collapse, flat_rewards, rollouts_trail)
     ds_rlhf_metric{key}                        every other numeric metric of the last record, by its key
     ds_rlhf_gpu_utilization_percent{gpu}       NVML, read at scrape time (every GPU of rank 0's node)
     ds_rlhf_gpu_memory_used_bytes{gpu}         NVML, at scrape time

@@ -28,7 +28,7 @@ from ds_rlhf.data.writer import write_store
 from ds_rlhf.engines.ds_config import pick_precision, resolve_ds_config
 from ds_rlhf.engines.models import load_causal_lm
 from ds_rlhf.errors import ConfigError, UserInputError
-from ds_rlhf.recipes.rl import check_rollout_precision
+from ds_rlhf.recipes.rollout_precision import check_rollout_precision
 from ds_rlhf.rollout.vllm_adapter import vllm_version
 from ds_rlhf.testing.multiproc import clean_env
 from tests.recipes.stores import prompt_store

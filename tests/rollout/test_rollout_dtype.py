@@ -16,7 +16,8 @@ from ds_rlhf.memory.engine_budget import choose_engine_budget
 from ds_rlhf.memory.plan import plan_memory
 from ds_rlhf.ops.memory import format_plan
 from ds_rlhf.recipes import rl_build
-from ds_rlhf.recipes.rl import RLTrainer, check_rollout_precision
+from ds_rlhf.recipes.rl import RLTrainer
+from ds_rlhf.recipes.rollout_precision import check_rollout_precision, mixed_precision_note
 from ds_rlhf.rollout import WeightSync, make_rollout_engine
 from ds_rlhf.rollout.base import InProcessWeights, RolloutEngine
 from tests.memory import smol_shape
@@ -98,8 +99,9 @@ def test_the_rl_build_starts_the_engine_in_the_rollout_precision(extra, want, ti
     with pytest.raises(EngineBuilt):
         RLTrainer(parse_config(argv))
     assert calls[-1]["dtype"] == want  # the trainer is fp32 on CPU either way
-    said = "precision fp32, rollout engines bf16 (rollout.dtype)" in capsys.readouterr().out  # the run's first line
-    assert said == (want == "bf16")
+    out = capsys.readouterr().out
+    assert ("precision fp32, rollout engines bf16 (rollout.dtype)" in out) == (want == "bf16")  # the run's first line
+    assert ("[rl] model.dtype fp32 with bf16 rollout engines: " in out) == (want == "bf16")  # before the engine starts
 
 
 # ---- the weight sync casts to the engine's dtype ----------------------------------------------------------------
@@ -172,3 +174,13 @@ def test_the_engine_budget_sizes_the_kv_cache_in_the_engines_dtype(smol):
     assert actors["bf16"] == actors["fp32"]  # the trainer's rows follow model.dtype only
     assert "engines in bf16 (rollout.dtype)" in format_plan(plans["bf16"])  # `ds-rlhf memory` says so
     assert "rollout.dtype" not in format_plan(plans["fp32"])  # fp32 engines beside an fp32 trainer: nothing to say
+
+
+def test_a_float32_trainer_with_narrower_engines_is_named_in_one_line():
+    note = mixed_precision_note(parse_config(["--rollout.dtype", "bf16"]), _ctx("cuda", "fp32"))
+    assert note.startswith("[rl] model.dtype fp32 with bf16 rollout engines: ") and "\n" not in note
+    assert "rl.mismatch tis weights the samples" in note and "--model.dtype bf16" in note
+    off = mixed_precision_note(parse_config(["--rollout.dtype", "fp16", "--rl.mismatch", "off"]), _ctx("cuda", "fp32"))
+    assert "with fp16 rollout engines" in off and "(rl.mismatch off) is off: nothing weights it" in off
+    for argv, precision in (([], "fp32"), ([], "bf16"), (["--rollout.dtype", "fp32"], "bf16")):
+        assert mixed_precision_note(parse_config(argv), _ctx("cuda", precision)) is None  # one precision on both

@@ -193,3 +193,27 @@ def test_policy_collapse_is_named_on_the_measured_collapse_only():
                 break
     assert set(named) == {"sync_group_s1"}, named
     assert 22 <= named["sync_group_s1"] <= 30
+
+
+def _raw(name: str) -> dict:
+    return json.loads((Path(__file__).resolve().parents[2] / "docs" / "perf" / "raw" / name).read_text())
+
+
+def _first(steps: list[dict], kind: str) -> int | None:
+    return next((w.step for i in range(1, len(steps) + 1) for w in health_warnings(steps[:i]) if w.kind == kind),
+                None)
+
+
+def test_rollouts_trailing_the_trainer_are_named_on_the_measured_drift_only():
+    """A float32 trainer with bf16 engines on an H200 (mismatch KL 0.0008 at step 1 to 0.078 at step 13) is named
+    once three steps are at 0.02 or more; no healthy run of the learning benchmark (synchronous, and async one
+    version stale, up to 0.0073; docs/perf/raw) is."""
+    drift = _raw("learn_arithmetic_cap30_precision_h200.json")["runs"]
+    fp32 = drift["sync_fp32_trainer_bf16_engines"]["canary_threshold_3_steps"]
+    assert _first(fp32, "rollouts_trail") == 9
+    found = [w for w in replay(fp32) if w.kind == "rollouts_trail"]
+    assert len(found) == 1 and "rollouts trail the trainer at step 9" in found[0].message
+    assert "--model.dtype fp32 with bf16/fp16 engines" in found[0].message
+    healthy = [drift["sync_bf16"]["steps"]] + [run["steps"] for run in _raw(
+        "learn_arithmetic_scale_rewards_h100.json")["concurrent_runs"]["runs"].values()]
+    assert all(_first(steps, "rollouts_trail") is None for steps in healthy)

@@ -23,6 +23,8 @@ the rollout engine's weight dtype and the trainer's device:
   bf16 vLLM vs bf16 HF differ by a max of 0.125 after a sync and 2.90 before one (64-token probe). So in bf16 the
   canary catches weights not applied, mis-mapped, or a policy that has drifted well away, not one skipped small
   step; train in float32 for a sharp check.
+- A float32 trainer with a bf16 / fp16 engine (`--model.dtype fp32 --rollout.dtype bf16`): the trainer's probe runs
+  under autocast to the engine's dtype (`reference_autocast`), then judged as bf16.
 The history records both figures (`max_abs_diff`, `mean_abs_diff`) and which one was judged (`statistic`).
 """
 
@@ -48,6 +50,11 @@ class SyncCanaryError(RuntimeError):
     """The rollout engine's log-probs disagree with the trainer's after a sync: its weights are not the trainer's."""
 
 
+def rollout_weight_dtype(rollout) -> torch.dtype | None:
+    """The rollout engine's weight dtype (None: no engine on this rank, or one without a weight transport)."""
+    return rollout.weights.dtype if rollout is not None and rollout.weights is not None else None
+
+
 def statistic(dtype: torch.dtype | None) -> str:
     """What the check compares: "max" (abs difference over the probe's tokens) in float32, "mean" otherwise."""
     return "max" if dtype == torch.float32 else "mean"
@@ -60,20 +67,36 @@ def default_threshold(dtype: torch.dtype | None, device_type: str = "cpu") -> fl
 
 
 @torch.no_grad()
-def trainer_logprobs(trainer_module, ids: Sequence[int]) -> list[float]:
-    """Log-prob of `ids[1:]` under the trainer model (a DeepSpeed engine or an HF causal LM), in float32."""
+def trainer_logprobs(trainer_module, ids: Sequence[int], engine_dtype: torch.dtype | None = None) -> list[float]:
+    """Log-prob of `ids[1:]` under the trainer model (a DeepSpeed engine or an HF causal LM), in float32.
+
+    `engine_dtype` (the rollout engine's weight dtype): where it is bf16 / fp16 and the trainer's weights are
+    float32, the forward runs under autocast to it, so its matmuls read the weights rounded as the engine holds them
+    (`reference_autocast`)."""
     module = unwrap(trainer_module)
-    device = next(iter(module.parameters())).device
+    first = next(iter(module.parameters()))
     was_training = module.training
     module.eval()
     try:
-        x = torch.tensor([list(ids)], device=device)
-        out = trainer_module(input_ids=x)
+        x = torch.tensor([list(ids)], device=first.device)
+        with torch.autocast(first.device.type, dtype=engine_dtype or torch.bfloat16,
+                            enabled=reference_autocast(first.dtype, engine_dtype)):
+            out = trainer_module(input_ids=x)
         logits = (out.logits if hasattr(out, "logits") else out[0])[0, :-1].float()
         lp = F.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None]).squeeze(-1)
     finally:
         module.train(was_training)
     return lp.cpu().tolist()
+
+
+def reference_autocast(trainer_dtype: torch.dtype, engine_dtype: torch.dtype | None) -> bool:
+    """Whether the trainer's probe runs under autocast to the engine's dtype: float32 trainer weights with a bf16 /
+    fp16 engine. The engine holds each weight rounded; an Adam step smaller than half a bf16 step moves the float32
+    weight but not its rounding, so steps that add up the same way move the float32 forward away from the engine's
+    until they cross a rounding step (SmolLM2-135M at lr 2e-5: the probe's mean difference from 0.05 to 0.98 in 12
+    steps, `docs/PERFORMANCE.md`). Under autocast the matmuls read the rounded weights and the two agree to the
+    bf16 level (0.04-0.07) however far the weights drifted; a sync not applied still shows."""
+    return trainer_dtype == torch.float32 and engine_dtype in (torch.bfloat16, torch.float16)
 
 
 def _max_over_ranks(value: float) -> float:
@@ -106,18 +129,19 @@ class SyncCanary:
         self.threshold = threshold
         self.history: list[dict] = []
 
-    def probe(self, trainer_module) -> tuple[list[float], float]:
-        """The trainer's side alone: the probe's log-probs and the seconds they took. `WeightSync` takes them before
-        handing the weights over (same weights), while the GPU is not shared with the engines' loads."""
+    def probe(self, trainer_module, engine_dtype: torch.dtype | None = None) -> tuple[list[float], float]:
+        """The trainer's side alone: the probe's log-probs and the seconds they took (`engine_dtype`: see
+        `trainer_logprobs`). `WeightSync` takes them before handing the weights over (same weights), while the GPU is
+        not shared with the engines' loads."""
         t0 = time.perf_counter()
-        return trainer_logprobs(trainer_module, self.probe_ids), time.perf_counter() - t0
+        return trainer_logprobs(trainer_module, self.probe_ids, engine_dtype), time.perf_counter() - t0
 
     def start(self, trainer_module, rollout, probe: tuple[list[float], float] | None = None) -> CanaryCheck:
         """The trainer's log-probs (`probe`'s, when given: see `probe`) and the engine's scoring request."""
         t0 = time.perf_counter()
-        ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids), 0.0)
+        dtype = rollout_weight_dtype(rollout)
+        ref, spent = probe if probe is not None else (trainer_logprobs(trainer_module, self.probe_ids, dtype), 0.0)
         replicas = rollout.logprobs_replicas_later([self.probe_ids]) if rollout is not None else None
-        dtype = rollout.weights.dtype if rollout is not None and rollout.weights is not None else None
         device_type = next(iter(unwrap(trainer_module).parameters())).device.type
         threshold = self.threshold if self.threshold is not None else default_threshold(dtype, device_type)
         return CanaryCheck(self, ref, replicas, threshold, spent + time.perf_counter() - t0, statistic(dtype))

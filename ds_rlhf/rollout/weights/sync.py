@@ -35,7 +35,7 @@ import torch
 from ds_rlhf.engines.models import unwrap
 from ds_rlhf.rollout.base import Pending, RolloutEngine, RolloutError
 from ds_rlhf.rollout.weights import adapter_sync
-from ds_rlhf.rollout.weights.canary import SyncCanary
+from ds_rlhf.rollout.weights.canary import SyncCanary, rollout_weight_dtype
 from ds_rlhf.rollout.weights.gather import DEFAULT_BUCKET_BYTES, WeightBuckets, iter_weight_buckets
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class WeightSync:
         """`sync(wait=False)` where the engine defers: the trainer's side of the canary first (on a GPU the
         engines' loads do not share yet; the weights are the same), then the buckets and the probe, unread."""
         t_start = time.perf_counter()
-        probe = self.canary.probe(self.engine) if self.canary is not None and check else None
+        checked = self.canary is not None and check
+        probe = self.canary.probe(self.engine, rollout_weight_dtype(self.rollout)) if checked else None
         t0 = time.perf_counter()
         info, acknowledged = self._send_merged(later=True)
         seconds = self._settle(info, t0)
