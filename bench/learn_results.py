@@ -104,7 +104,7 @@ def merge(files: list[Path], out: Path, labels: list[str] | None = None) -> Path
         data = json.loads(f.read_text())
         result = result or {**{k: v for k, v in data.items() if k != "seeds"}, "modes": {}}
         if data.get("seeds"):  # a --seeds run: its runs and each mode's aggregate
-            learn_seeds.merge_into(result, data, labels[i] if labels else "")
+            learn_seeds.merge_into(result, data, labels[i] if labels else "", str(f))
         else:
             result["modes"].update({f"{mode}, {labels[i]}" if labels else mode: run
                                     for mode, run in data["modes"].items()})

@@ -10,7 +10,8 @@ once if asked, and sum the runs up.
   to the first evaluation at X = 15, 25, 50 % exact match (`time_to`; None where not reached: the median counts
   such a seed as never, so it is None when half the seeds or more did not get there), each seed's end and best
   exact match and its dips (evaluations after step 10 below half the one before);
-- `merge_into`: `learn.py --merge` of --seeds results (e.g. one mode per call);
+- `merge_into`: `learn.py --merge` of --seeds results (one mode per call, or a mode's seeds from several sessions,
+  pooled);
 - `plot`: `learn_<task>.png`: per mode every seed's curve (thin), the median (thick) and the min/max band, against
   training seconds and against steps.
 """
@@ -139,14 +140,37 @@ def aggregate(runs: dict[int, dict | str]) -> dict:
             "per_seed": per_seed, "time_to": time_to_x, "by_step": by_step(curves), "by_seconds": by_seconds(curves)}
 
 
-def merge_into(result: dict, data: dict, label: str = "") -> None:
-    """Add a --seeds result's runs and aggregates (`data`) to `result` (--merge of runs made apart, e.g. one mode per
-    call); with `label` each mode is named "<mode>, <label>"."""
+def merge_into(result: dict, data: dict, label: str = "", source: str = "") -> None:
+    """Add a --seeds result's runs and aggregates (`data`, read from `source`) to `result` (--merge of runs made
+    apart: one mode per call, or more seeds of a mode in a later session); with `label` each mode is named "<mode>,
+    <label>". Seeds of one mode name from several files are pooled and aggregated again, each seed's file, date and
+    device kept in `sources` (timings from different sessions differ by up to ~15%: the spread, not a comparison);
+    a seed in two files is one `error:` line."""
     for mode, agg in data["seeds"].items():
         name = f"{mode}, {label}" if label else mode
-        result.setdefault("seeds", {})[name] = agg
-        for seed in agg["per_seed"]:
-            result["modes"][f"{name}, seed {seed}"] = data["modes"][f"{mode}, seed {seed}"]
+        runs = _pooled_runs(result, name)
+        sources = dict(result.get("seeds", {}).get(name, {}).get("sources", {}))
+        for seed in agg["seeds"]:
+            if seed in runs:
+                before = sources.get(str(seed), {}).get("file") or "?"
+                raise SystemExit(f"error: --merge: {mode} seed {seed} is in two files ({before} and {source or '?'}); "
+                                 "--labels keeps them apart")
+            failed = agg["failed"].get(str(seed), agg["failed"].get(seed))
+            runs[seed] = failed if failed is not None else data["modes"][f"{mode}, seed {seed}"]
+            sources[str(seed)] = {"file": source, "date": data.get("date"), "device": data.get("device")}
+        result.setdefault("seeds", {})[name] = {**aggregate(runs), "sources": sources}
+        for seed, run in runs.items():
+            if isinstance(run, dict):
+                result["modes"][f"{name}, seed {seed}"] = run
+
+
+def _pooled_runs(result: dict, name: str) -> dict[int, dict | str]:
+    """The runs already merged under mode `name`: {seed: curve, or the failure message}."""
+    agg = result.get("seeds", {}).get(name)
+    if agg is None:
+        return {}
+    failed = {int(s): msg for s, msg in agg["failed"].items()}
+    return {int(s): failed[int(s)] if int(s) in failed else result["modes"][f"{name}, seed {s}"] for s in agg["seeds"]}
 
 
 def plot(result: dict, png) -> bool:

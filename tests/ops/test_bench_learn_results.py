@@ -190,3 +190,28 @@ def test_merge_joins_seed_runs_of_one_mode_each(tmp_path, monkeypatch):
     assert (tmp_path / "learn_arithmetic.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labelled = json.loads(results.merge(files, tmp_path, ["a", "b"]).read_text())
     assert list(labelled["seeds"]) == ["sync, a", "async, b"] and "async, b, seed 1" in labelled["modes"]
+
+
+def test_merge_pools_one_modes_seeds_from_several_sessions(tmp_path, monkeypatch):
+    """Seeds of one mode run in different sessions (0-1, then 2 and a failed 3), joined by --merge: one aggregate over
+    all four, each seed's file, date and device in `sources`; the same seed twice is one error line."""
+    results, seeds = bench_module(monkeypatch, "learn_results"), bench_module(monkeypatch, "learn_seeds")
+    files = []
+    for day, listed in (("2026-12-07", (0, 1)), ("2026-12-08", (2, 3))):
+        runs = {s: _run([(0, 0, 0.1), (10, 20 + 10 * s, 0.2 + s / 10)]) for s in listed}
+        if 3 in runs:
+            runs[3] = "learn: `ds-rlhf train-ppo` failed (exit 1)"
+        data = {"task": "arithmetic", "model_name": "m", "device": "H200", "date": day, "settings": {},
+                "modes": {f"sync, seed {s}": run for s, run in runs.items() if isinstance(run, dict)},
+                "seeds": {"sync": seeds.aggregate(runs)}}
+        files.append(tmp_path / f"{day}.json")
+        files[-1].write_text(json.dumps(data))
+    merged = json.loads(results.merge(files, tmp_path).read_text())
+    agg = merged["seeds"]["sync"]
+    assert agg["seeds"] == [0, 1, 2, 3] and list(agg["failed"]) == ["3"] and set(agg["per_seed"]) == {"0", "1", "2"}
+    assert agg["time_to"]["25%"]["median_seconds"] == 40 and agg["time_to"]["25%"]["reached"] == 2  # seed 0: never
+    assert [agg["sources"][s]["date"] for s in "0123"] == ["2026-12-07"] * 2 + ["2026-12-08"] * 2
+    assert agg["sources"]["2"]["file"] == str(files[1])
+    assert list(merged["modes"]) == ["sync, seed 0", "sync, seed 1", "sync, seed 2"]
+    with pytest.raises(SystemExit, match=r"^error: --merge: sync seed 2 is in two files .*--labels keeps them apart"):
+        results.merge([files[0], files[1], files[1]], tmp_path)
