@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("bench_learn"))
     ap.add_argument("--merge", type=Path, nargs="+", help="join the modes of these learn_<task>.json files (runs of "
                     "one mode each, e.g. on a machine that allows one run per call; --seeds runs with their seeds, a "
-                    "mode's seeds from several sessions pooled into one median and band) into --out's JSON and PNG; "
+                    "mode's seeds from several bench runs pooled into one median and band) into --out's JSON and PNG; "
                     "no run")
     ap.add_argument("--labels", nargs="+", default=[], help="with --merge: one label per file, added to its modes' "
                     "names (two runs of one mode with different settings: --labels whole partial -> 'sync, whole', "

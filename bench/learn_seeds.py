@@ -10,7 +10,7 @@ once if asked, and sum the runs up.
   to the first evaluation at X = 15, 25, 50 % exact match (`time_to`; None where not reached: the median counts
   such a seed as never, so it is None when half the seeds or more did not get there), each seed's end and best
   exact match and its dips (evaluations after step 10 below half the one before);
-- `merge_into`: `learn.py --merge` of --seeds results (one mode per call, or a mode's seeds from several sessions,
+- `merge_into`: `learn.py --merge` of --seeds results (one mode per call, or a mode's seeds from several bench runs,
   pooled);
 - `plot`: `learn_<task>.png`: per mode every seed's curve (thin), the median (thick) and the min/max band, against
   training seconds and against steps.
@@ -142,9 +142,9 @@ def aggregate(runs: dict[int, dict | str]) -> dict:
 
 def merge_into(result: dict, data: dict, label: str = "", source: str = "") -> None:
     """Add a --seeds result's runs and aggregates (`data`, read from `source`) to `result` (--merge of runs made
-    apart: one mode per call, or more seeds of a mode in a later session); with `label` each mode is named "<mode>,
+    apart: one mode per call, or more seeds of a mode on another day); with `label` each mode is named "<mode>,
     <label>". Seeds of one mode name from several files are pooled and aggregated again, each seed's file, date and
-    device kept in `sources` (timings from different sessions differ by up to ~15%: the spread, not a comparison);
+    device kept in `sources` (timings from different machine leases differ by up to ~15%: a spread, not a comparison);
     a seed in two files is one `error:` line."""
     for mode, agg in data["seeds"].items():
         name = f"{mode}, {label}" if label else mode

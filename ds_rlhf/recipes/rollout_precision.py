@@ -31,7 +31,7 @@ def check_rollout_precision(cfg: Config, ctx: RunContext) -> None:
 def mixed_precision_note(cfg: Config, ctx: RunContext) -> str | None:
     """One line where the trainer computes in float32 and the rollout engines in bf16 / fp16: the engines hold the
     weights rounded, so updates under half a bf16 step reach the trainer's forward but not the rollouts until they add
-    up, and the samples come from a policy the trainer no longer computes (`docs/PERFORMANCE.md`, mixed precision)."""
+    up, and the samples come from a policy other than the trainer's (`docs/PERFORMANCE.md`, mixed precision)."""
     engine = cfg.rollout.engine_precision(ctx.precision)
     if ctx.precision != "fp32" or engine not in ("bf16", "fp16"):
         return None

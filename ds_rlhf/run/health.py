@@ -71,7 +71,7 @@ COLLAPSE_TRY = ("try rl.scale_rewards batch (the default: `group` scales a parti
                 "answer's) or none (Dr.GRPO), a lower optim.lr, or rl.entropy_coef > 0")
 MISMATCH_KEY = "mismatch/kl_rollout_trainer"
 TRAIL_KL, TRAIL_STEPS = 0.02, 3
-TRAIL_CAUSE = ("the rollouts come from a policy the trainer no longer computes (the mismatch correction, rl.mismatch, "
+TRAIL_CAUSE = ("the rollouts come from a policy other than the trainer's (the mismatch correction, rl.mismatch, "
                "only reweights them): a weight sync that did not apply, --model.dtype fp32 with bf16/fp16 engines "
                "(Adam steps under half a bf16 step do not reach them), FP8 rollouts, or rollout.max_staleness > 1")
 ONCE = ("policy_collapse", "flat_rewards", "rollouts_trail")  # raised once per run

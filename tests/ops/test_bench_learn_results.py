@@ -192,9 +192,9 @@ def test_merge_joins_seed_runs_of_one_mode_each(tmp_path, monkeypatch):
     assert list(labelled["seeds"]) == ["sync, a", "async, b"] and "async, b, seed 1" in labelled["modes"]
 
 
-def test_merge_pools_one_modes_seeds_from_several_sessions(tmp_path, monkeypatch):
-    """Seeds of one mode run in different sessions (0-1, then 2 and a failed 3), joined by --merge: one aggregate over
-    all four, each seed's file, date and device in `sources`; the same seed twice is one error line."""
+def test_merge_pools_one_modes_seeds_from_several_bench_runs(tmp_path, monkeypatch):
+    """Seeds of one mode from two bench runs on different days (0-1, then 2 and a failed 3), joined by --merge: one
+    aggregate over all four, each seed's file, date and device in `sources`; the same seed twice is one error line."""
     results, seeds = bench_module(monkeypatch, "learn_results"), bench_module(monkeypatch, "learn_seeds")
     files = []
     for day, listed in (("2026-12-07", (0, 1)), ("2026-12-08", (2, 3))):
