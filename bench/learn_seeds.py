@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from ds_rlhf.atomic_files import write_text_atomic
+
 THRESHOLDS = (0.15, 0.25, 0.50)  # held-out exact match for time_to
 DIP_AFTER_STEP = 10  # dips: evaluations after this step that fall below half the one before
 SECONDS_GRID = 50  # points of the by-seconds median
@@ -43,10 +45,12 @@ def seed_list(seeds: int, listed: str) -> list[int]:
     return out
 
 
-def run_jobs(jobs: list, fn: Callable, concurrent: int = 1, stagger: float = 0.0) -> dict:
+def run_jobs(jobs: list, fn: Callable, concurrent: int = 1, stagger: float = 0.0,
+             on_done: Callable[[dict], None] | None = None) -> dict:
     """`fn(job)` for each job, up to `concurrent` at once, the starts at least `stagger` seconds apart. Returns
-    {job: fn's result, or the SystemExit's message of a run that failed (a str)}."""
-    lock, last = threading.Lock(), [float("-inf")]
+    {job: fn's result, or the SystemExit's message of a run that failed (a str)}; `on_done(finished so far)` after
+    each job (one call at a time)."""
+    lock, last, finished, report = threading.Lock(), [float("-inf")], {}, threading.Lock()
 
     def one(job):
         if concurrent > 1 and stagger > 0:
@@ -54,10 +58,15 @@ def run_jobs(jobs: list, fn: Callable, concurrent: int = 1, stagger: float = 0.0
                 time.sleep(max(0.0, last[0] + stagger - time.monotonic()))
                 last[0] = time.monotonic()
         try:
-            return fn(job)
+            out = fn(job)
         except SystemExit as exc:
             print(f"learn: {job}: failed: {str(exc.code)[:400]}", flush=True)
-            return str(exc.code)
+            out = str(exc.code)
+        with report:
+            finished[job] = out
+            if on_done is not None:
+                on_done(dict(finished))
+        return out
 
     with ThreadPoolExecutor(max_workers=max(1, concurrent)) as pool:
         return dict(zip(jobs, pool.map(one, jobs)))
@@ -215,16 +224,21 @@ def run_seeds(args, result: dict, run_one: Callable[[str, int], dict]) -> int:
     if args.concurrent > 1 and not any(c.removeprefix("--").startswith(caps) for c in args.cfg):
         print(f"learn: --concurrent {args.concurrent}: on one GPU give each run its share (--cfg "
               "run.max_gpu_memory_gb=GiB), else every run's vLLM takes its default share", flush=True)
-    done = run_jobs(jobs, lambda job: run_one(*job), args.concurrent, args.stagger)
-    result["modes"] = {f"{mode}, seed {seed}": run for (mode, seed), run in done.items() if isinstance(run, dict)}
-    result["seeds"] = {mode: aggregate({s: done[(mode, s)] for s in args.seed_values}) for mode in args.modes}
+    out_json = args.out / f"learn_{args.task}.json"
+
+    def record(done: dict) -> None:  # after each run: a call cut short keeps the runs that finished
+        result["modes"] = {f"{mode}, seed {seed}": run for (mode, seed), run in done.items() if isinstance(run, dict)}
+        result["seeds"] = {mode: aggregate({s: done[(mode, s)] for s in args.seed_values if (mode, s) in done})
+                           for mode in args.modes if any((mode, s) in done for s in args.seed_values)}
+        write_text_atomic(out_json, json.dumps(result, indent=1))
+
+    done = run_jobs(jobs, lambda job: run_one(*job), args.concurrent, args.stagger, on_done=record)
+    record(done)
     for mode, agg in result["seeds"].items():
         times = {x: t["median_seconds"] for x, t in agg["time_to"].items()}
         ends = {s: v["end"] for s, v in agg["per_seed"].items()}
         print(f"learn: {mode}: median training seconds to {json.dumps(times)}; exact match at the end per seed "
               f"{json.dumps(ends)}", flush=True)
-    out_json = args.out / f"learn_{args.task}.json"
-    out_json.write_text(json.dumps(result, indent=1))
     plot(result, out_json.with_suffix(".png"))
     print(f"learn: wrote {out_json} and {out_json.with_suffix('.png')}")
     return 1 if any(agg["failed"] for agg in result["seeds"].values()) else 0

@@ -215,3 +215,25 @@ def test_merge_pools_one_modes_seeds_from_several_bench_runs(tmp_path, monkeypat
     assert list(merged["modes"]) == ["sync, seed 0", "sync, seed 1", "sync, seed 2"]
     with pytest.raises(SystemExit, match=r"^error: --merge: sync seed 2 is in two files .*--labels keeps them apart"):
         results.merge([files[0], files[1], files[1]], tmp_path)
+
+
+def test_each_finished_run_is_written_before_the_next_starts(tmp_path, monkeypatch):
+    """--seeds writes learn_<task>.json after every run, so a run cut short (a time limit, a lost machine) leaves the
+    runs that finished on disk with their aggregate."""
+    seeds = bench_module(monkeypatch, "learn_seeds")
+    out = tmp_path / "learn_arithmetic.json"
+    seen = []
+
+    def run_one(mode, seed):
+        seen.append(json.loads(out.read_text()) if out.exists() else None)
+        if seed == 1:
+            raise SystemExit("learn: `ds-rlhf train-ppo` failed (exit 1)")
+        return _run([(0, 0, 0.1), (10, 20, 0.3)])
+
+    args = type("Args", (), {"modes": ["sync"], "seed_values": [0, 1, 2], "concurrent": 1, "stagger": 0.0,
+                             "cfg": [], "out": tmp_path, "task": "arithmetic"})()
+    assert seeds.run_seeds(args, {"task": "arithmetic", "model_name": "m", "device": "CPU"}, run_one) == 1
+    assert seen[0] is None and list(seen[1]["modes"]) == ["sync, seed 0"] and seen[1]["seeds"]["sync"]["seeds"] == [0]
+    assert seen[2]["seeds"]["sync"]["seeds"] == [0, 1] and "1" in seen[2]["seeds"]["sync"]["failed"]
+    final = json.loads(out.read_text())
+    assert final["seeds"]["sync"]["seeds"] == [0, 1, 2] and (tmp_path / "learn_arithmetic.png").exists()
