@@ -119,8 +119,10 @@ class RolloutConfig:
     engine_sm_percent: int = opt(0, ge=0, le=100)  # sm_split: the engines' % of SMs; 0 = from the planned work
     trainer_sm_percent: int = opt(0, ge=0, le=100)  # sm_split: the trainer's % of SMs; 0 = 100 - the engines'
     # own: our CUDA-IPC buffer (sidecar) / weight group (disaggregated); vllm: vLLM's weight_transfer engine, IPC on
-    # the sidecar (vLLM 0.26's ipc_engine imports ray and requests), NCCL on a disaggregated server (GPU only)
-    weight_transport: str = opt("own", choices=("own", "vllm"))  # how a sync moves weights into a vLLM server
+    # the sidecar (vLLM 0.26's ipc_engine imports ray and requests), NCCL on a disaggregated server (GPU only);
+    # shared (sidecar, tensor parallel 1, no FP8, no adapter sync): every sidecar engine's weights are views of one
+    # buffer of the trainer's (CUDA IPC; a /dev/shm file on CPU), held once for all engines; a sync writes into it
+    weight_transport: str = opt("own", choices=("own", "vllm", "shared"))  # own | vllm | shared: one weight copy
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
     temperature: float = opt(1.0, gt=0)
@@ -256,8 +258,25 @@ class RolloutConfig:
                               f"engine processes beside it; it needs --rollout.placement sidecar (got placement="
                               f"{self.placement}, backend={self.backend}): use sidecar, or --rollout.sm_split off")
 
+    def _check_shared_weights(self) -> None:
+        if self.weight_transport != "shared":
+            return
+        why = ("rollout.placement sidecar" if self.placement != "sidecar" or self.backend == "hf" else
+               "rollout.quantization none (vLLM's FP8 rewrites the weights after loading)"
+               if self.quantization != "none" else
+               "rollout.tensor_parallel_size 1" if self.tensor_parallel_size > 1 else
+               "rollout.lora_sync merged (vLLM's LoRA adapters are not in the shared buffer)"
+               if self.lora_sync == "adapter" else None)
+        if why is not None:
+            raise ConfigError(f"rollout.weight_transport=shared makes the sidecar vLLM engines' weights views of one "
+                              f"buffer of the trainer's; it needs {why} (got placement={self.placement}, backend="
+                              f"{self.backend}, quantization={self.quantization}, tensor_parallel_size="
+                              f"{self.tensor_parallel_size}, lora_sync={self.lora_sync}): change that or use "
+                              "--rollout.weight_transport own")
+
     def check(self) -> None:
         self._check_vllm_options()
+        self._check_shared_weights()
         self._check_lora_sync()
         self._check_quantization()
         if self.sidecar_engines > 1 and self.placement != "sidecar":

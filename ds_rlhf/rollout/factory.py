@@ -119,8 +119,10 @@ def _sharded(n: int, model_path: str, client: dict, vllm_kw: dict, kw: dict) -> 
         for i in range(n):
             own = dict(vllm_kw, gpu_memory_utilization=vllm_kw["gpu_memory_utilization"] / n, seed=vllm_kw["seed"] + i,
                        kv_cache_bytes=vllm_kw["kv_cache_bytes"] // n)
+            # what the first server's transport made (shared weights: the buffer), for every later one
+            state = getattr(getattr(engines[0], "weights", None), "state", None) if engines else None
             engines.append(server_client.RemoteVLLMEngine(model_path, **dict(client, log_path=log_paths[i]),
-                                                   process=processes[i], **own, **kw))
+                                                   process=processes[i], transport_state=state, **own, **kw))
         return sharded.ShardedRolloutEngine(engines)
     except BaseException:
         for e in engines:

@@ -9,7 +9,9 @@ log-probs (`score`, the sync canary) skip the sampling processors in both versio
 
 Weights enter vLLM through `vllm_worker.WeightSyncWorkerExtension` (`worker_extension_cls`, reached with
 `collective_rpc`); with `rollout.weight_transport vllm` through vLLM's weight-transfer engine instead
-(`transfer_*` here, the trainer's end in `vllm_transfer.py`).
+(`transfer_*` here, the trainer's end in `vllm_transfer.py`); with `rollout.weight_transport shared`
+(`shared_buffer=`) the model is loaded into the trainer's buffer by our loader (`vllm_shared.py`) and a sync is
+the trainer writing into it.
 
 LoRA (`lora_rank > 0`, adapter sync: `adapter_sync.py`): the engine starts with `enable_lora=True`, `max_loras=1`
 and `max_lora_rank` (`vllm_adapter.lora_engine_kwargs`); `load_adapter` registers each synced peft adapter directory
@@ -67,6 +69,7 @@ from ds_rlhf.rollout.vllm_mapping import (
     sampling_kwargs,
     weight_transfer_kwargs,
 )
+from ds_rlhf.rollout.vllm_shared import register_shared_loader, set_shared_buffer
 from ds_rlhf.rollout.vllm_transfer import ipc_engine_module
 from ds_rlhf.rollout.vllm_worker import EXTENSION
 from ds_rlhf.rollout.weights.cpu_shm import cpu_shm_cleanup
@@ -88,6 +91,15 @@ def _prepare_cpu(dtype: str) -> str:
     return dtype
 
 
+def _shared_loading(buffer: torch.Tensor, executor: str, tensor_parallel_size: int, enable_sleep: bool) -> str:
+    """Put `buffer` in our loader's slot (`vllm_shared.py`); returns the `load_format` that picks the loader."""
+    if executor not in IN_PROCESS_EXECUTORS or tensor_parallel_size != 1 or enable_sleep:
+        raise RolloutError(f"shared weights need one in-process vLLM worker without sleep mode (got executor="
+                           f"{executor!r}, tensor_parallel_size={tensor_parallel_size}, enable_sleep={enable_sleep})")
+    set_shared_buffer(buffer)
+    return register_shared_loader()
+
+
 class VLLMHandle:
     """A vLLM `LLM` running in this process (single GPU / CPU: "uni"; several ranks: "external_launcher"; a
     disaggregated server with TP > 1: "mp"), plus the handful of operations the rollout engines need."""
@@ -98,7 +110,8 @@ class VLLMHandle:
                  enforce_eager: bool | None = None, async_scheduling: bool | None = None, max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, cudagraph_sizes: Sequence[int] = (), lora_rank: int = 0,
                  weight_transport: str = "own", weight_transfer_backend: str = "ipc", kv_cache_bytes: int = 0,
-                 quantization: str = "none", fp8_scales: str = "tensor", **llm_kwargs) -> None:
+                 quantization: str = "none", fp8_scales: str = "tensor", shared_buffer: torch.Tensor | None = None,
+                 **llm_kwargs) -> None:
         self.version = vllm_version()
         check_vllm_version(self.version)
         if executor in IN_PROCESS_EXECUTORS:
@@ -137,7 +150,12 @@ class VLLMHandle:
             kwargs.update(kv_cache_kwargs(kv_cache_bytes, cpu=self.cpu, version=self.version,
                                           arg_names=engine_arg_names(), free=psutil.virtual_memory().available))
         kwargs.update(llm_kwargs)
-        self._start(LLM, kwargs)
+        if shared_buffer is not None:
+            kwargs["load_format"] = _shared_loading(shared_buffer, executor, tensor_parallel_size, enable_sleep)
+        try:
+            self._start(LLM, kwargs)
+        finally:
+            set_shared_buffer(None)  # the model holds its views; no later load may place itself there
         self.sleep_enabled = enable_sleep
         self.in_process = executor in IN_PROCESS_EXECUTORS
         self._check_started(kwargs["logprobs_mode"], executor)
@@ -289,6 +307,12 @@ class VLLMHandle:
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def shared_report(self) -> dict:
+        """`rollout.weight_transport shared`: the layout of the model in the trainer's buffer and the bytes of
+        parameters outside it (one in-process worker)."""
+        (report,) = self.llm.collective_rpc("ds_rlhf_shared_report")
+        return report
 
     # ---- memory -----------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict:

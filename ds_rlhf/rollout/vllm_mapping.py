@@ -184,20 +184,22 @@ def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
     return found[0][0], found[0][1], [d for d, _ in found]
 
 
-WEIGHT_TRANSPORTS = ("own", "vllm")  # rollout.weight_transport: our IPC buffer / weight group, or vLLM's engines
+# rollout.weight_transport: our IPC buffer / weight group, vLLM's engines, or one buffer the engines' weights live in
+WEIGHT_TRANSPORTS = ("own", "vllm", "shared")
 TRANSFER_BACKENDS = ("ipc", "nccl")  # vLLM's engine for "vllm": CUDA IPC (sidecar) / NCCL (disaggregated)
 NCCL_NUM_BUFFERS = 2  # chunks in flight in vLLM's packed NCCL broadcast (its default), on both ends
 
 
 def weight_transfer_kwargs(transport: str, *, version: str | None, arg_names: Collection[str],
                            backend: str = "ipc") -> dict:
-    """`LLM(...)` keywords for `transport`: none for "own"; for "vllm", vLLM's weight-transfer engine of `backend`
+    """`LLM(...)` keywords for `transport`: none for "own" and "shared" (the server sets its loader: `vllm_shared.py`);
+    for "vllm", vLLM's weight-transfer engine of `backend`
     ("ipc": a sidecar server on the trainer's GPU; "nccl": a disaggregated server on other GPUs) as
     `weight_transfer_config`, an `EngineArgs` field in 0.26 and 0.32 that takes a dict. RolloutError naming the
     setting when the transport or backend is unknown or the installed vLLM has no such engine argument."""
     if transport not in WEIGHT_TRANSPORTS:
         raise RolloutError(f"rollout.weight_transport={transport!r}: choose one of {', '.join(WEIGHT_TRANSPORTS)}")
-    if transport == "own":
+    if transport != "vllm":
         return {}
     if backend not in TRANSFER_BACKENDS:
         raise RolloutError(f"rollout.weight_transport=vllm: no vLLM weight-transfer backend {backend!r} (one of "

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ds_rlhf.rollout.vllm_shared import shared_report
 from ds_rlhf.rollout.weights.group import WeightGroup, bucket_nbytes, plan_from_wire, unpack_bucket
 
 EXTENSION = "ds_rlhf.rollout.vllm_worker.WeightSyncWorkerExtension"
@@ -57,6 +58,11 @@ class WeightSyncWorkerExtension:
         """Layers whose weights the CPU backend moved into a packed kernel (empty weight): sync can't reach them."""
         return [name for name, mod in self._ds_rlhf_model().named_modules()
                 if hasattr(mod, "cpu_linear") and getattr(getattr(mod, "weight", None), "numel", lambda: 1)() == 0]
+
+    def ds_rlhf_shared_report(self) -> dict:
+        """`rollout.weight_transport shared`: the layout our loader placed the model in (HF name, element offset,
+        shape per component) and the bytes of parameters outside the trainer's buffer (`vllm_shared.py`)."""
+        return shared_report(self._ds_rlhf_model())
 
     def ds_rlhf_init_weight_group(self, host: str, port: int, world_size: int, backend: str,
                                   timeout_s: float) -> None:

@@ -31,6 +31,8 @@ class RolloutServer(Protocol):
 
     def send_command(self, *msg) -> Pending: ...
 
+    def wait_replies(self) -> None: ...
+
 
 def send_all(engines: Sequence[RolloutServer], *msg) -> list[Pending]:
     """Send `msg` to every server without waiting; one `Pending` reply each. When a send fails, the replies of the

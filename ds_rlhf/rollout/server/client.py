@@ -25,6 +25,7 @@ reported with its exit code.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections import deque
@@ -60,7 +61,7 @@ class RemoteVLLMEngine(RolloutEngine):
                  timeout_s: float = 600.0, startup_timeout_s: float = 900.0, bucket_bytes: int = 1 << 30,
                  log_path: str | None = None, host: str = "127.0.0.1", process: ServerProcess | None = None,
                  transport: str | None = None, server_env: Mapping[str, str] | None = None,
-                 **engine_kwargs) -> None:
+                 transport_state=None, **engine_kwargs) -> None:
         super().__init__()
         self.timeout_s, self.bucket_bytes, self.host = timeout_s, bucket_bytes, host
         # ipc: a sidecar on the trainer's GPU (devices == [this GPU]); nccl: other GPUs; gloo: CPU
@@ -78,8 +79,11 @@ class RemoteVLLMEngine(RolloutEngine):
         self._conn = self._proc = self._listener = self._log = None
         self._d = torch.distributed if multi_rank() else None
         self.owner = self._d is None or self._d.get_rank() == 0
-        info = None
+        info = state = None
         if self.owner:  # a server spawned ahead (`process.spawn_servers`) or one of its own
+            # what the server's engine is built around (shared weights: the trainer's buffer; `transport_state`: the
+            # one an earlier sidecar's transport made, `factory._sharded`)
+            state = chosen.prepare(str(model_path), self.weight_backend, engine_kwargs, transport_state)
             process = process or ServerProcess(devices=devices, log_path=log_path, host=host, extra_env=server_env)
             info = self._start(process, model_path, startup_timeout_s, engine_kwargs)
         if self._d is not None:
@@ -87,9 +91,12 @@ class RemoteVLLMEngine(RolloutEngine):
             self._d.broadcast_object_list(box, src=0)
             info = box[0]
         if "error" in info:
+            if state is not None and state is not transport_state and hasattr(state, "close"):
+                state.close()  # made for this server only
             raise RolloutError(info["error"])
         self.world = info["world"]
         self.weights = chosen(self, getattr(torch, info["dtype"].removeprefix("torch.")))
+        self.weights.attach(state, info)
         self._c.extra.update(vllm_version=info["version"], start_seconds=info["start_seconds"],
                              vllm_options=info.get("options"))
 
@@ -177,6 +184,14 @@ class RemoteVLLMEngine(RolloutEngine):
     def _check_idle(self) -> None:
         if self._in_flight:
             raise RolloutError("a generation is in flight: collect it before any other call")
+
+    def wait_replies(self) -> None:
+        """Wait until the server answered every command sent (each reply kept for whoever reads it, a failure
+        too); refused while a generation is in flight. The server then runs nothing until the next command."""
+        self._check_idle()
+        if self._unread:
+            with contextlib.suppress(RolloutError):
+                self._unread[-1].result()
 
     def _collective(self, item, run):
         """Gather every rank's `item` to rank 0, `run(items)` there (a list per rank), scatter each rank its part."""

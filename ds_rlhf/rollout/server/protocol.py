@@ -4,8 +4,10 @@
 A message is a pickled tuple `(command, *args)` sent over the authenticated local socket; the server answers every
 command but `close` in the order it came with `(OK, payload)` or `(ERROR, the server's traceback)`. Weights do not
 travel in messages: `update` announces the buckets that follow over the weight group, `update_ipc` the bucket the
-trainer wrote into the shared CUDA buffer that `init_ipc` mapped, and the `wt_*` commands forward vLLM's
-weight-transfer calls (init / start / update / finish) with their info dicts.
+trainer wrote into the shared CUDA buffer that `init_ipc` mapped, the `wt_*` commands forward vLLM's
+weight-transfer calls (init / start / update / finish) with their info dicts, and `shared_update` says the trainer
+wrote a sync into the buffer the server's parameters are views of (`rollout.weight_transport shared`: 'start'
+mapped it, from `engine_kwargs["shared_weights"]`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Command(enum.StrEnum):
     WT_START = "wt_start"
     WT_UPDATE = "wt_update"
     WT_FINISH = "wt_finish"
+    SHARED_UPDATE = "shared_update"
     SLEEP = "sleep"
     WAKE = "wake"
     STATS = "stats"
@@ -47,7 +50,9 @@ class Shape:
 
 MESSAGES: dict[Command, Shape] = {
     Command.START: Shape(("model_path", "engine_kwargs"),
-                         "{dtype, world, version, start_seconds, options}: the engine is built"),
+                         "{dtype, world, version, start_seconds, options[, shared_layout]}: the engine is built "
+                         "(shared_layout: [(HF name, element offset, shape)] in the trainer's buffer, with "
+                         "engine_kwargs['shared_weights'], the function and arguments that map it)"),
     Command.GENERATE_MANY: Shape(("groups",), "{rows, seconds, tokens}: per (prompts, spec) group, its samples' "
                                               "fields as tuples"),
     Command.LOGPROBS: Shape(("sequences",), "the per-token log-probs of each sequence"),
@@ -62,6 +67,8 @@ MESSAGES: dict[Command, Shape] = {
     Command.WT_START: Shape((), "None: vLLM's `start_weight_update` returned"),
     Command.WT_UPDATE: Shape(("update_info",), "None: vLLM's `update_weights` loaded the chunk (or broadcasts)"),
     Command.WT_FINISH: Shape((), "{load_seconds}: vLLM's `finish_weight_update` returned, this sync's loading time"),
+    Command.SHARED_UPDATE: Shape(("nbytes",), "{load_seconds}: the prefix cache is reset after the trainer wrote "
+                                              "`nbytes` into the shared weight buffer"),
     Command.SLEEP: Shape((), "the engine's sleep_* stats"),
     Command.WAKE: Shape(("tags",), "the engine's wake_* stats"),
     Command.STATS: Shape((), "the engine's stats"),

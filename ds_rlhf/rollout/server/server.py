@@ -8,7 +8,10 @@ come through the socket: on 'update' the vLLM workers receive the announced buck
 sidecar the trainer's CUDA buffer is mapped once ('init_ipc') and each 'update_ipc' loads the bucket it holds; with
 `rollout.weight_transport vllm` the 'wt_*' commands make vLLM's weight-transfer calls (init / start / update /
 finish): on a sidecar one 'wt_update' per chunk, carrying vLLM's IPC handle of the trainer's buffer; on other GPUs
-(NCCL) 'wt_init' joins the trainer's NCCL group and one 'wt_update' receives the whole sync's broadcasts.
+(NCCL) 'wt_init' joins the trainer's NCCL group and one 'wt_update' receives the whole sync's broadcasts. With
+`rollout.weight_transport shared` the 'start' message carries the trainer's weight buffer (`shared_weights`): the
+server maps it and builds its engine with our loader (`vllm_shared.py`), whose parameters are views of it; a sync
+is the trainer writing into the buffer, then 'shared_update', which resets the prefix cache.
 Every failure goes back to the client with its traceback instead of killing the server.
 """
 
@@ -36,7 +39,8 @@ class ServerSession:
 
     def __init__(self) -> None:
         self.engine: VLLMRolloutEngine | None = None
-        self.ipc_buffer: torch.Tensor | None = None
+        self.ipc_buffer: torch.Tensor | None = None  # the trainer's buffer (`init_ipc`, or shared weights)
+        self.shared = False  # the engine's weights are views of the trainer's buffer (rollout.weight_transport shared)
         self.load_seconds = 0.0  # this sync's loading time so far (IPC buckets, vLLM's chunks)
         self.handlers = {Command.START: self.start, Command.GENERATE_MANY: self.generate_many,
                          Command.LOGPROBS: self.logprobs, Command.INIT_GROUP: self.init_group,
@@ -44,7 +48,8 @@ class ServerSession:
                          Command.UPDATE_IPC: self.update_ipc, Command.UPDATE_DONE: self.update_done,
                          Command.WT_INIT: self.wt_init, Command.WT_START: self.wt_start,
                          Command.WT_UPDATE: self.wt_update, Command.WT_FINISH: self.wt_finish,
-                         Command.SLEEP: self.sleep, Command.WAKE: self.wake, Command.STATS: self.stats}
+                         Command.SHARED_UPDATE: self.shared_update, Command.SLEEP: self.sleep,
+                         Command.WAKE: self.wake, Command.STATS: self.stats}
 
     def handle(self, cmd: str, args: tuple):
         """One command; returns its reply."""
@@ -68,10 +73,29 @@ class ServerSession:
     def start(self, model_path: str, engine_kwargs: dict) -> dict:
         tp = engine_kwargs.get("tensor_parallel_size") or 1
         engine_kwargs.setdefault("executor", "mp" if tp > 1 else "uni")
+        shared = engine_kwargs.pop("shared_weights", None)  # (function, arguments) that map the trainer's buffer
+        self.shared = shared is not None
+        if shared is not None:
+            rebuild_fn, rebuild_args = shared
+            self.ipc_buffer = engine_kwargs["shared_buffer"] = rebuild_fn(*rebuild_args)
         engine = self.engine = VLLMRolloutEngine(model_path, **engine_kwargs)
         engine.placement = "disaggregated (server)"
-        return {"dtype": str(engine.weights.dtype), "world": tp, "version": engine.handle.version,
+        info = {"dtype": str(engine.weights.dtype), "world": tp, "version": engine.handle.version,
                 "start_seconds": engine.handle.start_seconds, "options": engine.handle.options}
+        if shared is not None:
+            report = engine.handle.shared_report()
+            if report["outside_bytes"]:
+                raise RuntimeError(f"shared weights: {report['outside_bytes']} bytes of vLLM parameters lie outside "
+                                   "the trainer's buffer after start-up (vLLM replaced them after loading)")
+            info["shared_layout"] = report["layout"]
+        return info
+
+    def shared_update(self, nbytes: int) -> dict:
+        """The trainer wrote a sync into the buffer our parameters are views of: only the prefix cache is stale."""
+        t0 = time.perf_counter()
+        self.engine.handle.reset_prefix_cache()
+        self.engine.weights.record(nbytes, time.perf_counter() - t0)
+        return {"load_seconds": time.perf_counter() - t0}
 
     def generate_many(self, groups) -> dict:
         t0 = time.perf_counter()
@@ -151,7 +175,10 @@ class ServerSession:
         return {k: v for k, v in self.engine.stats().items() if k.startswith("wake_")}
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        out = self.engine.stats()
+        if self.shared:  # shared weights: parameter bytes outside the trainer's buffer (0 while it holds)
+            out["shared_outside_bytes"] = self.engine.handle.shared_report()["outside_bytes"]
+        return out
 
     def close(self) -> None:
         if self.engine is not None:

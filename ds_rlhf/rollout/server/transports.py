@@ -8,9 +8,11 @@ replies it still owes, and `TRANSPORTS`, the registry the client picks one from 
 | `nccl` | `OwnNCCL` | a disaggregated server on other GPUs: our weight group over NCCL |
 | `vllm_nccl` | `VLLMNCCL` | a disaggregated server: vLLM's NCCL weight-transfer engine (`weight_transport vllm`) |
 | `gloo` | `OwnGloo` | a server on CPU (the CPU tests): our weight group over gloo |
+| `shared` | `SharedWeights` | sidecars: engine weights are views of one trainer buffer (`weight_transport shared`) |
 
-A new transport is a `ServerTransport` subclass (its `send_to`, and `engine_kwargs` where the server's engine must
-be built for it) and one line in `TRANSPORTS`; the client (`client.py`) then takes it by name (`transport=`).
+A new transport is a `ServerTransport` subclass (its `send_to`, and `engine_kwargs` or `prepare` / `attach` where
+the server's engine must be built for it) and one line in `TRANSPORTS`; the client (`client.py`) then takes it by
+name (`transport=`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError, TensorMeta, WeightTransport
 from ds_rlhf.rollout.server.calls import RolloutServer, ServersWeightClient, all_of, command_all, send_all, slowest_load
 from ds_rlhf.rollout.server.protocol import Command
+from ds_rlhf.rollout.server.shared import SharedBuffer
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
+from ds_rlhf.rollout.shared_layout import Slot, slots_from_wire
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
 from ds_rlhf.rollout.vllm_transfer import NCCLWeightSender, send_weights_through_vllm_ipc
 from ds_rlhf.rollout.weights.group import WeightGroup, bucket_nbytes, pack_bucket, plan_to_wire
@@ -43,11 +47,23 @@ class ServerTransport(WeightTransport):
         super().__init__()
         self.server, self.dtype = server, dtype
         self.owed: Pending | None = None
+        self.state = None  # what `prepare` made (shared with the transports of later sidecars)
 
     @staticmethod
     def engine_kwargs(backend: str) -> dict:
         """Keywords the server's engine must be built with for this transport (`backend`: ipc, nccl or gloo)."""
         return {}
+
+    @classmethod
+    def prepare(cls, model_path: str, backend: str, engine_kwargs: dict, state=None):
+        """Set up what the server's engine must be built with before it starts (it may add to `engine_kwargs`) and
+        return the state this transport keeps (`attach`); `state`: the one an earlier server's transport made, to
+        share it (several sidecars). Nothing by default."""
+        return state
+
+    def attach(self, state, info: dict) -> None:
+        """Take the state `prepare` returned and the server's 'start' reply, once the server started."""
+        self.state = state
 
     @abstractmethod
     def send_to(self, servers: Sequence[RolloutServer], buckets, plan: BucketPlan, *,
@@ -270,17 +286,109 @@ class VLLMNCCL(ServerTransport):
         self.detach()
 
 
+class SharedWeights(ServerTransport):
+    """`rollout.weight_transport shared`: every server's vLLM parameters are views of one buffer the trainer owns
+    (`shared.SharedBuffer`, mapped by each server at 'start', where our loader places the model in it:
+    `vllm_shared.py`), so a sync writes each tensor into its slot of the layout the servers reported (cast to the
+    buffer's dtype), synchronises the device and sends every server 'shared_update', which resets its prefix
+    cache; the server loads nothing. The plan is checked first: a name with no slot, a shape unlike its slot's or a
+    slot the sync leaves out is one RolloutError line naming the first such tensor, and nothing is written.
+    With `wait=False` the 'shared_update' replies are owed, read before the next update.
+
+    No server may read the buffer while it is written. The rollout service syncs only while the engine is idle
+    (service.py; docs/ASYNC.md): synchronous mode collects the batch before training and publishing, async mode
+    publishes only between collecting one batch and submitting the next, and an engine refuses a sync while a
+    generation is in flight (`ShardedWeights.check_idle`). `rollout.overlap_sync` leaves replies unread (the load's
+    acknowledgement, the canary's log-probs) that the server may still be working on; `send_to` therefore reads
+    every server's owed replies first (`wait_replies`, which also refuses while a generation is in flight), so each
+    server has answered every command sent before the first byte is written."""
+
+    shares_device = True
+
+    def __init__(self, server: RolloutServer, dtype: torch.dtype) -> None:
+        super().__init__(server, dtype)
+        self.shared: SharedBuffer | None = None
+        self.slots: dict[str, Slot] = {}
+
+    @classmethod
+    def prepare(cls, model_path, backend, engine_kwargs, state=None):
+        if backend not in ("ipc", "gloo") or (engine_kwargs.get("tensor_parallel_size") or 1) > 1:
+            raise RolloutError(f"rollout.weight_transport=shared maps one buffer of the trainer's into the servers "
+                               f"on its own device: it needs sidecar servers with tensor parallel 1 (got weights "
+                               f"over {backend}, tensor_parallel_size={engine_kwargs.get('tensor_parallel_size')})")
+        shared = state or SharedBuffer.for_model(model_path, engine_kwargs.get("dtype", "auto"), cuda=backend == "ipc")
+        engine_kwargs.update(dtype=shared.dtype_name, shared_weights=shared.rebuild)
+        return shared
+
+    def attach(self, state, info: dict) -> None:
+        layout = slots_from_wire(info.get("shared_layout") or [])
+        if not layout:
+            raise RolloutError("rollout.weight_transport=shared: the server reported no layout of its weights")
+        if state is not None:
+            if state.layout is not None and state.layout != layout:
+                raise RolloutError("rollout.weight_transport=shared: this server placed its weights in the shared "
+                                   "buffer unlike the first server (same model and settings expected)")
+            state.layout = layout
+        super().attach(state, info)
+        self.shared, self.slots = state, {s.name: s for s in layout}
+
+    def _check(self, plan: BucketPlan) -> None:
+        names = set()
+        for meta in (m for metas in plan for m in metas):
+            slot = self.slots.get(meta.name)
+            if slot is None or tuple(meta.shape) != slot.shape:
+                where = "has no slot" if slot is None else f"is {list(meta.shape)}, its slot {list(slot.shape)}"
+                raise RolloutError(f"rollout.weight_transport=shared: {meta.name} {where} in the engines' buffer")
+            names.add(meta.name)
+        missing = [n for n in self.slots if n not in names]
+        if missing:
+            raise RolloutError(f"rollout.weight_transport=shared: the sync leaves out {missing[0]} (and "
+                               f"{len(missing) - 1} more): every weight the engines hold comes in each sync")
+
+    def send_to(self, servers, buckets, plan, *, wait):
+        self.settle()
+        for server in servers:
+            server.wait_replies()  # every command answered: no server reads the buffer while it is written
+        self._check(plan)
+        buffer, nbytes = self.shared.tensor, 0
+        with torch.no_grad():
+            for bucket in buckets:
+                for name, t in bucket:
+                    slot = self.slots.get(name)
+                    if slot is None or tuple(t.shape) != slot.shape:
+                        raise RolloutError(f"rollout.weight_transport=shared: {name} {list(t.shape)} is not in the "
+                                           "announced plan")
+                    buffer[slot.offset: slot.offset + slot.numel].view(slot.shape).copy_(t)
+                    nbytes += slot.numel * buffer.element_size()
+        if buffer.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        done = all_of(send_all(servers, Command.SHARED_UPDATE, nbytes))
+        if wait:
+            return nbytes, Pending.done(slowest_load(done.result()))
+        self.owed = done
+        return nbytes, Pending(lambda: slowest_load(done.result()))
+
+    def close(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.close()
+
+
 TRANSPORTS: dict[str, type[ServerTransport]] = {
     "ipc": OwnIPC,
     "vllm_ipc": VLLMIPC,
     "nccl": OwnNCCL,
     "vllm_nccl": VLLMNCCL,
     "gloo": OwnGloo,
+    "shared": SharedWeights,
 }
 
 
 def transport_name(backend: str, choice: str) -> str:
-    """The registry name for `rollout.weight_transport` `choice` (own / vllm) over `backend` (ipc / nccl / gloo)."""
+    """The registry name for `rollout.weight_transport` `choice` (own / vllm / shared) over `backend` (ipc / nccl /
+    gloo): shared is one transport whatever the backend (it refuses those it cannot map, `SharedWeights.prepare`)."""
+    if choice == "shared":
+        return "shared"
     return backend if choice == "own" else f"{choice}_{backend}"
 
 

@@ -1,0 +1,99 @@
+"""The trainer's weight buffer of `rollout.weight_transport shared` (`transports.SharedWeights`): one flat tensor in
+the rollout dtype, allocated before any server builds its engine and sized from the trainer's parameters
+(`shared_layout.buffer_numel` over the checkpoint's model, built on the meta device: the names and shapes the
+trainer syncs, tied weights once). Every server maps it ('start' carries `rebuild`) and its vLLM parameters become
+views of it (`vllm_shared.py`):
+
+- GPU (a sidecar on the trainer's device): a CUDA tensor shared with `reduce_tensor`, as `OwnIPC`'s buffer; a
+  server rebuilds it with `rebuild_fn(*args)`.
+- CPU (the CPU tests; vLLM on CPU runs float32): a file in /dev/shm both processes map with
+  `torch.from_file(path, shared=True, ...)`, removed by `close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import tempfile
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from ds_rlhf.rollout.base import RolloutError
+from ds_rlhf.rollout.shared_layout import Slot, buffer_numel
+from ds_rlhf.rollout.vllm_mapping import DTYPE_NAMES
+
+SHM_DIR = "/dev/shm"
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def hf_parameter_shapes(model_path: str) -> tuple[list[tuple[str, tuple[int, ...]]], set[str], torch.dtype | None]:
+    """The checkpoint's model as the trainer holds it, built on the meta device: its parameters' (name, shape),
+    tied ones once; the names of its vocabulary embeddings; the checkpoint's dtype (None where it names none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    vocab = {id(m.weight) for m in embeddings}
+    named = list(model.named_parameters())
+    dtype = vars(config).get("dtype") or vars(config).get("torch_dtype")  # the spelling of the installed transformers
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return ([(n, tuple(p.shape)) for n, p in named], {n for n, p in named if id(p) in vocab},
+            dtype if isinstance(dtype, torch.dtype) else None)
+
+
+def buffer_dtype(dtype: str, *, cpu: bool, checkpoint: torch.dtype | None) -> torch.dtype:
+    """The dtype of the buffer and of the engines' weights: the rollout dtype; "auto" is float32 on CPU, else the
+    checkpoint's half dtype, else bfloat16."""
+    name = DTYPE_NAMES.get(dtype, dtype)
+    if name == "auto":
+        if cpu:
+            return torch.float32
+        return checkpoint if checkpoint in _HALF else torch.bfloat16
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype):
+        raise RolloutError(f"shared weights: unknown rollout dtype {dtype!r}")
+    return resolved
+
+
+class SharedBuffer:
+    """`numel` elements of `dtype`, on the current CUDA device (`cuda`) or in a /dev/shm file; `rebuild` is the
+    (function, arguments) a server maps it with; `layout` the places the engines' parameters hold (set once the
+    first server started)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, *, cuda: bool) -> None:
+        self.numel, self.dtype, self.path = int(numel), dtype, None
+        self.layout: list[Slot] | None = None
+        if cuda:
+            self.tensor = torch.empty(self.numel, dtype=dtype, device=torch.cuda.current_device())
+            self.rebuild = reduce_tensor(self.tensor)
+        else:
+            fd, self.path = tempfile.mkstemp(prefix="ds_rlhf_shared_", suffix=".bin",
+                                             dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+            os.close(fd)
+            self.tensor = torch.from_file(self.path, shared=True, size=self.numel, dtype=dtype)
+            self.rebuild = (functools.partial(torch.from_file, shared=True, size=self.numel, dtype=dtype),
+                            (self.path,))
+
+    @classmethod
+    def for_model(cls, model_path: str, dtype: str, *, cuda: bool) -> SharedBuffer:
+        """A buffer for the checkpoint's parameters in the rollout dtype (`dtype`, as the engine is given it)."""
+        shapes, vocab, checkpoint = hf_parameter_shapes(model_path)
+        resolved = buffer_dtype(dtype, cpu=not cuda, checkpoint=checkpoint)
+        size = torch.empty((), dtype=resolved).element_size()
+        return cls(buffer_numel(shapes, size, vocab), resolved, cuda=cuda)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def close(self) -> None:
+        """Drop this process's tensor and remove the /dev/shm file (servers that mapped it keep their mapping)."""
+        self.tensor = None
+        path, self.path = self.path, None
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
