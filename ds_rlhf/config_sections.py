@@ -12,6 +12,7 @@ from typing import Any
 
 from ds_rlhf.errors import ConfigError
 
+WEIGHT_TRANSPORTS = ("own", "vllm", "shared")  # rollout.weight_transport (RolloutConfig)
 
 def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,
         le: float | None = None, lt: float | None = None) -> Any:
@@ -122,7 +123,7 @@ class RolloutConfig:
     # the sidecar (vLLM 0.26's ipc_engine imports ray and requests), NCCL on a disaggregated server (GPU only);
     # shared (sidecar, tensor parallel 1, no FP8, no adapter sync): every sidecar engine's weights are views of one
     # buffer of the trainer's (CUDA IPC; a /dev/shm file on CPU), held once for all engines; a sync writes into it
-    weight_transport: str = opt("own", choices=("own", "vllm", "shared"))  # own | vllm | shared: one weight copy
+    weight_transport: str = opt("own", choices=WEIGHT_TRANSPORTS)  # own | vllm | shared: sidecars share one weight copy
     n_samples: int = opt(4, ge=1)  # responses per prompt
     max_new_tokens: int = opt(128, ge=1)
     temperature: float = opt(1.0, gt=0)
