@@ -1,6 +1,7 @@
 """On a CUDA machine with vLLM: a sidecar vLLM server (its own process on this GPU, float32 tiny model) synced by
 `WeightSync` through each `rollout.weight_transport` — own (our CUDA-IPC buffer) and vllm (vLLM's weight_transfer
-IPC engine), the latter with one server and with two sharing the trainer's buffer (`sidecar_engines=2`). After three
+IPC engine), the latter with one server and with two sharing the trainer's buffer (`sidecar_engines=2`), and shared
+(the servers' vLLM parameters are views of the trainer's buffer; one and two servers, CUDA graphs on). After three
 AdamW steps the rollout is stale; after a sync the canary (every server's probe log-probs against the trainer's)
 and the log-probs of a generated response match the trainer's; a sync made without waiting (`wait=False`) is
 confirmed with the canary too. The disaggregated cases (2 GPUs: the trainer on GPU 0, the vLLM server on GPU 1)
@@ -86,6 +87,24 @@ def test_sidecar_sync_matches_the_trainer(transport, n_engines, tiny_model_path,
     client = rollout.engines[0] if n_engines > 1 else rollout
     assert type(client.weights) is TRANSPORTS[transport_name("ipc", transport)]  # chosen once, at connect
     _check_sync(rollout, tiny_model_path, placement="sidecar", transport=transport, engines=n_engines)
+
+
+@pytest.mark.parametrize("n_engines", [1, 2])
+def test_sidecar_shared_weights_with_cuda_graphs(n_engines, tiny_model_path, dist_single, tmp_path):
+    """`weight_transport shared`: every server's vLLM parameters are views of the trainer's CUDA buffer, bound
+    while the model loads, before torch.compile and CUDA-graph capture (`enforce_eager=False`), so the captured
+    graphs read what a sync writes there."""
+    rollout = make_rollout_engine("vllm", "sidecar", model_path=str(tiny_model_path), dtype="float32",
+                                  max_model_len=256, gpu_memory_utilization=0.3, seed=0, weight_backend="ipc",
+                                  weight_transport="shared", sidecar_engines=n_engines, enforce_eager=False,
+                                  log_path=str(tmp_path / "server.log"))
+    clients = rollout.engines if n_engines > 1 else [rollout]
+    assert type(clients[0].weights) is TRANSPORTS["shared"]
+    outside = [c.stats()["server"]["shared_outside_bytes"] for c in clients]
+    print(json.dumps({"transport": "shared", "engines": n_engines, "outside_bytes": outside}))
+    assert outside == [0] * n_engines
+    _check_sync(rollout, tiny_model_path, placement="sidecar", transport="shared", engines=n_engines,
+                cuda_graphs=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="disaggregated: the trainer on GPU 0, vLLM on GPU 1")
