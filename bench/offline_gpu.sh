@@ -8,7 +8,8 @@
 #   bash bench/offline_gpu.sh park              # in each call: copy the brought folders to /tmp/park
 #   bash bench/offline_gpu.sh run CMD [ARG...]  # install what is parked (idempotent), then run CMD with
 #                                               # PYTHONPATH, vLLM's offline settings and TORCH_CUDA_ARCH_LIST=9.0 set
-# `run` also parks the folders its own call brought. Order of transfers: .vb1 | .rm1 | .vb2 .whl | .rm2 + run.
+# `run` also parks the folders its own call brought and installs each part once all its folders are parked.
+# Order of transfers: .vb1 | .rm1 | .vb2 .whl | .rm2 + run. pytest (for tests/gpu) may travel in .whl.
 #   CACHES=path.tgz  (run) unpack DeepSpeed's JIT build and vLLM's compile cache into $HOME before CMD
 #   SAVE_CACHES=1    (run) write them to $OUT/caches.tgz after CMD (the next fresh machine skips ~2.5 min of builds)
 set -euo pipefail
@@ -16,13 +17,13 @@ P=/tmp/park
 park() { mkdir -p "$P"; for d in .vb1 .vb2 .whl .rm1 .rm2; do [ -d "$d" ] && cp -r "$d" "$P/"; done; ls -a "$P" | tr '\n' ' '; echo; }
 
 install_all() {
-  if [ ! -f /tmp/vsite/vllm_env.sh ]; then
+  if [ ! -f /tmp/vsite/vllm_env.sh ] && [ -d "$P/.vb1" ] && [ -d "$P/.vb2" ]; then
     VB_ROOT=$P bash "$P/.vb1/install.sh" /tmp/vsite --check >/tmp/vsite.log 2>&1 || { tail -5 /tmp/vsite.log; exit 1; }
   fi
-  if [ ! -d /tmp/ds/deepspeed ]; then
+  if [ ! -d /tmp/ds/deepspeed ] && [ -d "$P/.whl" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds "$P"/.whl/*.whl
   fi
-  if [ ! -f /tmp/rm/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  if [ ! -f /tmp/rm/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -d "$P/.rm1" ] && [ -d "$P/.rm2" ]; then
     mkdir -p /tmp/rm && cp -r "$P/.rm1" /tmp/rm/ && bash "$P/.rm2/install_smollm2.sh"
   fi
 }
@@ -32,7 +33,7 @@ case "${1:-}" in
   run)
     shift; park >/dev/null; install_all
     # shellcheck disable=SC1091
-    . /tmp/vsite/vllm_env.sh
+    [ -f /tmp/vsite/vllm_env.sh ] && . /tmp/vsite/vllm_env.sh
     export PYTHONPATH=$PWD:/tmp/ds:/tmp/rm/site${PYTHONPATH:+:$PYTHONPATH} TORCH_CUDA_ARCH_LIST=9.0
     [ -n "${CACHES:-}" ] && [ -f "$CACHES" ] && tar -xzf "$CACHES" -C "$HOME"
     rc=0; "$@" || rc=$?
