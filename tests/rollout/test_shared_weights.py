@@ -7,14 +7,18 @@ before anything is written."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from rollout_helpers import SMALL_BUCKET, STALE_MIN, TOL, sync_roundtrip
 
 from ds_rlhf.config import ConfigError, parse_config
 from ds_rlhf.rollout.base import RolloutError
+from ds_rlhf.rollout.server import shared
 from ds_rlhf.rollout.server.protocol import Command
-from ds_rlhf.rollout.server.shared import buffer_dtype, hf_parameter_shapes
+from ds_rlhf.rollout.server.shared import SharedBuffer, buffer_dtype, hf_parameter_shapes
 from ds_rlhf.rollout.shared_layout import (
     ALIGN_BYTES,
     buffer_numel,
@@ -107,6 +111,25 @@ def test_shared_weights_on_the_sidecar_are_accepted():
     assert parse_config([*SIDECAR_SHARED, "--rollout.sidecar_engines", "2"]).rollout.sidecar_engines == 2
 
 
+def test_a_killed_runs_cpu_buffer_is_removed_by_the_next_run_and_live_or_young_ones_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared, "SHM_DIR", str(tmp_path))
+    hour_ago = time.time() - 3600
+    orphan = tmp_path / f"{shared.SHM_PREFIX}killed.bin"  # no process maps it: a killed run's
+    young = tmp_path / f"{shared.SHM_PREFIX}starting.bin"  # not mapped yet, but new: a run may be starting
+    for path in (orphan, young):
+        path.write_bytes(bytes(64))
+    os.utime(orphan, (hour_ago, hour_ago))
+    live = SharedBuffer(16, torch.float32, cuda=False)  # mapped by this process
+    os.utime(live.path, (hour_ago, hour_ago))
+    second = SharedBuffer(16, torch.float32, cuda=False)
+    try:
+        assert not orphan.exists()
+        assert young.exists() and os.path.exists(live.path) and os.path.exists(second.path)
+    finally:
+        live.close()
+        second.close()
+
+
 def test_the_loader_refuses_a_load_without_a_shared_buffer():
     pytest.importorskip("vllm")
     from vllm.config.load import LoadConfig
@@ -133,7 +156,7 @@ def shared_sidecar(tiny_model_path, tmp_path_factory):
     yield engine
     path = engine.weights.shared.path
     engine.close()
-    assert not __import__("os").path.exists(path)  # the /dev/shm file goes with the transport
+    assert not os.path.exists(path)  # the /dev/shm file goes with the transport
 
 
 def _checkpoint(model_path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ views of it (`vllm_shared.py`):
 - GPU (a sidecar on the trainer's device): a CUDA tensor shared with `reduce_tensor`, as `OwnIPC`'s buffer; a
   server rebuilds it with `rebuild_fn(*args)`.
 - CPU (the CPU tests; vLLM on CPU runs float32): a file in /dev/shm both processes map with
-  `torch.from_file(path, shared=True, ...)`, removed by `close`.
+  `torch.from_file(path, shared=True, ...)`, removed by `close`; the next buffer's start removes the files of
+  killed runs that no process maps any more (`cpu_shm.remove_unmapped`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from torch.multiprocessing.reductions import reduce_tensor
 from ds_rlhf.rollout.base import BucketPlan, RolloutError
 from ds_rlhf.rollout.shared_layout import Slot, buffer_numel
 from ds_rlhf.rollout.vllm_mapping import DTYPE_NAMES
+from ds_rlhf.rollout.weights.cpu_shm import remove_unmapped
 
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "ds_rlhf_shared_"
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -87,8 +90,9 @@ class SharedBuffer:
             self.tensor = torch.empty(self.numel, dtype=dtype, device=torch.cuda.current_device())
             self.rebuild = reduce_tensor(self.tensor)
         else:
-            fd, self.path = tempfile.mkstemp(prefix="ds_rlhf_shared_", suffix=".bin",
-                                             dir=SHM_DIR if os.path.isdir(SHM_DIR) else None)
+            directory = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+            remove_unmapped(os.path.join(directory, f"{SHM_PREFIX}*.bin"))  # what killed runs left behind
+            fd, self.path = tempfile.mkstemp(prefix=SHM_PREFIX, suffix=".bin", dir=directory)
             os.close(fd)
             self.tensor = torch.from_file(self.path, shared=True, size=self.numel, dtype=dtype)
             self.rebuild = (functools.partial(torch.from_file, shared=True, size=self.numel, dtype=dtype),
