@@ -12,6 +12,7 @@
 # Order of transfers: .vb1 | .rm1 | .vb2 .whl | .rm2 + run. pytest (for tests/gpu) may travel in .whl.
 #   CACHES=path.tgz  (run) unpack DeepSpeed's JIT build and vLLM's compile cache into $HOME before CMD
 #   SAVE_CACHES=1    (run) write them to $OUT/caches.tgz after CMD (the next fresh machine skips ~2.5 min of builds)
+#   OUT=dir          (run) CMD's output is also written to dir/run.log while it runs
 set -euo pipefail
 P=/tmp/park
 park() { mkdir -p "$P"; for d in .vb1 .vb2 .whl .rm1 .rm2; do [ -d "$d" ] && cp -r "$d" "$P/"; done; ls -a "$P" | tr '\n' ' '; echo; }
@@ -36,7 +37,12 @@ case "${1:-}" in
     [ -f /tmp/vsite/vllm_env.sh ] && . /tmp/vsite/vllm_env.sh
     export PYTHONPATH=$PWD:/tmp/ds:/tmp/rm/site${PYTHONPATH:+:$PYTHONPATH} TORCH_CUDA_ARCH_LIST=9.0
     [ -n "${CACHES:-}" ] && [ -f "$CACHES" ] && tar -xzf "$CACHES" -C "$HOME"
-    rc=0; "$@" || rc=$?
+    rc=0
+    if [ -n "${OUT:-}" ]; then  # CMD's output also lands in $OUT/run.log as it comes: a call cut short keeps it
+      "$@" 2>&1 | tee "$OUT/run.log" || rc=$?
+    else
+      "$@" || rc=$?
+    fi
     if [ -n "${SAVE_CACHES:-}" ] && [ -n "${OUT:-}" ]; then
       (cd "$HOME" && tar -czf "$OUT/caches.tgz" --ignore-failed-read .cache/torch_extensions .cache/vllm .triton 2>/dev/null) || true
     fi
