@@ -12,7 +12,9 @@ from typing import Any
 
 from ds_rlhf.errors import ConfigError
 
-WEIGHT_TRANSPORTS = ("own", "vllm", "shared")  # rollout.weight_transport (RolloutConfig)
+# rollout.weight_transport: our IPC buffer / weight group, vLLM's engines, or one buffer the engines' weights live in
+WEIGHT_TRANSPORTS = ("own", "vllm", "shared")
+
 
 def opt(default: Any, *, choices: Any = None, ge: float | None = None, gt: float | None = None,
         le: float | None = None, lt: float | None = None) -> Any:

@@ -21,6 +21,7 @@ from importlib import metadata
 
 import torch
 
+from ds_rlhf.config_sections import WEIGHT_TRANSPORTS
 from ds_rlhf.errors import ConfigError
 from ds_rlhf.rollout.base import BucketPlan, RolloutError, RolloutSample, SamplingSpec
 from ds_rlhf.rollout.weights.group import bucket_nbytes
@@ -184,8 +185,6 @@ def vllm_distribution() -> tuple[str | None, str | None, list[str]]:
     return found[0][0], found[0][1], [d for d, _ in found]
 
 
-# rollout.weight_transport: our IPC buffer / weight group, vLLM's engines, or one buffer the engines' weights live in
-WEIGHT_TRANSPORTS = ("own", "vllm", "shared")
 TRANSFER_BACKENDS = ("ipc", "nccl")  # vLLM's engine for "vllm": CUDA IPC (sidecar) / NCCL (disaggregated)
 NCCL_NUM_BUFFERS = 2  # chunks in flight in vLLM's packed NCCL broadcast (its default), on both ends
 

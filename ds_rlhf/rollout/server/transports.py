@@ -307,8 +307,12 @@ class SharedWeights(ServerTransport):
 
     def __init__(self, server: RolloutServer, dtype: torch.dtype) -> None:
         super().__init__(server, dtype)
-        self.shared: SharedBuffer | None = None
         self.slots: dict[str, Slot] = {}
+
+    @property
+    def shared(self) -> SharedBuffer | None:
+        """The trainer's buffer (this transport's state, shared with the other sidecars' transports)."""
+        return self.state
 
     @classmethod
     def prepare(cls, model_path, backend, engine_kwargs, state=None):
@@ -330,7 +334,7 @@ class SharedWeights(ServerTransport):
                                    "buffer unlike the first server (same model and settings expected)")
             state.layout = layout
         super().attach(state, info)
-        self.shared, self.slots = state, {s.name: s for s in layout}
+        self.slots = {s.name: s for s in layout}
 
     def send_to(self, servers, buckets, plan, *, wait):
         self.settle()
@@ -356,7 +360,7 @@ class SharedWeights(ServerTransport):
         return nbytes, Pending(lambda: slowest_load(done.result()))
 
     def close(self) -> None:
-        shared, self.shared = self.shared, None
+        shared, self.state = self.state, None
         if shared is not None:
             shared.close()
 
