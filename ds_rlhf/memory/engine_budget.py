@@ -7,7 +7,8 @@ and the share as `gpu_memory_utilization`: with the KV cache given, vLLM (0.2x, 
 `vllm/v1/worker/utils.py`) still refuses to start when less than that share of the device is free, and the sidecar
 trainer's allocator takes the rest of the device less that share (`cap.trainer_memory_fraction`). The share is the
 engines' bytes in the memory plan (weights, warm-up, KV cache; `plan.plan_rollout`) over the device's, rounded up to
-0.01, at most 1.
+0.01, at most 1. With `rollout.weight_transport shared` the engines hold no weights: their one copy is the trainer's
+buffer, left to the trainer's allocator (`plan.shared_weights_row`).
 
 With `rollout.kv_cache_gb` the KV cache is the user's and the share follows it the same way.
 `choose_engine_budget` is pure (it plans the config; no weights load); `apply_engine_budget` writes the share into
@@ -52,6 +53,7 @@ class EngineBudget:
     engines: int
     device_total: int
     fraction: float  # rollout.gpu_memory_utilization: of the whole device, all engines together
+    own_weights: bool = True  # False: the engines read the trainer's buffer (rollout.weight_transport shared)
 
     @property
     def total(self) -> int:
@@ -60,7 +62,8 @@ class EngineBudget:
     def line(self) -> str:
         """One line for the run log: the KV cache chosen and why, and the share it makes."""
         each = f" ({fmt_bytes(self.kv.bytes // self.engines)} per engine)" if self.engines > 1 else ""
-        return (f"[rl] vLLM KV cache {fmt_bytes(self.kv.bytes)}{each}, {self.kv.detail}; with weights and warm-up "
+        beside = "weights and warm-up" if self.own_weights else "warm-up (the weights are the trainer's shared buffer)"
+        return (f"[rl] vLLM KV cache {fmt_bytes(self.kv.bytes)}{each}, {self.kv.detail}; with {beside} "
                 f"{fmt_bytes(self.total)}: rollout.gpu_memory_utilization {self.fraction:g} of the "
                 f"{fmt_bytes(self.device_total)} device"
                 + (" (rollout.kv_cache_gb or rollout.gpu_memory_utilization sizes it instead)"
@@ -84,7 +87,7 @@ def choose_engine_budget(cfg, device_total: int, *, world_size: int = 1) -> Engi
     total = row.params + row.activations + row.kv_cache
     fraction = min(1.0, math.ceil(total / device_total * 100 - 1e-9) / 100)
     engines = cfg.rollout.sidecar_engines if cfg.rollout.placement == "sidecar" else 1
-    return EngineBudget(size, row.params + row.activations, engines, int(device_total), fraction)
+    return EngineBudget(size, row.params + row.activations, engines, int(device_total), fraction, row.params > 0)
 
 
 def apply_engine_budget(cfg, budget: EngineBudget) -> None:

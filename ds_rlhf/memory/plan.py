@@ -34,7 +34,9 @@ estimate); this module adds what an RL step holds on top of them:
   `VLLM_CPU_KVCACHE_SPACE` when set, else `rollout.kv_cache_gb`, else the step's sequences; on GPUs
   `rollout.kv_cache_gb` when set, else what the user's `rollout.gpu_memory_utilization` (or the cap's split)
   leaves, else the sequences the engines hold at once; with a KV cache of a given size each engine holds its
-  weights, that cache and `kv_cache.engine_warmup_bytes` (profiling forward or sampler warm-up, CUDA graphs).
+  weights, that cache and `kv_cache.engine_warmup_bytes` (profiling forward or sampler warm-up, CUDA graphs). With
+  `rollout.weight_transport shared` the engines hold no weights of their own: one copy, the trainer's buffer they
+  read in place, is a row of the trainer's (`shared_weights_row`), resident in both phases.
 
 The settings a plan assumes (the ZeRO stage, offload, optimizer and buckets of the resolved ds_config, the
 tokens per micro-batch, the rollout backend) are read as the trainer would read them (`settings.py`).
@@ -65,6 +67,7 @@ from ds_rlhf.memory.kv_cache import engine_warmup_bytes, kv_bytes_per_token, vll
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
 from ds_rlhf.memory.role_plan import RolePlan, Settings, plan_role, quantized_base
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
+from ds_rlhf.rollout.shared_layout import buffer_numel
 
 GiB = 1024 ** 3
 # fp32 [response tokens, vocab] tensors live at the peak of the JSD path (DeepSpeed's generalized_jsd_loss on both
@@ -119,7 +122,9 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     if s.device == "cpu":  # vLLM-CPU runs float32 here (rollout/vllm_adapter.py)
         act, engine = 4, "fp32"
         per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
-    weights = engines * num_params * act // r.tensor_parallel_size
+    shared = shares_weights(cfg)  # the engines' weights are views of the trainer's buffer (`shared_weights_row`)
+    weights = 0 if shared else engines * num_params * act // r.tensor_parallel_size
+    copies = "weights in the trainer's shared buffer" if shared else "a weight copy each"
     profile = activation_bytes(hf_config, VLLM_PROFILE_TOKENS, act, gradient_checkpointing=True,
                                lm_head=False) // r.tensor_parallel_size
     overhead = engines * profile
@@ -134,7 +139,7 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         kv = int(r.gpu_memory_utilization * s.capacity) - weights - overhead
         detail = f"gpu_memory_utilization {r.gpu_memory_utilization}"
         if engines > 1:
-            detail += f" over {engines} sidecar engines (a weight copy each)"
+            detail += f" over {engines} sidecar engines ({copies})"
     notes = []
     knob = "rollout.kv_cache_gb" if size.bytes else "rollout.gpu_memory_utilization"
     seqs = max(kv, 0) // max(per_token * s.seq_len, 1)
@@ -142,7 +147,7 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         notes.append(f"FAIL: vLLM's budget (rollout.gpu_memory_utilization={r.gpu_memory_utilization} of "
                      f"{fmt_bytes(s.capacity)}) does not hold its weights ({fmt_bytes(weights)}) and profiling "
                      f"forward ({fmt_bytes(overhead)}): raise it or use tensor parallelism"
-                     + (f", or fewer rollout.sidecar_engines ({engines}: a weight copy each)" if engines > 1 else ""))
+                     + (f", or fewer rollout.sidecar_engines ({engines}: {copies})" if engines > 1 else ""))
     elif seqs < 1:
         notes.append(f"FAIL: vLLM's KV cache ({fmt_bytes(kv)}) holds no full {s.seq_len}-token sequence: vLLM "
                      f"refuses to start; raise {knob} or lower rollout.max_model_len")
@@ -151,6 +156,29 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
                      f"in waves (slower rollouts); raise {knob} for one wave")
     detail += f", {engine} KV {per_token} B/token: {seqs} sequences of {s.seq_len} (step: {step_seqs})"
     return RolePlan("vllm", num_params, weights, activations=overhead, kv_cache=max(kv, 0), detail=detail), notes
+
+
+def shares_weights(cfg) -> bool:
+    """`rollout.weight_transport shared` on sidecar engines: one weight copy, the trainer's, for all of them."""
+    return cfg.rollout.weight_transport == "shared" and cfg.rollout.placement == "sidecar"
+
+
+def shared_weights_row(cfg, hf_config, s: Settings) -> RolePlan | None:
+    """`rollout.weight_transport shared`: the one buffer every sidecar engine's weights are views of, allocated by
+    the trainer's process (`rollout/server/shared.py`) and so planned beside its model states, in both phases. Its
+    size is the trainer's: `shared_layout.buffer_numel` over the model's parameters (meta device, tied ones once,
+    each aligned, vocabularies padded as vLLM pads them) in the engines' dtype (float32 on CPU). None otherwise."""
+    if not shares_weights(cfg) or s.rollout != "vllm":
+        return None
+    model = meta_models.meta_model("actor", hf_config)
+    vocab = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    named = list(model.named_parameters())
+    size = 4 if s.device == "cpu" else precision_bytes(s.rollout_precision)
+    numel = buffer_numel([(n, tuple(p.shape)) for n, p in named], size, {n for n, p in named if id(p) in vocab})
+    engines = cfg.rollout.sidecar_engines
+    return RolePlan("shared weights", sum(p.numel() for _, p in named), numel * size,
+                    detail=f"one copy the {engines} sidecar engine{'s' if engines > 1 else ''} read in place "
+                           "(rollout.weight_transport shared)")
 
 
 def fmt_bytes(n: float) -> str:
@@ -249,7 +277,7 @@ def plan_memory(cfg, *, kind: str = "rl", device: str, capacity: int, device_nam
     if kind == "rl":
         rollout, more = plan_rollout(cfg, configs["actor"], roles[0].num_params, s)
         notes += more
-        roles += [rollout] if rollout is not None else []
+        roles += [row for row in (shared_weights_row(cfg, configs["actor"], s), rollout) if row is not None]
     phases, host = plan_phases(roles, rollout, s)
     fits = max(phases.values()) + s.reserve <= capacity and not any(n.startswith("FAIL") for n in notes)
     if not fits:

@@ -20,8 +20,8 @@ unset (`Config.given`: keys a --config file or the command line set are never ch
   factor) must also fit the allocator fraction the trainer process gets (`cap.trainer_memory_fraction`);
 - `model.gradient_checkpointing`: turned on when it lets a micro-batch at least `CHECKPOINT_GAIN` times larger fit
   than the largest without it, and that one is small in work (`CHECKPOINT_BELOW_FLOP`), or nothing fits without it;
-- `rollout.sidecar_engines` is kept (each engine holds its own weights and warm-up), and lowered one at a time only
-  when nothing fits with it.
+- `rollout.sidecar_engines` is kept (each engine holds its own weights and warm-up; only its warm-up with
+  `rollout.weight_transport shared`), and lowered one at a time only when nothing fits with it.
 
 `choose_split` is pure (it plans copies of the config); `apply_split` writes the picks into the config, and
 `run/preflight_memory.py` calls both before it checks the cap. When nothing fits, one `ConfigError` line says what the

@@ -24,7 +24,8 @@ def test_phases_are_measured_and_an_unplanned_share_is_flagged_once(tiny_model_p
         big[::4096] = b"x" * len(big[::4096])  # touch every page: resident
     metrics = prof.step_metrics()
     del big
-    assert metrics["memory/train_peak_gib"] >= extra / (1 << 30)
+    # RSS is the CPU measure: the rest of the process may shrink by a few MiB meanwhile (freed objects, malloc trims)
+    assert metrics["memory/train_peak_gib"] >= (extra - (64 << 20)) / (1 << 30)
     assert metrics["memory/plan_train_gib"] > 0 and metrics["memory/plan_rollout_gib"] > 0
     assert metrics["memory/other_frac"] > 0.05
     assert len(said) == 1 and "phase train" in said[0]
