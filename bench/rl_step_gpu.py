@@ -154,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rollout.sidecar_engines with the sidecar placement (default {SIDECAR_ENGINES}: the measured "
                         "best for this workload, docs/PERFORMANCE.md; the config's own default is 1; with "
                         f"--max-gpu-memory-gb, {SIDECAR_ENGINES} unless it does not fit the cap, then fewer)")
-    p.add_argument("--weight-transport", choices=("own", "vllm"), default="own",
-                   help="rollout.weight_transport: own (our CUDA-IPC buffer / NCCL weight group) or vllm (vLLM's "
-                        "weight_transfer engine: IPC on the sidecar, NCCL with --placement disaggregated)")
+    p.add_argument("--weight-transport", choices=("own", "vllm", "shared"), default="own",
+                   help="rollout.weight_transport: own (our CUDA-IPC buffer / NCCL weight group), vllm (vLLM's "
+                        "weight_transfer engine: IPC on the sidecar, NCCL with --placement disaggregated) or shared "
+                        "(the sidecar engines' weights are views of one trainer buffer; a sync is a copy into it)")
     p.add_argument("--rollout-devices", default="1",
                    help="rollout.devices with --placement disaggregated: the vLLM server's GPUs (the trainer is on "
                         "GPU 0), e.g. 1 on a 2-GPU host")
@@ -221,7 +222,7 @@ def main() -> None:
     print(f"[rl_step_gpu] model {model}, prompts {prompts} ({time.time() - t0:.1f}s)", flush=True)
     tag = args.tag or "-".join([args.model, args.algo, "async" if args.asynchronous else "sync", placement,
                                 "sleep" if args.sleep else "nosleep",
-                                *(["wt-vllm"] if args.weight_transport == "vllm" else [])])
+                                *([f"wt-{args.weight_transport}"] if args.weight_transport != "own" else [])])
     rollout = None
     for name, extra in [("", base), *((n, base + e) for n, e in variants)]:
         run_tag = f"{tag}-{name}" if name else tag
