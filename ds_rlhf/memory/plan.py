@@ -58,6 +58,7 @@ ZeRO-3 17.69 GB against 18.44 (12.22 against 13.55); between steps ZeRO-2 held 6
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ds_rlhf.engines import quantized
@@ -67,7 +68,7 @@ from ds_rlhf.memory.kv_cache import engine_warmup_bytes, kv_bytes_per_token, vll
 from ds_rlhf.memory.plan_shared import shared_notes, shared_reward_adapter, shared_roles, shared_row, shares_base
 from ds_rlhf.memory.role_plan import RolePlan, Settings, plan_role, quantized_base
 from ds_rlhf.memory.settings import resolve_zero, rollout_backend, sequence_tokens
-from ds_rlhf.rollout.shared_layout import buffer_numel
+from ds_rlhf.rollout.shared_layout import buffer_numel, model_parameter_shapes
 
 GiB = 1024 ** 3
 # fp32 [response tokens, vocab] tensors live at the peak of the JSD path (DeepSpeed's generalized_jsd_loss on both
@@ -118,10 +119,9 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
         return RolePlan("rollout (HF)", num_params, num_params * act, kv_cache=batch * s.seq_len * per_token,
                         detail=f"generate, batches of {batch}"), []
     engines = r.sidecar_engines if r.placement == "sidecar" else 1  # each holds its own weights and profile pass
-    engine = s.rollout_precision
-    if s.device == "cpu":  # vLLM-CPU runs float32 here (rollout/vllm_adapter.py)
-        act, engine = 4, "fp32"
-        per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
+    engine = vllm_engine_dtype(s)
+    act = precision_bytes(engine)
+    per_token = kv_bytes_per_token(hf_config, act, r.tensor_parallel_size)
     shared = shares_weights(cfg)  # the engines' weights are views of the trainer's buffer (`shared_weights_row`)
     weights = 0 if shared else engines * num_params * act // r.tensor_parallel_size
     copies = "weights in the trainer's shared buffer" if shared else "a weight copy each"
@@ -158,6 +158,12 @@ def plan_rollout(cfg, hf_config, num_params: int, s: Settings) -> tuple[RolePlan
     return RolePlan("vllm", num_params, weights, activations=overhead, kv_cache=max(kv, 0), detail=detail), notes
 
 
+def vllm_engine_dtype(s: Settings) -> str:
+    """The vLLM engines' weights and KV cache dtype: the rollout dtype; fp32 on CPU, where vLLM-CPU runs float32
+    here (rollout/vllm_adapter.py)."""
+    return "fp32" if s.device == "cpu" else s.rollout_precision
+
+
 def shares_weights(cfg) -> bool:
     """`rollout.weight_transport shared` on sidecar engines: one weight copy, the trainer's, for all of them."""
     return cfg.rollout.weight_transport == "shared" and cfg.rollout.placement == "sidecar"
@@ -167,16 +173,15 @@ def shared_weights_row(cfg, hf_config, s: Settings) -> RolePlan | None:
     """`rollout.weight_transport shared`: the one buffer every sidecar engine's weights are views of, allocated by
     the trainer's process (`rollout/server/shared.py`) and so planned beside its model states, in both phases. Its
     size is the trainer's: `shared_layout.buffer_numel` over the model's parameters (meta device, tied ones once,
-    each aligned, vocabularies padded as vLLM pads them) in the engines' dtype (float32 on CPU). None otherwise."""
+    each aligned, vocabularies padded as vLLM pads them; `shared_layout.model_parameter_shapes`, as the trainer reads
+    them) in the engines' dtype (`vllm_engine_dtype`). None otherwise."""
     if not shares_weights(cfg) or s.rollout != "vllm":
         return None
-    model = meta_models.meta_model("actor", hf_config)
-    vocab = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
-    named = list(model.named_parameters())
-    size = 4 if s.device == "cpu" else precision_bytes(s.rollout_precision)
-    numel = buffer_numel([(n, tuple(p.shape)) for n, p in named], size, {n for n, p in named if id(p) in vocab})
+    shapes, vocab = model_parameter_shapes(meta_models.meta_model("actor", hf_config))
+    size = precision_bytes(vllm_engine_dtype(s))
     engines = cfg.rollout.sidecar_engines
-    return RolePlan("shared weights", sum(p.numel() for _, p in named), numel * size,
+    return RolePlan("shared weights", sum(math.prod(shape) for _, shape in shapes),
+                    buffer_numel(shapes, size, vocab) * size,
                     detail=f"one copy the {engines} sidecar engine{'s' if engines > 1 else ''} read in place "
                            "(rollout.weight_transport shared)")
 

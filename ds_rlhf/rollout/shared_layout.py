@@ -8,7 +8,8 @@ one, itself (`plain_spec`), with fewer rows than the parameter where vLLM pads a
 `VOCAB_PAD_ROWS`. With tensor parallel 1 each component is then one contiguous slice of the buffer: `plan_layout`
 places every parameter at an offset aligned to `ALIGN_BYTES` and returns one `Slot` (HF name, element offset,
 shape) per component, the places the trainer writes to. `buffer_numel` is what the trainer allocates before any
-server starts, from its own parameters' shapes: their elements, each aligned, vocabularies padded.
+server starts, from its own parameters' shapes (`model_parameter_shapes`; the memory plan counts it the same way):
+their elements, each aligned, vocabularies padded.
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def plan_layout(specs: Iterable[ParamSpec], element_size: int) -> tuple[list[int
             raise RolloutError(f"shared weights: {slot.name} fills two parameters of the vLLM model")
         seen.add(slot.name)
     return offsets, slots, end
+
+
+def model_parameter_shapes(model) -> tuple[list[tuple[str, tuple[int, ...]]], set[str]]:
+    """A Hugging Face model's parameters as the trainer syncs them: (name, shape) each, tied ones once, and the names
+    of its vocabulary embeddings (input and output), the `buffer_numel` inputs. Any device, the meta one too."""
+    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    vocab = {id(m.weight) for m in embeddings}
+    named = list(model.named_parameters())
+    return [(n, tuple(p.shape)) for n, p in named], {n for n, p in named if id(p) in vocab}
 
 
 def buffer_numel(named_shapes: Iterable[tuple[str, Sequence[int]]], element_size: int,

@@ -22,7 +22,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from ds_rlhf.rollout.base import BucketPlan, RolloutError
-from ds_rlhf.rollout.shared_layout import Slot, buffer_numel
+from ds_rlhf.rollout.shared_layout import Slot, buffer_numel, model_parameter_shapes
 from ds_rlhf.rollout.vllm_mapping import DTYPE_NAMES
 from ds_rlhf.rollout.weights.cpu_shm import remove_unmapped
 
@@ -39,13 +39,9 @@ def hf_parameter_shapes(model_path: str) -> tuple[list[tuple[str, tuple[int, ...
     config = AutoConfig.from_pretrained(str(model_path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    embeddings = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
-    vocab = {id(m.weight) for m in embeddings}
-    named = list(model.named_parameters())
     dtype = vars(config).get("dtype") or vars(config).get("torch_dtype")  # the spelling of the installed transformers
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    return ([(n, tuple(p.shape)) for n, p in named], {n for n, p in named if id(p) in vocab},
-            dtype if isinstance(dtype, torch.dtype) else None)
+    return (*model_parameter_shapes(model), dtype if isinstance(dtype, torch.dtype) else None)
 
 
 def buffer_dtype(dtype: str, *, cpu: bool, checkpoint: torch.dtype | None) -> torch.dtype:
